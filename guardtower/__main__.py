@@ -1,0 +1,3 @@
+from guardtower.cli import main
+
+raise SystemExit(main())

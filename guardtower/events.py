@@ -1,0 +1,280 @@
+"""Typed events that guardtower publishes on the bus.
+
+Every event is a frozen dataclass holding Python numbers and strings (never tensors), with a class-level
+``kind``. ``to_record()`` gives a strict-JSON-safe dict (non-finite floats become ``{"$float": "nan"}``),
+``from_record()`` rebuilds the exact event, and ``fingerprint`` identifies the incident (kind, run and the
+labels that say where: layer, module, catalog id) without the step or the value, so alerts can group repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, get_type_hints
+
+from guardtower._dist import current_rank
+from guardtower.errors import ConfigError
+from guardtower.severity import Severity
+
+__all__ = [
+    "Event",
+    "FindingEvent",
+    "PreflightEvent",
+    "SpikeEvent",
+    "SkipEvent",
+    "RollbackEvent",
+    "NonFiniteEvent",
+    "HaltEvent",
+    "SummaryEvent",
+    "EVENT_TYPES",
+    "event_from_record",
+    "to_json",
+    "from_json",
+    "default_run_name",
+]
+
+_FLOAT_TAG = "$float"
+
+
+def default_run_name() -> str:
+    """The run name events carry when the producer was given none: ``GUARDTOWER_RUN`` or ``"default"``."""
+    import os
+
+    return os.environ.get("GUARDTOWER_RUN", "default")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Fields common to every event. Subclasses set ``kind`` and ``fingerprint_labels``."""
+
+    kind: ClassVar[str] = "event"
+    #: names of the fields (besides kind and run) that identify the incident
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ()
+
+    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    time: float = field(default_factory=time.time)
+    run: str = field(default_factory=default_run_name)
+    rank: int = field(default_factory=current_rank)
+    step: int | None = None
+    severity: Severity = Severity.INFO
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.severity, Severity):
+            object.__setattr__(self, "severity", Severity.parse(self.severity))
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hash of kind, run and the identifying labels; never the step or a measured value."""
+        labels = [self.kind, self.run] + [str(getattr(self, name)) for name in self.fingerprint_labels]
+        return hashlib.sha256("\x1f".join(labels).encode()).hexdigest()[:16]
+
+    def to_record(self) -> dict[str, Any]:
+        """A dict that ``json.dumps(..., allow_nan=False)`` accepts and ``from_record`` inverts."""
+        record: dict[str, Any] = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            record[f.name] = value.name if isinstance(value, Severity) else _encode(value)
+        record["fingerprint"] = self.fingerprint
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "Event":
+        """Rebuild an event from ``to_record()`` output; on ``Event`` itself, dispatch on ``kind``."""
+        target = cls
+        if cls is Event:
+            kind = record.get("kind")
+            if kind not in EVENT_TYPES:
+                raise ConfigError("record", f"unknown event kind {kind!r}", f"use one of {sorted(EVENT_TYPES)}")
+            target = EVENT_TYPES[kind]
+        hints = get_type_hints(target)
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(target):
+            if f.name not in record:
+                continue
+            value = _decode(record[f.name])
+            if f.name == "severity":
+                value = Severity.parse(value)
+            elif "tuple" in str(hints.get(f.name, "")):
+                value = _to_tuples(value)
+            kwargs[f.name] = value
+        return target(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FindingEvent(Event):
+    """One pre-flight finding."""
+
+    kind: ClassVar[str] = "finding"
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ("check", "catalog_id")
+
+    check: str = ""
+    catalog_id: str = ""
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreflightEvent(Event):
+    """An audit finished. ``report`` is the full ``Report.to_dict()``."""
+
+    kind: ClassVar[str] = "preflight"
+
+    status: str = "PASS"
+    errors: int = 0
+    warnings: int = 0
+    infos: int = 0
+    error_ids: tuple[str, ...] = ()
+    warning_ids: tuple[str, ...] = ()
+    info_ids: tuple[str, ...] = ()
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpikeEvent(Event):
+    """A guarded step's gradients were rejected (spike or non-finite)."""
+
+    kind: ClassVar[str] = "spike"
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ("layer",)
+
+    layer: str = ""
+    module: str = ""
+    reason: str = "spike"  # "spike" or "nonfinite"
+    norm: float = 0.0
+    baseline: float = 0.0
+    ratio: float = 0.0
+    threshold: float = 0.0
+    global_norm: float = 0.0
+    action: str = "skip"
+    loss: float | None = None
+    lr: float | None = None
+    top_layers: tuple[tuple[str, float, float], ...] = ()  # (name, norm, ratio)
+    nonfinite_layers: tuple[str, ...] = ()
+    report_path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkipEvent(Event):
+    """The optimizer update of a step was skipped; weights and moments are untouched."""
+
+    kind: ClassVar[str] = "skip"
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ("layer",)
+
+    layer: str = ""
+    reason: str = "spike"
+    total_skips: int = 0
+    consecutive_skips: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackEvent(Event):
+    """Model and optimizer were restored to the snapshot taken at ``to_step``."""
+
+    kind: ClassVar[str] = "rollback"
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ("layer",)
+
+    layer: str = ""
+    reason: str = "spike"
+    from_step: int = 0
+    to_step: int = 0
+    total_rollbacks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFiniteEvent(Event):
+    """A module's output (or a gradient) went NaN/Inf."""
+
+    kind: ClassVar[str] = "nonfinite"
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ("module", "where")
+
+    module: str = ""
+    where: str = "forward"  # "forward" or "gradient"
+    input_nonfinite: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class HaltEvent(Event):
+    """Training was stopped by a raise policy."""
+
+    kind: ClassVar[str] = "halt"
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ("layer",)
+
+    layer: str = ""
+    reason: str = ""
+    ratio: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SummaryEvent(Event):
+    """Periodic step summary from the guard (every ``log_every`` steps)."""
+
+    kind: ClassVar[str] = "summary"
+
+    grad_norm: float = 0.0
+    loss: float | None = None
+    lr: float | None = None
+    total_spikes: int = 0
+    total_skips: int = 0
+    total_rollbacks: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        FindingEvent,
+        PreflightEvent,
+        SpikeEvent,
+        SkipEvent,
+        RollbackEvent,
+        NonFiniteEvent,
+        HaltEvent,
+        SummaryEvent,
+    )
+}
+
+
+def event_from_record(record: Mapping[str, Any]) -> Event:
+    """Rebuild any event from its record, dispatching on ``record["kind"]``."""
+    return Event.from_record(record)
+
+
+def to_json(event: Event) -> str:
+    """One line of strict JSON for the event."""
+    return json.dumps(event.to_record(), allow_nan=False, separators=(",", ":"))
+
+
+def from_json(line: str) -> Event:
+    """Inverse of ``to_json``."""
+    return event_from_record(json.loads(line))
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, Mapping):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if len(value) == 1 and _FLOAT_TAG in value:
+            return float(value[_FLOAT_TAG])
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def _to_tuples(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_to_tuples(v) for v in value)
+    return value

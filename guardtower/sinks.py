@@ -1,0 +1,132 @@
+"""Local sinks: a JSON-lines event log and the human-readable console."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Iterator
+
+from guardtower._dist import current_rank, world_size
+from guardtower._render import box
+from guardtower.bus import BaseSink
+from guardtower.events import Event, PreflightEvent, SpikeEvent, event_from_record
+from guardtower.severity import Severity
+from guardtower.spool import _check_writable_dir, _read_json_lines
+
+__all__ = ["JsonlSink", "ConsoleSink", "read_events", "render_event"]
+
+
+class JsonlSink(BaseSink):
+    """Append every event as one strict-JSON line.
+
+    Under ``torch.distributed`` with several ranks each rank writes its own file (``events.rank1.jsonl``).
+    Each batch is flushed; a batch holding an event of severity WARN or above is also fsynced, so it
+    survives ``kill -9`` of the training process.
+    """
+
+    rank_zero_only = False
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync_severity: Severity = Severity.WARN) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            from guardtower.errors import ConfigError
+
+            raise ConfigError("path", f"{str(self.path)!r} is a directory", "pass a file path such as events.jsonl")
+        _check_writable_dir(self.path.parent, "path")
+        self.name = f"jsonl:{self.path.name}"
+        self.fsync_severity = fsync_severity
+        self._fh: IO[str] | None = None
+        self._lock = threading.Lock()
+
+    def file_path(self) -> Path:
+        """The file this process writes: the path itself, or a per-rank file under multi-rank jobs."""
+        if world_size() > 1:
+            return self.path.with_name(f"{self.path.stem}.rank{current_rank()}{self.path.suffix}")
+        return self.path
+
+    def handle(self, event: Event) -> None:
+        self.handle_batch([event])
+
+    def handle_batch(self, events: list[Event]) -> None:
+        text = "".join(json.dumps(e.to_record(), allow_nan=False) + "\n" for e in events)
+        with self._lock:
+            if self._fh is None:
+                self._fh = open(self.file_path(), "a", encoding="utf-8")
+            self._fh.write(text)
+            self._fh.flush()
+            if any(e.severity >= self.fsync_severity for e in events):
+                os.fsync(self._fh.fileno())
+
+    def flush(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+                self._fh.close()
+                self._fh = None
+
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
+    """Events from a JSONL file written by ``JsonlSink``; a torn last line (a crash mid-write) is skipped."""
+    for record in _read_json_lines(Path(path)):
+        yield event_from_record(record)
+
+
+class ConsoleSink(BaseSink):
+    """Print events for people: a box for spikes and pre-flight results, one line for the rest."""
+
+    name = "console"
+
+    def __init__(self, stream: IO[str] | None = None, *, min_severity: Severity = Severity.INFO) -> None:
+        self._stream = stream
+        self.min_severity = Severity.parse(min_severity)
+
+    def handle(self, event: Event) -> None:
+        if event.severity < self.min_severity:
+            return
+        stream = self._stream or sys.stderr
+        stream.write(render_event(event) + "\n")
+        stream.flush()
+
+
+def render_event(event: Event) -> str:
+    """The human-readable form of an event."""
+    if isinstance(event, SpikeEvent):
+        lines = [
+            f"step {event.step}  action: {event.action.upper()}  reason: {event.reason}",
+            f"trigger layer: {event.layer}" + (f"  (module {event.module})" if event.module else ""),
+            f"norm {event.norm:.4g}  baseline {event.baseline:.4g}  ratio {event.ratio:.4g}  "
+            f"threshold {event.threshold:.4g}",
+            f"global grad norm {event.global_norm:.4g}" + ("" if event.loss is None else f"  loss {event.loss:.4g}"),
+        ]
+        if event.nonfinite_layers:
+            lines.append("non-finite: " + ", ".join(event.nonfinite_layers[:5]))
+        for name, norm, ratio in event.top_layers[:5]:
+            lines.append(f"  {name}: norm {norm:.4g} ratio {ratio:.4g}")
+        if event.report_path:
+            lines.append(f"report: {event.report_path}")
+        return box(f"guardtower: gradient {event.reason} [{event.run}]", lines)
+    if isinstance(event, PreflightEvent):
+        lines = [f"{event.errors} error(s), {event.warnings} warning(s), {event.infos} info(s)"]
+        if event.error_ids:
+            lines.append("errors: " + ", ".join(event.error_ids))
+        if event.warning_ids:
+            lines.append("warnings: " + ", ".join(event.warning_ids))
+        return box(f"guardtower pre-flight: {event.status} [{event.run}]", lines)
+    record = event.to_record()
+    common = {"kind", "event_id", "time", "run", "rank", "step", "severity", "fingerprint", "report", "details"}
+    fields = "  ".join(f"{k}={v}" for k, v in record.items() if k not in common and v not in (None, "", [], {}))
+    return f"[guardtower {event.severity.label}] {event.kind} step={event.step} run={event.run} {fields}".rstrip()
