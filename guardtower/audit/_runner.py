@@ -15,7 +15,7 @@ from torch import nn
 
 from guardtower.audit._registry import CHECKS, AuditContext, CheckSpec, StepTrace
 from guardtower.audit._state import TrainingState
-from guardtower.audit._step import run_step
+from guardtower.audit._step import confirm_input_independence, run_step
 from guardtower.audit._update import measure_update
 from guardtower.audit._util import unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
@@ -130,8 +130,15 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 trace.extras["update"] = measure_update(ctx, {id(p): saved for p, saved in state.params})
             except Exception as exc:
                 trace.extras["update_error"] = exc
-        # checks judge the model as the user handed it over, not as the step left it
         state.restore_values()
+        grads = trace.extras.get("input_grads")
+        if grads and all(not g for g in grads.values()) and isinstance(trace.loss, torch.Tensor) and any(
+            s.name == "input_dependency" for s in specs
+        ):
+            trace.extras["input_independent"] = confirm_input_independence(
+                model, step_fn, trace.loss, state.restore_rng)
+            state.restore_values()
+        # checks judge the model as the user handed it over, not as the step left it
         report.findings.extend(_step_findings(trace))
         for spec in specs:
             report.findings.extend(_run_check(spec, ctx))

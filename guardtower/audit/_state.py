@@ -125,6 +125,16 @@ class TrainingState:
             vars(self.scaler).clear()
             vars(self.scaler).update(copy.deepcopy(self.scaler_state))
 
+    def restore_rng(self) -> None:
+        """Rewind every RNG stream to the snapshot (also used to replay a step with identical dropout masks)."""
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.np_rng is not None:
+            numpy.random.set_state(self.np_rng)
+
     def restore(self) -> None:
         """Put back everything (idempotent)."""
         torch.set_grad_enabled(self.grad_enabled)
@@ -137,13 +147,7 @@ class TrainingState:
         for m, training in self.training:
             m.training = training
         self.inputs.restore()
-        torch.set_rng_state(self.torch_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        random.setstate(self.py_rng)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None and self.np_rng is not None:
-            numpy.random.set_state(self.np_rng)
+        self.restore_rng()
 
 
 def _unique(tensors: Any) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ from guardtower.audit._registry import PROBES, AuditContext, StepTrace
 from guardtower.audit._state import TensorFlags
 from guardtower.audit._util import LABEL_KEYS, iter_tensors
 
-__all__ = ["RootCall", "run_step", "extract_loss", "MODE_SENSITIVE"]
+__all__ = ["RootCall", "run_step", "confirm_input_independence", "extract_loss", "MODE_SENSITIVE"]
 
 #: mapping keys that are neither inputs nor targets (their gradient says nothing about input dependency)
 _NOT_INPUT_KEYS = LABEL_KEYS | {"attention_mask", "position_ids", "token_type_ids", "head_mask", "decoder_attention_mask"}
@@ -209,3 +209,46 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags) 
             trace.extras["phase"] = "backward"
     trace.grads = {name: (None if p.grad is None else p.grad.detach()) for name, p in ctx.params.items()}
     return trace
+
+
+def _perturb(t: torch.Tensor) -> torch.Tensor:
+    """A different input of the same shape and dtype: zeros for floats, reversed/rolled ids for tokens."""
+    if t.is_floating_point():
+        return torch.zeros_like(t)
+    out = t.flip(-1) if t.dim() > 0 else t
+    return out.roll(1, 0) if out.dim() > 0 and out.shape[0] > 1 else out
+
+
+def confirm_input_independence(model: nn.Module, step_fn: Callable[[], Any], loss: torch.Tensor,
+                               rng: Callable[[], None]) -> bool | None:
+    """Re-run ``step_fn`` without gradients on perturbed model inputs (labels untouched) and the same RNG
+    stream; True when the loss is bitwise unchanged. None when it cannot tell (no root call, step failed).
+
+    A zero input gradient alone is not enough: a frozen feature extractor run under ``torch.no_grad()`` has
+    none either, yet its loss does depend on the input.
+    """
+    replaced: list[bool] = []
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        def swap(obj: Any, key: str | None = None) -> Any:
+            if key in _NOT_INPUT_KEYS:
+                return obj
+            if isinstance(obj, torch.Tensor) and obj.dtype != torch.bool and not obj.is_complex():
+                replaced.append(True)
+                return _perturb(obj)
+            return obj
+
+        return tuple(swap(a) for a in args), {k: swap(v, k) for k, v in kwargs.items()}
+
+    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        rng()
+        with torch.no_grad():
+            other = extract_loss(step_fn())
+    except Exception:
+        return None
+    finally:
+        handle.remove()
+    if not replaced or not isinstance(other, torch.Tensor) or other.shape != loss.shape:
+        return None
+    return bool(torch.equal(other.detach(), loss.detach()))

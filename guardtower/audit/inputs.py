@@ -25,12 +25,13 @@ def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
         return []
     findings = []
     input_grads: dict[str, float | None] | None = trace.extras.get("input_grads")
-    if input_grads:
+    if input_grads and trace.extras.get("input_independent"):
         if all(not g for g in input_grads.values()):
             findings.append(Finding(
                 "input_dependency", Severity.ERROR,
                 "the loss does not depend on the model's input: its gradient w.r.t. "
-                f"{', '.join(input_grads)} is zero or absent (input detached, ignored in forward, or overwritten)",
+                f"{', '.join(input_grads)} is zero or absent and replacing the input leaves the loss bitwise "
+                "unchanged (input ignored or overwritten in forward, or a cached tensor used instead)",
                 "INPUT-001", {"inputs": list(input_grads)},
             ))
     leaks: list[dict[str, Any]] = trace.extras.get("leak") or []
