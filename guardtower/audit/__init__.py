@@ -8,6 +8,10 @@ imported here.
 
 from __future__ import annotations
 
+import sys
+import types
+from typing import Any
+
 # check modules register their checks and probes on import; the order here is the report's order
 from guardtower.audit import loss as _loss  # noqa: F401
 from guardtower.audit import inputs as _inputs  # noqa: F401
@@ -29,3 +33,15 @@ def __getattr__(name: str) -> object:
     if name in ("lora_summary", "is_peft_model"):
         return getattr(_lora, name)
     raise AttributeError(f"module 'guardtower.audit' has no attribute {name!r}")
+
+
+class _AuditModule(types.ModuleType):
+    """Importing the ``guardtower.audit`` subpackage rebinds the name ``guardtower.audit`` from the function
+    to this module; calling the module runs the function, so ``guardtower.audit(model, step_fn)`` works
+    whichever import happened first."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return audit(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _AuditModule
