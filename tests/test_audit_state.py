@@ -167,3 +167,42 @@ def test_scaler_state_restored() -> None:
     audit(model, step, scaler=scaler)
     assert set(vars(scaler)) == set(before)
     assert scaler._scale is None and before["_scale"] is None
+
+
+class _CountingWrapper(torch.optim.Optimizer):
+    """Like Accelerate's / a guard's wrapper: shares the base's groups and state, has its own step bookkeeping."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self.optimizer = base
+        self.steps = 0
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.steps += 1
+        return self.optimizer.step(closure)
+
+
+def test_trial_update_bypasses_wrappers_and_step_hooks() -> None:
+    model, base, step, inputs = _prepare("mlp")
+    hook_calls: list[int] = []
+    base.register_step_post_hook(lambda *a: hook_calls.append(1))  # e.g. an EMA update
+    wrapped = _CountingWrapper(base)
+    before = fingerprint(model, base, inputs)
+    report = audit(model, step, optimizer=wrapped, inputs=inputs, checks=["update_ratio", "optimizer_coverage"])
+    assert not report.findings, str(report)
+    assert wrapped.steps == 0 and not hook_calls
+    assert fingerprint(model, base, inputs) == before
+
+
+def test_audit_called_under_no_grad_still_audits_the_training_step() -> None:
+    model, opt, step, inputs = _prepare("mlp")
+    with torch.no_grad():
+        report = audit(model, step, optimizer=opt, inputs=inputs)
+    assert not report.by_id("LOSS-001") and not report.errors

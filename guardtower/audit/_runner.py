@@ -48,8 +48,7 @@ def select_checks(checks: str | Iterable[str], *, static_only: bool = False) -> 
     if unknown:
         kind = "static check" if static_only else "check"
         raise ConfigError("checks", f"unknown {kind} name(s) {unknown}", f"use 'all' or any of: {', '.join(sorted(pool))}")
-    seen: set[str] = set()
-    return [pool[n] for n in names if not (n in seen or seen.add(n))]  # type: ignore[func-returns-value]
+    return [pool[n] for n in dict.fromkeys(names)]  # first occurrence order, duplicates dropped
 
 
 def _validate_model(model: Any) -> None:
@@ -124,7 +123,9 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
     state = TrainingState(model, optimizer, inputs, scaler)
     try:
         state.clear_grads()
-        trace = run_step(ctx, step_fn, state.inputs)
+        # a training step runs with autograd on, whatever context audit() was called from
+        with torch.enable_grad():
+            trace = run_step(ctx, step_fn, state.inputs)
         if optimizer is not None and trace.extras["backward"] and any(s.name in _UPDATE_CHECKS for s in specs):
             try:
                 trace.extras["update"] = measure_update(ctx, {id(p): saved for p, saved in state.params})

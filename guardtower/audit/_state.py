@@ -170,8 +170,8 @@ def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
         if isinstance(current, torch.optim.Optimizer) and all(current is not c for c in chain):
             chain.append(current)
         current = next(
-            (v for k, v in (vars(current).items() if hasattr(current, "__dict__") else ())
-             if k in ("optimizer", "base_optimizer", "base", "_optimizer") and isinstance(v, torch.optim.Optimizer)),
+            (v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
+             if isinstance(v, torch.optim.Optimizer) and v is not current),
             None,
         )
     # wrappers sharing param_groups/state with their base need only one snapshot of that state

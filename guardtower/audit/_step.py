@@ -189,7 +189,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags) 
             trace.extras["leak"] = _leak_analysis(calls, watch)
             captured: dict[str, torch.Tensor] = {}
             handles = [
-                t.register_hook(lambda g, label=label: captured.__setitem__(label, g.detach()))  # type: ignore[misc]
+                t.register_hook(lambda g, label=label: captured.__setitem__(label, g.detach()))
                 for label, t in watch.tensors
                 if t.requires_grad
             ]
@@ -208,6 +208,8 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags) 
             trace.error = exc
             trace.extras["phase"] = "backward"
     trace.grads = {name: (None if p.grad is None else p.grad.detach()) for name, p in ctx.params.items()}
+    for call in calls:
+        call.output = None  # the graph and the logits are not needed any more
     return trace
 
 

@@ -32,7 +32,7 @@ class UpdateStats:
 def measure_update(ctx: AuditContext, before: dict[int, torch.Tensor]) -> dict[str, UpdateStats]:
     """Run one step of the base optimizer and measure it per trainable parameter (values are NOT restored)."""
     opt = base_optimizer(ctx.optimizer)
-    if opt is None:
+    if opt is None or isinstance(opt, torch.optim.LBFGS):  # LBFGS steps need a closure re-evaluating the loss
         return {}
     in_opt = {id(p) for group in opt.param_groups for p in group["params"]}
     step: Any = type(opt).step

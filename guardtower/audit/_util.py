@@ -55,15 +55,14 @@ def unique_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def base_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The innermost plain ``torch.optim.Optimizer`` behind wrappers (Accelerate, guards) that keep it as an attribute."""
+    """The innermost ``torch.optim.Optimizer`` behind wrappers (Accelerate, guards) that hold it as an attribute."""
     current = optimizer
     for _ in range(8):
-        inner = None
-        for attr in ("optimizer", "base_optimizer", "base", "_optimizer"):
-            candidate = current.__dict__.get(attr) if hasattr(current, "__dict__") else None
-            if isinstance(candidate, torch.optim.Optimizer) and candidate is not current:
-                inner = candidate
-                break
+        inner = next(
+            (v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
+             if isinstance(v, torch.optim.Optimizer) and v is not current),
+            None,
+        )
         if inner is None:
             break
         current = inner
