@@ -9,6 +9,7 @@ labels that say where: layer, module, catalog id) without the step or the value,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -91,7 +92,7 @@ class Event:
             if kind not in EVENT_TYPES:
                 raise ConfigError("record", f"unknown event kind {kind!r}", f"use one of {sorted(EVENT_TYPES)}")
             target = EVENT_TYPES[kind]
-        hints = get_type_hints(target)
+        hints = _type_hints(target)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(target):
             if f.name not in record:
@@ -252,6 +253,11 @@ def to_json(event: Event) -> str:
 def from_json(line: str) -> Event:
     """Inverse of ``to_json``."""
     return event_from_record(json.loads(line))
+
+
+@functools.cache
+def _type_hints(cls: type[Event]) -> dict[str, Any]:
+    return get_type_hints(cls)
 
 
 def _encode(value: Any) -> Any:
