@@ -9,7 +9,6 @@ labels that say where: layer, module, catalog id) without the step or the value,
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -255,9 +254,13 @@ def from_json(line: str) -> Event:
     return event_from_record(json.loads(line))
 
 
-@functools.cache
+_HINTS: dict[type[Event], dict[str, Any]] = {}
+
+
 def _type_hints(cls: type[Event]) -> dict[str, Any]:
-    return get_type_hints(cls)
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _encode(value: Any) -> Any:
