@@ -174,6 +174,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._host_decides = not self._step_supports_amp_scaling or policy.nan_action != "skip"
         self._snapshots = (SnapshotStore(model, base_optimizer, rollback_every, keep)
                            if policy.may_rollback else None)
+        if self._snapshots is not None:
+            self._snapshots.take(0)  # the state as handed to us, before any forward pass moves buffers
         self.step_count = 0
         self.total_spikes = 0
         self.total_skips = 0
@@ -303,7 +305,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._drain(block=False)
         self.step_count += 1
         step = self.step_count
-        if self._snapshots is not None and not self._snapshots.snapshots:
+        if self._snapshots is not None and not self._snapshots.snapshots:  # e.g. after load_state_dict
             self._snapshots.take(step - 1)
 
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
