@@ -232,3 +232,23 @@ def test_public_audit_is_callable_whichever_import_came_first() -> None:
     for fn in (guardtower.audit, audit_package, audit):
         report = fn(m, step, checks="loss")
         assert report.checks_run == ["loss"] and all(f.catalog_id in CATALOG for f in report.findings)
+
+
+def test_in_place_relu_does_not_distort_what_was_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Linear before an nn.ReLU(inplace=True) is measured before the ReLU overwrites its output."""
+    seen: dict[str, Any] = {}
+
+    def spy(ctx: _registry.AuditContext) -> list[Finding]:
+        seen["record"] = ctx.probes["activations"]
+        return []
+
+    monkeypatch.setitem(_registry.CHECKS, "spy", _registry.CheckSpec("spy", spy, False))
+    m = mlp()
+    with torch.no_grad():
+        m[0].bias.fill_(-50.0)  # every pre-activation strongly negative
+    report = audit(m, lambda: F.mse_loss(m(X), Y), checks=["spy", "dead_relu"])
+    record = seen["record"]
+    assert record.max_abs["0"] > 40.0  # the negative pre-activations, not the zeros the ReLU wrote over them
+    assert record.max_abs["1"] == 0.0
+    assert record.dead["1"] == (32, 32)
+    assert report.by_id("RELU-001")[0].details["modules"] == ["1"]
