@@ -252,3 +252,32 @@ def test_in_place_relu_does_not_distort_what_was_measured(monkeypatch: pytest.Mo
     assert record.max_abs["1"] == 0.0
     assert record.dead["1"] == (32, 32)
     assert report.by_id("RELU-001")[0].details["modules"] == ["1"]
+
+
+def test_a_hanging_sink_delays_the_audit_by_the_flush_bound_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from guardtower.audit import _runner
+    from guardtower.bus import BaseSink
+
+    release = threading.Event()
+
+    class Hanging(BaseSink):
+        name = "hanging"
+        rank_zero_only = False
+
+        def handle(self, event: Any) -> None:
+            release.wait(30)
+
+    monkeypatch.setattr(_runner, "FLUSH_TIMEOUT_S", 2.0)
+    m, step = _mlp_step()
+    start = time.monotonic()
+    audit(m, step)
+    baseline = time.monotonic() - start
+    start = time.monotonic()
+    report = audit(m, step, sinks=[Hanging()])
+    added = time.monotonic() - start - baseline
+    release.set()
+    assert report.status == "PASS"
+    assert 1.5 < added < 3.0  # one bound for flush + close together, not one each
