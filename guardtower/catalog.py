@@ -185,7 +185,7 @@ _LORA: tuple[FailureMode, ...] = (
         why="Training sees a trainable lm_head (or embedding) and the loss falls, but the tie the model relies on "
         "is broken and the saved adapter no longer matches the model it is loaded into.",
         fix="Set ensure_weight_tying=True in LoraConfig, or list both tied modules in modules_to_save.",
-        reference="https://huggingface.co/docs/peft/package_reference/lora",
+        reference="https://github.com/huggingface/peft/issues/2777",
         tags=("lora", "peft", "weight-tying"),
     ),
 )

@@ -42,8 +42,11 @@ _HEAD_CLASS_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "
 
 def unwrap_parallel(model: nn.Module) -> nn.Module:
     """Strip DDP / FSDP(1) / DataParallel wrappers, which keep the real model in ``.module``."""
-    while type(model).__name__ in _PARALLEL_WRAPPERS and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+    while type(model).__name__ in _PARALLEL_WRAPPERS:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
     return model
 
 
