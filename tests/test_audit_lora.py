@@ -197,6 +197,27 @@ def test_lora_006_clean_with_non_reentrant_checkpointing() -> None:
     assert report.by_id("LORA-004")
 
 
+def _checkpointed_llama_cls_ids(*, input_grads: bool) -> tuple[nn.Module, object]:
+    model = lora(tiny_llama_cls(), task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if not input_grads:
+        model.disable_input_require_grads()  # what older transformers versions never enabled
+    model.train()
+    ids_, labels = lm_batch(), torch.tensor([0, 1])
+    return model, lambda: model(input_ids=ids_, labels=labels)
+
+
+def test_lora_006_reentrant_checkpointing_without_input_require_grads() -> None:
+    model, step = _checkpointed_llama_cls_ids(input_grads=False)
+    (finding,) = run_audit(model, step, optimizer=trainable_optimizer(model)).by_id("LORA-006")
+    assert finding.details["count"] == 4 and len(finding.details["reentrant_checkpointing"]) == 2
+
+
+def test_lora_006_clean_with_reentrant_checkpointing_and_input_require_grads() -> None:
+    model, step = _checkpointed_llama_cls_ids(input_grads=True)
+    assert not run_audit(model, step, optimizer=trainable_optimizer(model)).by_id("LORA-006")
+
+
 def test_lora_006_embedding_adapter_zero_factor_is_lora_embedding_a() -> None:
     model = lora(tiny_llama(), target_modules=["embed_tokens", "q_proj"])
     report = run_audit(model, lm_step(model, lm_batch()))

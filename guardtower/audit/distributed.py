@@ -11,7 +11,6 @@ when a parameter is unused.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -21,6 +20,7 @@ from torch import nn
 from guardtower._dist import is_distributed, world_size
 from guardtower.audit._peft import unwrap_parallel
 from guardtower.audit._registry import AuditContext, check, probe
+from guardtower.audit._walk import iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -134,22 +134,11 @@ def _weight_stats(model: nn.Module, device: torch.device) -> tuple[list[str], to
     return names, torch.stack(rows)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for key in sorted(value, key=str):
-            yield from _tensors(value[key])
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-
-
 def _input_fingerprint(value: Any, device: torch.device) -> torch.Tensor | None:
     """Order-sensitive checksum of every tensor in ``value``; None when it holds no tensor."""
     fp = torch.zeros(4, dtype=torch.float64, device=device)
     found = False
-    for t in _tensors(value):
+    for t in iter_tensors(value):
         found = True
         x = t.detach().flatten().to(torch.float64)
         weights = torch.arange(x.numel(), device=x.device, dtype=torch.float64).remainder_(97).add_(1)

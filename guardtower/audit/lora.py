@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from guardtower.audit._checkpoint import reentrant_layers, watch_checkpointing
 from guardtower.audit._peft import (
     AdapterPair,
     adapter_pairs,
@@ -57,6 +58,10 @@ class LoraStepState:
     """LoRA layer -> forwards with an adapter active and unmerged"""
     inactive_calls: dict[str, int] = field(default_factory=dict)
     """LoRA layer -> forwards with adapters disabled or merged into the base weight"""
+    reentrant: list[str] = field(default_factory=list)
+    """layers holding LoRA that run reentrant gradient checkpointing"""
+    starved_checkpoints: list[str] = field(default_factory=list)
+    """those of them whose inputs would not require grad in a real step (their LoRA factors get no gradient)"""
 
 
 def _adapter_active(module: nn.Module) -> bool:
@@ -94,9 +99,13 @@ def _lora_state_probe(ctx: AuditContext) -> Iterator[LoraStepState | None]:
         calls[name] = calls.get(name, 0) + 1
 
     handles = [m.register_forward_pre_hook(functools.partial(record, n)) for n, m in lora_layers(ctx.model)]
+    checkpointed = [(n, m) for n, m in reentrant_layers(ctx.model) if any(True for _ in lora_layers(m))]
+    state.reentrant = [n for n, _ in checkpointed]
     ctx.probes["lora_state"] = state
     try:
-        yield state
+        with watch_checkpointing(ctx.model, checkpointed) as watch:
+            yield state
+        state.starved_checkpoints = list(watch.starved)
     finally:
         for h in handles:
             h.remove()
@@ -288,32 +297,31 @@ def check_dtype(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-def _reentrant_checkpointing(model: nn.Module) -> list[str]:
-    """Modules that run reentrant ``torch.utils.checkpoint`` (Hugging Face ``gradient_checkpointing``)."""
-    found = []
-    for name, module in model.named_modules():
-        fn = getattr(module, "_gradient_checkpointing_func", None)
-        if getattr(module, "gradient_checkpointing", False) and isinstance(fn, functools.partial):
-            if fn.keywords.get("use_reentrant", True):
-                found.append(name)
-    return found
-
-
 @check("lora_gradient_flow")
 def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-006 zero-init factor got no gradient (ERROR); LORA-004 random factor's zero gradient (expected)."""
     state = ctx.probes.get("lora_state")
     trace = ctx.trace
-    if trace is None or trace.error is not None or not isinstance(state, LoraStepState):
+    if not isinstance(state, LoraStepState):
         return
-    if not any(g is not None for g in trace.grads.values()):
-        return  # no backward reached any parameter: the loss checks explain why
-    starved: list[str] = []
+    # judged from the forward alone: a checkpointed block whose input would not require grad in a real step
+    blocked = [
+        pair
+        for pair in _active_pairs(ctx)
+        if any(pair.layer.startswith(f"{c}.") for c in state.starved_checkpoints) and pair.b.requires_grad
+    ]
+    starved = [p.b_name if p.b_name in state.zero_factors else p.a_name for p in blocked]
+    blocked_layers = {p.layer for p in blocked}
     expected_zero: list[str] = []
-    for pair in _active_pairs(ctx):
-        if not state.active_calls.get(pair.layer) or not (pair.a.requires_grad and pair.b.requires_grad):
-            continue  # layer never ran with its adapter (LORA-007 / GRAD-001) or is frozen (LORA-002)
-        grads = {pair.a_name: trace.grads.get(pair.a_name), pair.b_name: trace.grads.get(pair.b_name)}
+    step_grads = trace.grads if trace is not None and trace.error is None else {}
+    if not any(g is not None for g in step_grads.values()):
+        step_grads = {}  # no backward reached any parameter: the loss checks explain why
+    for pair in _active_pairs(ctx) if step_grads else []:
+        if pair.layer in blocked_layers or not state.active_calls.get(pair.layer):
+            continue  # judged above, or never ran with its adapter (LORA-007 / GRAD-001)
+        if not (pair.a.requires_grad and pair.b.requires_grad):
+            continue  # frozen (LORA-002)
+        grads = {pair.a_name: step_grads.get(pair.a_name), pair.b_name: step_grads.get(pair.b_name)}
         zero_grad = {n: g is None or not bool(g.count_nonzero()) for n, g in grads.items()}
         if pair.a_name in state.zero_factors or pair.b_name in state.zero_factors:
             zero = pair.a_name if pair.a_name in state.zero_factors else pair.b_name
@@ -325,10 +333,10 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
         elif all(g is None for g in grads.values()):
             starved.extend(grads)
     if starved:
-        reentrant = _reentrant_checkpointing(ctx.model)
+        reentrant = state.starved_checkpoints or state.reentrant
         hint = (
-            f"; {len(reentrant)} module(s) use reentrant gradient checkpointing, which drops gradients when the "
-            "checkpointed input does not require grad (call model.enable_input_require_grads() or use "
+            f"; {len(reentrant)} block(s) use reentrant gradient checkpointing, which drops every gradient inside "
+            "when the block's input does not require grad (call model.enable_input_require_grads() or use "
             "use_reentrant=False)"
             if reentrant
             else ""
