@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -113,51 +112,10 @@ def run_audit(
     optimizer: torch.optim.Optimizer | None = None,
     checks: str | Iterable[str] = "all",
 ) -> Report:
-    """The public ``guardtower.audit.audit`` once audit-core's runner is on the branch; else a minimal runner."""
-    try:
-        from guardtower.audit import audit  # type: ignore[attr-defined]
-    except ImportError:
-        return _mini_audit(model, step_fn, optimizer=optimizer, checks=checks)
+    """The public entry point, end to end (snapshot, probes, step, checks, restore)."""
+    from guardtower.audit import audit
+
     return audit(model, step_fn, optimizer=optimizer, checks=checks)
-
-
-def _mini_audit(
-    model: nn.Module,
-    step_fn: Callable[[], Any],
-    *,
-    optimizer: torch.optim.Optimizer | None,
-    checks: str | Iterable[str],
-) -> Report:
-    import guardtower.audit.distributed  # noqa: F401  (registers checks)
-    import guardtower.audit.lora  # noqa: F401
-    from guardtower.audit._registry import CHECKS, PROBES, AuditContext, StepTrace
-
-    params = dict(model.named_parameters())
-    ctx = AuditContext(model=model, optimizer=optimizer, inputs=None, scaler=None, params=params)
-    trace = StepTrace()
-    saved = {n: (None if p.grad is None else p.grad.clone()) for n, p in params.items()}
-    for p in params.values():
-        p.grad = None
-    with contextlib.ExitStack() as stack:
-        for name, factory in PROBES.items():
-            ctx.probes[name] = stack.enter_context(factory(ctx))
-        try:
-            out = step_fn()
-            loss = out if isinstance(out, torch.Tensor) else out.loss
-            trace.loss = loss.detach()
-            loss.backward()
-        except Exception as exc:  # noqa: BLE001 - recorded for checks, as the real runner does
-            trace.error = exc
-    trace.grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in params.items()}
-    for n, p in params.items():
-        p.grad = saved[n]
-    ctx.trace = trace
-    wanted = list(CHECKS) if checks == "all" else [checks] if isinstance(checks, str) else list(checks)
-    report = Report()
-    for name in wanted:
-        report.findings.extend(CHECKS[name].fn(ctx))
-        report.checks_run.append(name)
-    return report
 
 
 def ids(report: Report) -> set[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -32,7 +31,7 @@ from guardtower.audit._peft import (
     storage_key,
     unwrap_parallel,
 )
-from guardtower.audit._registry import CHECKS, AuditContext, check, probe
+from guardtower.audit._registry import AuditContext, check, probe
 from guardtower.errors import ConfigError
 from guardtower.report import Finding, Report
 from guardtower.severity import Severity
@@ -434,23 +433,15 @@ def check_tied(ctx: AuditContext) -> Iterator[Finding]:
 
 
 def lora_summary(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> Report:
-    """Run the static checks (no forward pass) on a model, typically right after ``get_peft_model``."""
+    """Run every static check (no forward pass, nothing modified), typically right after ``get_peft_model``.
+
+    The report's title carries the trainable-parameter count, the number people look for first.
+    """
+    from guardtower.audit._runner import run_static  # the package imports this module: import at call time
+
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}", "pass the (peft) model")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            "optimizer", f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}", "pass the optimizer or None"
-        )
-    for module in ("guardtower.audit", "guardtower.audit.distributed"):
-        importlib.import_module(module)  # every area registers its checks
-    params = dict(model.named_parameters())
-    ctx = AuditContext(model=model, optimizer=optimizer, inputs=None, scaler=None, params=params)
-    report = Report(title=_summary_title(params))
-    for spec in CHECKS.values():
-        if spec.static:
-            report.findings.extend(spec.fn(ctx))
-            report.checks_run.append(spec.name)
-    return report
+    return run_static(model, optimizer, title=_summary_title(dict(model.named_parameters())))
 
 
 def _summary_title(params: dict[str, nn.Parameter]) -> str:
