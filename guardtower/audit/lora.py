@@ -36,7 +36,7 @@ from guardtower.errors import ConfigError
 from guardtower.report import Finding, Report
 from guardtower.severity import Severity
 
-__all__ = ["LoraStepState", "is_peft_model", "lora_summary", "expected_zero_grads"]
+__all__ = ["LoraStepState", "is_peft_model", "lora_summary"]
 
 TRAINABLE_PCT_HIGH = 10.0
 """percent of all parameters above which a LoRA run is hardly parameter-efficient any more (LORA-005)"""
@@ -108,15 +108,6 @@ def _lora_state_probe(ctx: AuditContext) -> Iterator[LoraStepState | None]:
     finally:
         for h in handles:
             h.remove()
-
-
-def expected_zero_grads(ctx: AuditContext) -> set[str]:
-    """Parameter names whose all-zero gradient at step 1 is expected (the random LoRA factor, LORA-004).
-
-    Other gradient checks can subtract this set so a fresh LoRA model is not flagged for the by-design zero.
-    """
-    state = ctx.probes.get("lora_state")
-    return set(state.random_factors) if isinstance(state, LoraStepState) else set()
 
 
 def _names(items: Iterable[str]) -> list[str]:
