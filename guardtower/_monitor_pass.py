@@ -181,7 +181,7 @@ class Tracker:
                 host = torch.empty((), dtype=torch.bool, pin_memory=True)
                 host.copy_(flag, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(device))
                 result.flag, result.ready_event = host, event
             else:
                 result.flag = flag
