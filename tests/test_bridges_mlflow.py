@@ -1,0 +1,296 @@
+"""MLflowBridge against a real ``mlflow server`` on 127.0.0.1 and the embedded sqlite store."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from _bridges_helpers import failing_report, preflight_event, rollback_event, skip_event, spike_event, summary_event
+from _mlflow_server import MlflowServer
+from guardtower.bus import EventBus
+from guardtower.errors import ConfigError, MissingDependencyError
+from guardtower.events import Event, HaltEvent
+from guardtower.report import Report
+
+P = "guardtower"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def tracking(server: MlflowServer) -> Iterator[str]:
+    """The server as the process-wide tracking URI for the test, restored afterwards."""
+    import mlflow
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(server.url)
+    yield server.url
+    mlflow.set_tracking_uri(previous)
+
+
+def _client(uri: str) -> Any:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, key))
+
+
+def _publish_and_flush(bridge: Any, events: list[Event]) -> None:
+    bus = EventBus([bridge])
+    for event in events:
+        bus.publish(event)
+    assert bus.flush(30)
+    bus.close(10)
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_finished_audit_sets_tags_and_logs_the_report(tracking: str, tmp_path: Path) -> None:
+    import mlflow
+
+    from guardtower.bridges import MLflowBridge
+
+    report = failing_report()
+    with mlflow.start_run() as run:
+        bridge = MLflowBridge(spool_path=tmp_path / "spool.jsonl")
+        _publish_and_flush(bridge, [preflight_event(report)])
+    tags = _client(tracking).get_run(run.info.run_id).data.tags
+    assert tags[f"{P}.preflight"] == "FAIL"
+    assert tags[f"{P}.preflight.errors"] == "LOSS-001,OPT-001"
+    assert tags[f"{P}.preflight.warnings"] == "RELU-001"
+    local = _client(tracking).download_artifacts(run.info.run_id, f"{P}/preflight.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == report.to_dict()
+    assert bridge.stats()["delivered"] == 1 and bridge.stats()["spooled"] == 0
+
+
+@pytest.mark.slow
+def test_incidents_become_metrics_spike_artifacts_and_a_last_incident_tag(tracking: str, tmp_path: Path) -> None:
+    import mlflow
+
+    from guardtower.bridges import MLflowBridge
+
+    with mlflow.start_run() as run:
+        bridge = MLflowBridge(spool_path=tmp_path / "spool.jsonl")
+    with_file = spike_event(12, log_dir=tmp_path, ratio=42.0)
+    without_file = spike_event(15, ratio=float("inf"))
+    _publish_and_flush(bridge, [
+        summary_event(10, grad_norm=1.5), with_file, skip_event(12, total=1), without_file,
+        skip_event(15, total=2), rollback_event(20, total=1),
+    ])
+    rid = run.info.run_id
+    ratios = _history(tracking, rid, f"{P}.spike_ratio")
+    assert ratios[0] == (12, 42.0) and ratios[1][0] == 15 and ratios[1][1] > 1e300  # inf is stored as max float
+    assert _history(tracking, rid, f"{P}.grad_norm") == [(10, 1.5), (12, 11.25), (15, 11.25)]
+    assert _history(tracking, rid, f"{P}.skipped_steps") == [(10, 0.0), (12, 1.0), (15, 2.0)]
+    assert _history(tracking, rid, f"{P}.rollbacks") == [(10, 0.0), (20, 1.0)]
+    fallback_name = f"spike-step0000015-{without_file.event_id[:12]}.json"
+    names = sorted(Path(a.path).name for a in _client(tracking).list_artifacts(rid, f"{P}/spikes"))
+    assert names == sorted([Path(str(with_file.report_path)).name, fallback_name])
+    copied = _client(tracking).download_artifacts(rid, f"{P}/spikes/{Path(str(with_file.report_path)).name}",
+                                                  str(tmp_path / "dl"))
+    assert Path(copied).read_text() == Path(str(with_file.report_path)).read_text()
+    fallback = _client(tracking).download_artifacts(rid, f"{P}/spikes/{fallback_name}", str(tmp_path / "dl"))
+    assert json.loads(Path(fallback).read_text())["event_id"] == without_file.event_id
+    tags = _client(tracking).get_run(rid).data.tags
+    assert tags[f"{P}.last_incident"] == "kind=rollback step=20 layer=h.1.attn.c_attn.weight"
+
+
+@pytest.mark.slow
+def test_explicit_run_id_works_without_an_active_run(server: MlflowServer, tmp_path: Path) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    client = _client(server.url)
+    run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+    bridge = MLflowBridge(run.info.run_id, tracking_uri=server.url, spool_path=tmp_path / "spool.jsonl")
+    _publish_and_flush(bridge, [HaltEvent(step=7, layer="fc1.weight", reason="spike", ratio=99.0)])
+    tags = client.get_run(run.info.run_id).data.tags
+    assert tags[f"{P}.halted"] == tags[f"{P}.last_incident"] == "kind=halt step=7 layer=fc1.weight"
+
+
+@pytest.mark.slow
+def test_embedded_sqlite_store_without_a_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+
+    from guardtower.bridges import MLflowBridge
+
+    monkeypatch.chdir(tmp_path)  # the default artifact root is ./mlruns
+    monkeypatch.setenv("GUARDTOWER_SPOOL_DIR", str(tmp_path / "spool"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run() as run:
+            bridge = MLflowBridge()
+            _publish_and_flush(bridge, [preflight_event(Report(checks_run=["loss"])), spike_event(3, log_dir=tmp_path)])
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert bridge.tracking_uri == uri
+    data = _client(uri).get_run(run.info.run_id).data
+    assert data.tags[f"{P}.preflight"] == "PASS" and data.tags[f"{P}.preflight.errors"] == ""
+    assert data.metrics[f"{P}.spike_ratio"] == 42.0
+    assert [a.path for a in _client(uri).list_artifacts(run.info.run_id, f"{P}/spikes")] == [
+        f"{P}/spikes/spike_rank0_step0000003.json"]
+    assert not (tmp_path / "spool").exists()  # nothing failed, so no spool was created
+
+
+def _blackhole() -> socket.socket:
+    """A TCP listener that never answers: connections are accepted by the kernel and then hang."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
+
+
+def test_a_hung_server_never_blocks_publish_and_events_go_to_the_spool(tmp_path: Path) -> None:
+    import mlflow.environment_variables as env_vars
+
+    from guardtower.bridges import MLflowBridge
+
+    hole = _blackhole()
+    try:
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        bridge = MLflowBridge("0" * 32, tracking_uri=url, spool_path=tmp_path / "spool.jsonl",
+                              request_timeout=1, request_retries=0, retry_interval=60)
+        bus = EventBus([bridge])
+        events = [spike_event(s) for s in range(1, 6)]
+        latencies = []
+        for event in events:
+            start = time.perf_counter()
+            bus.publish(event)
+            latencies.append(time.perf_counter() - start)
+        _wait_for(lambda: bridge.stats()["spooled"] == 5, 15, "the events to be spooled")
+        # the user's own MLflow settings are untouched on this thread while the worker used 1 s
+        assert env_vars.MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 120
+        bus.close(0.1)
+    finally:
+        hole.close()
+    assert max(latencies) < 0.01
+    from guardtower.spool import Spool
+
+    assert [e.event.event_id for e in Spool(tmp_path / "spool.jsonl").entries()] == [e.event_id for e in events]
+    assert all(e.sink.startswith("mlflow:" + "0" * 32 + "|guardtower|http://127.0.0.1:")
+               for e in Spool(tmp_path / "spool.jsonl").entries())
+
+
+@pytest.mark.slow
+def test_replay_command_sends_spooled_events_once(server: MlflowServer, tmp_path: Path) -> None:
+    from guardtower.bridges import MLflowBridge
+    from guardtower.cli import main as cli
+
+    client = _client(server.url)
+    run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+    dead = f"http://127.0.0.1:{_free_closed_port()}"
+    spool = tmp_path / "spool.jsonl"
+    bridge = MLflowBridge(run.info.run_id, tracking_uri=dead, spool_path=spool, retry_interval=60,
+                          request_retries=0)
+    _publish_and_flush_expect_backlog(bridge, [spike_event(s) for s in (5, 6, 7)])
+    assert bridge.stats()["spooled"] == 3
+    before = server.count_requests("/api/2.0/mlflow/runs/log-batch")
+    assert cli(["replay", str(spool), "--tracking-uri", server.url]) == 0
+    assert cli(["replay", str(spool), "--tracking-uri", server.url]) == 0  # nothing left: sends nothing
+    assert server.count_requests("/api/2.0/mlflow/runs/log-batch") - before == 3
+    assert _history(server.url, run.info.run_id, f"{P}.spike_ratio") == [(5, 42.0), (6, 42.0), (7, 42.0)]
+
+
+def _publish_and_flush_expect_backlog(bridge: Any, events: list[Event]) -> None:
+    bus = EventBus([bridge])
+    for event in events:
+        bus.publish(event)
+    assert not bus.flush(10)  # the server is down: not everything was delivered
+    bus.close(5)
+
+
+def _free_closed_port() -> int:
+    from _mlflow_server import free_port
+
+    return free_port()
+
+
+def test_without_a_run_it_warns_once_and_ignores_events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import mlflow
+
+    from guardtower.bridges import MLflowBridge
+    from guardtower.bridges import mlflow as bridge_module
+
+    assert mlflow.active_run() is None
+    monkeypatch.setattr(bridge_module, "_warned_no_run", False)
+    with pytest.warns(RuntimeWarning, match="no MLflow run"):
+        bridge = MLflowBridge(tracking_uri=f"sqlite:///{tmp_path / 'x.db'}")
+    _publish_and_flush(bridge, [spike_event(1)])
+    assert not bridge.active and bridge.stats()["ignored"] == 1
+
+
+def test_the_active_run_is_captured_on_the_constructing_thread(tmp_path: Path) -> None:
+    """MLflow's active run is per thread: a bridge built on a thread without one sees no run."""
+    import mlflow
+
+    from guardtower.bridges import MLflowBridge
+
+    uri = f"sqlite:///{tmp_path / 'x.db'}"
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run() as run:
+            here = MLflowBridge(spool_path=tmp_path / "a.jsonl")
+            there: list[Any] = []
+            with pytest.warns(RuntimeWarning):
+                thread = threading.Thread(target=lambda: there.append(MLflowBridge(spool_path=tmp_path / "b.jsonl")))
+                thread.start()
+                thread.join()
+    finally:
+        mlflow.set_tracking_uri("")
+    assert here.run_id == run.info.run_id
+    assert there[0].run_id is None
+
+
+def test_missing_mlflow_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(MissingDependencyError, match=r'pip install "guardtower\[mlflow\]"'):
+        MLflowBridge(run_id="abc")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"prefix": ""}, "prefix"), ({"run_id": ""}, "run_id"), ({"tracking_uri": 5}, "tracking_uri"),
+     ({"request_timeout": 0}, "request_timeout"), ({"request_timeout": 2.5}, "request_timeout"),
+     ({"request_retries": -1}, "request_retries"), ({"retry_interval": 0}, "retry_interval"),
+     ({"retry_interval": 10, "max_retry_interval": 5}, "max_retry_interval"),
+     ({"spool_path": "/nonexistent-dir/spool.jsonl"}, "spool_path")],
+)
+def test_bad_arguments_raise_config_error_naming_them(kwargs: dict[str, Any], argument: str) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    with pytest.raises(ConfigError) as info:
+        MLflowBridge(**kwargs)
+    assert info.value.argument == argument
+
+
+def test_replay_without_files_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from guardtower.replay import main
+
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such spool file" in capsys.readouterr().err
