@@ -74,7 +74,8 @@ class MlflowServer:
                     return
             time.sleep(0.1)
 
-    def count_requests(self, path: str, status: int = 200) -> int:
-        """How many requests to ``path`` the server answered with ``status`` (from its access log)."""
-        pattern = re.compile(rf'"(?:GET|POST|PUT|PATCH|DELETE) {re.escape(path)}[ ?][^"]*" {status}\b')
+    def count_requests(self, path: str, status: int = 200, *, method: str = "[A-Z]+", prefix: bool = False) -> int:
+        """How many requests to ``path`` (or paths starting with it) the server answered with ``status``."""
+        tail = r"[^ \"]*" if prefix else ""
+        pattern = re.compile(rf'"{method} {re.escape(path)}{tail}[ ?][^"]*" {status}\b')
         return len(pattern.findall(self.log_path.read_text(errors="replace")))

@@ -294,3 +294,81 @@ def test_replay_without_files_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
 
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "no such spool file" in capsys.readouterr().err
+
+
+# -- outage: keep this test last in the module, it stops and restarts the shared server ---------------------
+
+
+@pytest.mark.slow
+def test_server_outage_never_delays_training_and_every_event_arrives_exactly_once(
+    server: MlflowServer, tmp_path: Path
+) -> None:
+    import torch
+
+    from guardtower.bridges import MLflowBridge
+
+    client = _client(server.url)
+    run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+    rid = run.info.run_id
+    batches_before = server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST")
+    uploads_before = server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True)
+    bridge = MLflowBridge(rid, tracking_uri=server.url, spool_path=tmp_path / "spool.jsonl",
+                          request_timeout=2, request_retries=0, retry_interval=0.25, max_retry_interval=1.0)
+    bus = EventBus([bridge])
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    data = torch.randn(64, 16)
+    published: list[Event] = []
+    publish_s: list[float] = []
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    step = 0
+
+    def train(steps: int, every: int = 2) -> None:
+        nonlocal step
+        for _ in range(steps):
+            opt.zero_grad()
+            model(data).pow(2).mean().backward()
+            opt.step()
+            if step % every == 0:
+                events: list[Event] = [spike_event(step, log_dir=reports), skip_event(step, total=len(published) // 2 + 1)]
+                start = time.perf_counter()
+                for event in events:
+                    bus.publish(event)
+                publish_s.append(time.perf_counter() - start)
+                published.extend(events)
+            step += 1
+            time.sleep(0.005)
+
+    train(20)  # healthy
+    assert bus.flush(30)
+    assert bridge.stats()["spooled"] == 0
+    server.stop()
+    train(20)  # server down
+    _wait_for(lambda: bridge.stats()["backlog"] == 1, 10, "the bridge to notice the outage")
+    restarter = threading.Thread(target=server.start)
+    restarter.start()
+    while restarter.is_alive():  # training goes on while the server comes back
+        train(1, every=10)
+    restarter.join()
+    train(20)  # server back
+    _wait_for(lambda: bridge.stats()["backlog"] == 0, 60, "the spool to be replayed")
+    assert bus.flush(30)
+    bus.close(10)
+
+    assert max(publish_s) < 0.1, f"a training step waited {max(publish_s) * 1000:.1f} ms in publish"
+    stats = bridge.stats()
+    assert stats["spooled"] > 0 and stats["rejected"] == 0
+    assert stats["delivered"] + stats["replayed"] == len(published)
+    spike_steps = [e.step for e in published if e.kind == "spike"]
+    skips = [(e.step, float(e.total_skips)) for e in published if e.kind == "skip"]  # type: ignore[attr-defined]
+    # every event exactly once, in the tracker ...
+    assert _history(server.url, rid, f"{P}.spike_ratio") == [(s, 42.0) for s in spike_steps]
+    assert _history(server.url, rid, f"{P}.skipped_steps") == skips
+    names = sorted(Path(a.path).name for a in client.list_artifacts(rid, f"{P}/spikes"))
+    assert names == sorted(Path(str(e.report_path)).name for e in published if e.kind == "spike")  # type: ignore[attr-defined]
+    assert client.get_run(rid).data.tags[f"{P}.last_incident"] == f"kind=skip step={published[-1].step} layer=h.0.mlp.c_fc.weight"
+    # ... and on the wire: one successful log-batch per event, one artifact upload per spike, over both lifetimes
+    batches = server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST") - batches_before
+    uploads = server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True) - uploads_before
+    assert (batches, uploads) == (len(published), len(spike_steps))
