@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -13,7 +14,8 @@ from typing import Any, Iterator
 import pytest
 
 from _bridges_helpers import failing_report, preflight_event, rollback_event, skip_event, spike_event, summary_event
-from _mlflow_server import MlflowServer
+from _mlflow_server import MlflowServer, free_port
+from _wandb_reader import find_run_dir, read_run
 from guardtower.bus import EventBus
 from guardtower.errors import ConfigError, MissingDependencyError
 from guardtower.events import Event, HaltEvent
@@ -202,7 +204,7 @@ def test_replay_command_sends_spooled_events_once(server: MlflowServer, tmp_path
 
     client = _client(server.url)
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
-    dead = f"http://127.0.0.1:{_free_closed_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     spool = tmp_path / "spool.jsonl"
     bridge = MLflowBridge(run.info.run_id, tracking_uri=dead, spool_path=spool, retry_interval=60,
                           request_retries=0)
@@ -221,12 +223,6 @@ def _publish_and_flush_expect_backlog(bridge: Any, events: list[Event]) -> None:
         bus.publish(event)
     assert not bus.flush(10)  # the server is down: not everything was delivered
     bus.close(5)
-
-
-def _free_closed_port() -> int:
-    from _mlflow_server import free_port
-
-    return free_port()
 
 
 def test_without_a_run_it_warns_once_and_ignores_events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -294,6 +290,77 @@ def test_replay_without_files_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
 
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "no such spool file" in capsys.readouterr().err
+
+
+# -- 2-process gloo DDP: both bridges, only rank 0 writes ------------------------------------------------
+
+WORLD = 2
+STEPS = 4
+
+
+def _steps(rank: int) -> list[int]:
+    return [100 * rank + s for s in range(STEPS)]
+
+
+def _worker(rank: int, port: int, root: str, run_id: str, uri: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WANDB_MODE="offline", WANDB_SILENT="true",
+                      WANDB_BASE_URL="http://127.0.0.1:9", WANDB_API_KEY="")
+    import torch
+    import torch.distributed as dist
+    import wandb
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from guardtower.bridges import MLflowBridge, WandBBridge
+    from guardtower.bus import EventBus
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # Every rank has a W&B run and the MLflow run id: without rank filtering both would write.
+    run = wandb.init(mode="offline", dir=os.path.join(root, f"rank{rank}"), project="guardtower-ddp")
+    bus = EventBus([WandBBridge(), MLflowBridge(run_id, tracking_uri=uri,
+                                                spool_path=Path(root) / f"spool{rank}.jsonl")])
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in _steps(rank):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        run.log({"train/loss": float(loss)})
+        bus.publish(spike_event(step, rank=rank))
+        bus.publish(skip_event(step, total=step % 100 + 1, rank=rank))
+    assert bus.flush(60)
+    bus.close(10)
+    run.finish()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_under_two_process_ddp_only_rank_zero_writes_to_wandb_and_mlflow(server: MlflowServer, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    uri = server.url
+    client = _client(uri)
+    run_id = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
+    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path), run_id, uri), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("distributed workers did not finish in 240 s")
+
+    spikes = sorted(m.step for m in client.get_metric_history(run_id, "guardtower.spike_ratio"))
+    assert spikes == _steps(0)
+    rank0 = read_run(find_run_dir(tmp_path / "rank0"))
+    rank1 = read_run(find_run_dir(tmp_path / "rank1"))
+    assert [r["guardtower/step"] for r in rank0.rows_with("guardtower/spike_ratio")] == _steps(0)
+    assert len(rank0.alerts) == STEPS
+    assert len(rank1.rows_with("train/loss")) == STEPS  # rank 1's run works ...
+    assert not [k for row in rank1.history for k in row if k.startswith("guardtower/")]  # ... but gets nothing
+    assert rank1.alerts == [] and not any(k.startswith("guardtower/") for k in rank1.summary)
 
 
 # -- outage: keep this test last in the module, it stops and restarts the shared server ---------------------
