@@ -19,6 +19,7 @@ from _wandb_reader import find_run_dir, read_run
 from guardtower.bus import EventBus
 from guardtower.errors import ConfigError, MissingDependencyError
 from guardtower.events import Event, HaltEvent
+from guardtower.guard.reports import build_report
 from guardtower.report import Report
 
 P = "guardtower"
@@ -98,24 +99,30 @@ def test_incidents_become_metrics_spike_artifacts_and_a_last_incident_tag(tracki
         bridge = MLflowBridge(spool_path=tmp_path / "spool.jsonl")
     with_file = spike_event(12, log_dir=tmp_path, ratio=42.0)
     without_file = spike_event(15, ratio=float("inf"))
+    not_yet_written = spike_event(16, log_dir=tmp_path, write_report=False)
     _publish_and_flush(bridge, [
         summary_event(10, grad_norm=1.5), with_file, skip_event(12, total=1), without_file,
-        skip_event(15, total=2), rollback_event(20, total=1),
+        skip_event(15, total=2), not_yet_written, rollback_event(20, total=1),
     ])
     rid = run.info.run_id
     ratios = _history(tracking, rid, f"{P}.spike_ratio")
     assert ratios[0] == (12, 42.0) and ratios[1][0] == 15 and ratios[1][1] > 1e300  # inf is stored as max float
-    assert _history(tracking, rid, f"{P}.grad_norm") == [(10, 1.5), (12, 11.25), (15, 11.25)]
+    assert ratios[2] == (16, 42.0)
+    assert _history(tracking, rid, f"{P}.grad_norm") == [(10, 1.5), (12, 11.25), (15, 11.25), (16, 11.25)]
     assert _history(tracking, rid, f"{P}.skipped_steps") == [(10, 0.0), (12, 1.0), (15, 2.0)]
     assert _history(tracking, rid, f"{P}.rollbacks") == [(10, 0.0), (20, 1.0)]
-    fallback_name = f"spike-step0000015-{without_file.event_id[:12]}.json"
+    fallback_name = f"spike-step00000015-{without_file.event_id[:12]}.json"
     names = sorted(Path(a.path).name for a in _client(tracking).list_artifacts(rid, f"{P}/spikes"))
-    assert names == sorted([Path(str(with_file.report_path)).name, fallback_name])
+    assert names == sorted([Path(str(with_file.report_path)).name, fallback_name,
+                            Path(str(not_yet_written.report_path)).name])
     copied = _client(tracking).download_artifacts(rid, f"{P}/spikes/{Path(str(with_file.report_path)).name}",
                                                   str(tmp_path / "dl"))
     assert Path(copied).read_text() == Path(str(with_file.report_path)).read_text()
     fallback = _client(tracking).download_artifacts(rid, f"{P}/spikes/{fallback_name}", str(tmp_path / "dl"))
     assert json.loads(Path(fallback).read_text())["event_id"] == without_file.event_id
+    built = _client(tracking).download_artifacts(rid, f"{P}/spikes/{Path(str(not_yet_written.report_path)).name}",
+                                                 str(tmp_path / "dl"))
+    assert json.loads(Path(built).read_text()) == build_report(not_yet_written)  # what the guard would have written
     tags = _client(tracking).get_run(rid).data.tags
     assert tags[f"{P}.last_incident"] == "kind=rollback step=20 layer=h.1.attn.c_attn.weight"
 
@@ -146,7 +153,8 @@ def test_embedded_sqlite_store_without_a_server(tmp_path: Path, monkeypatch: pyt
     try:
         with mlflow.start_run() as run:
             bridge = MLflowBridge()
-            _publish_and_flush(bridge, [preflight_event(Report(checks_run=["loss"])), spike_event(3, log_dir=tmp_path)])
+            spike = spike_event(3, log_dir=tmp_path)
+            _publish_and_flush(bridge, [preflight_event(Report(checks_run=["loss"])), spike])
     finally:
         mlflow.set_tracking_uri(previous)
     assert bridge.tracking_uri == uri
@@ -154,7 +162,7 @@ def test_embedded_sqlite_store_without_a_server(tmp_path: Path, monkeypatch: pyt
     assert data.tags[f"{P}.preflight"] == "PASS" and data.tags[f"{P}.preflight.errors"] == ""
     assert data.metrics[f"{P}.spike_ratio"] == 42.0
     assert [a.path for a in _client(uri).list_artifacts(run.info.run_id, f"{P}/spikes")] == [
-        f"{P}/spikes/spike_rank0_step0000003.json"]
+        f"{P}/spikes/{Path(str(spike.report_path)).name}"]
     assert not (tmp_path / "spool").exists()  # nothing failed, so no spool was created
 
 
@@ -290,6 +298,30 @@ def test_replay_without_files_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
 
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "no such spool file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_end_to_end_with_audit_and_guarded_optimizer(tracking: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlflow
+
+    from _bridges_helpers import SPIKE_STEP, audit_then_train
+    from guardtower.bridges import MLflowBridge
+
+    monkeypatch.setenv("GUARDTOWER_SPOOL_DIR", str(tmp_path / "spool"))
+    with mlflow.start_run() as run:
+        report, guard = audit_then_train(tmp_path, audit_sinks=[MLflowBridge()], guard_sinks=[MLflowBridge()])
+    rid = run.info.run_id
+    tags = _client(tracking).get_run(rid).data.tags
+    assert report.status == tags[f"{P}.preflight"] == "FAIL"
+    assert tags[f"{P}.preflight.errors"] == ",".join(dict.fromkeys(f.catalog_id for f in report.errors))
+    assert "OPT-001" in tags[f"{P}.preflight.errors"].split(",")
+    assert tags[f"{P}.last_incident"].startswith(f"kind=skip step={SPIKE_STEP} layer=2.")
+    assert [s for s, _ in _history(tracking, rid, f"{P}.spike_ratio")] == [SPIKE_STEP]
+    assert _history(tracking, rid, f"{P}.skipped_steps")[-1] == (20, 1.0)
+    (written,) = (tmp_path).glob("spike-step*.json")  # the guard's own report file ...
+    local = _client(tracking).download_artifacts(rid, f"{P}/spikes/{written.name}", str(tmp_path / "dl"))
+    assert json.loads(Path(local).read_text()) == json.loads(written.read_text())  # ... is the artifact
+    assert guard.total_spikes == 1 and not (tmp_path / "spool").exists()
 
 
 # -- 2-process gloo DDP: both bridges, only rank 0 writes ------------------------------------------------

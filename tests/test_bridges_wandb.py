@@ -217,3 +217,22 @@ def test_importing_the_bridges_does_not_import_wandb_or_mlflow() -> None:
         "assert 'wandb' not in sys.modules and 'mlflow' not in sys.modules, sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_end_to_end_with_audit_and_guarded_optimizer(tmp_path: Path, wandb_env: None) -> None:
+    from _bridges_helpers import SPIKE_STEP, audit_then_train
+
+    from guardtower.bridges import WandBBridge
+
+    run, _ = _offline_run(tmp_path / "wandb")
+    report, guard = audit_then_train(tmp_path, audit_sinks=[WandBBridge()], guard_sinks=[WandBBridge()])
+    run.finish()
+    logged = read_run(find_run_dir(tmp_path / "wandb"))
+    assert report.status == "FAIL" and "OPT-001" in logged.summary[f"{P}/preflight_errors"].split(",")
+    assert logged.summary[f"{P}/total_spikes"] == guard.total_spikes == 1
+    assert logged.summary[f"{P}/total_skips"] == guard.total_skips == 1
+    (spike,) = logged.rows_with(f"{P}/spike_ratio")
+    assert spike[f"{P}/step"] == SPIKE_STEP and spike[f"{P}/spike_ratio"] > 10
+    assert spike[f"{P}/trigger_layer"].startswith("2.")
+    assert [r[f"{P}/step"] for r in logged.rows_with(f"{P}/grad_norm") if f"{P}/spike_ratio" not in r] == [5, 10, 15, 20]
+    assert [a["title"] for a in logged.alerts] == ["guardtower: pre-flight failed", "guardtower: gradient spike"]

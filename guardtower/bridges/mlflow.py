@@ -115,10 +115,17 @@ class MlflowWriter:
         elif isinstance(event, SpikeEvent):
             if event.report_path and os.path.isfile(event.report_path):
                 self._client.log_artifact(self.run_id, event.report_path, f"{p}/spikes")
+                return
+            # The guard writes its report on another sink's thread, so the file may not exist yet (or was
+            # never asked for): log the same report, built from the event, under the same name.
+            from guardtower.guard.reports import build_report
+
+            if event.report_path:
+                name = os.path.basename(event.report_path)
             else:
-                name = f"spike-step{event.step if event.step is not None else 0:07d}-{event.event_id[:12]}.json"
-                text = json.dumps(event.to_record(), indent=2, allow_nan=False)
-                self._client.log_text(self.run_id, text, f"{p}/spikes/{name}")
+                name = f"spike-step{event.step if event.step is not None else 0:08d}-{event.event_id[:12]}.json"
+            text = json.dumps(build_report(event), indent=2, allow_nan=False)
+            self._client.log_text(self.run_id, text, f"{p}/spikes/{name}")
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -311,6 +318,7 @@ class MLflowBridge(BaseSink):
     def _start_retry_thread(self) -> None:
         if self._retry_thread is not None and self._retry_thread.is_alive():
             return
+        self._stop.clear()  # a bridge closed by one bus (e.g. audit's) may be reused on another
         self._retry_thread = threading.Thread(target=self._retry_loop, name=f"guardtower-retry-{self.name}",
                                               daemon=True)
         self._retry_thread.start()
