@@ -66,12 +66,14 @@ class Transport:
     """POSTs a body to one destination with the retry policy; raises ``DeliveryError`` when it gives up."""
 
     def __init__(self, policy: RetryPolicy, throttle: Throttle, stop: threading.Event, *,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] | None = None,
+                 rng: random.Random | None = None) -> None:
         require_dependencies()
         self.policy = policy
         self.throttle = throttle
         self.stop = stop
         self._clock = clock
+        self._sleep = sleep or self._interruptible_sleep
         self._rng = rng or random.Random()
         self._local = threading.local()
 
@@ -132,7 +134,7 @@ class Transport:
                                 attempts=_attempts(retrying)) from None
         return _attempts(retrying)
 
-    def _sleep(self, seconds: float) -> None:
+    def _interruptible_sleep(self, seconds: float) -> None:
         self.stop.wait(seconds)
 
     def _send_once(self, url: Secret, body: bytes, headers: Callable[[bytes], Mapping[str, str]],

@@ -63,7 +63,8 @@ class AlertSink(BaseSink):
       MLflow run page a bridge knows).
     - ``send_resolved``: also send a message when an incident clears.
     - ``max_pending``: events that may wait for their group's message; more are spooled.
-    - ``clock``: monotonic time source (tests).
+    - ``clock``, ``sleep``: time source and backoff sleep (tests); the default sleep is an event wait
+      that ``close()`` interrupts.
     """
 
     kind: ClassVar[str] = "alert"
@@ -88,6 +89,7 @@ class AlertSink(BaseSink):
         max_pending: int = 10_000,
         queue_size: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] | None = None,
         throttle_key: str | None = None,
     ) -> None:
         require_dependencies()
@@ -123,6 +125,7 @@ class AlertSink(BaseSink):
         self.queue_size = queue_size
         self._destination = destination
         self._clock = clock
+        self._sleep = sleep
         self._max_pending = max_pending
         self._throttle = shared_throttle(throttle_key or destination.reveal(), 1.0 / rate if rate else 0.0, clock)
         self._spool_obj: Spool | None = None
@@ -272,7 +275,7 @@ class AlertSink(BaseSink):
         self._stop = threading.Event()
         self._grouper = Grouper(self.grouping, clock=self._clock, send_resolved=self.send_resolved,
                                 max_pending=self._max_pending)
-        self._transport = Transport(self.retry, self._throttle, self._stop, clock=self._clock)
+        self._transport = Transport(self.retry, self._throttle, self._stop, clock=self._clock, sleep=self._sleep)
         self._outgoing: collections.deque[Notification] = collections.deque()
         self._current: Notification | None = None
         self._current_orphaned = False

@@ -51,7 +51,7 @@ class SlackAlert(AlertSink):
         if len(blocks) > MAX_BLOCKS:  # keep the head and the ids
             blocks = blocks[: MAX_BLOCKS - 1] + blocks[-1:]
         return {
-            "text": _format.text(note, run_url, limit=_FALLBACK_TEXT),
+            "text": _format.truncate(_escape(_format.text(note, run_url)), _FALLBACK_TEXT),
             "blocks": blocks,
             "unfurl_links": False,
             "unfurl_media": False,
