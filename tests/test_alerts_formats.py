@@ -317,3 +317,16 @@ def test_secret_never_in_repr(tmp_path) -> None:
     sink = WebhookAlert(URL, secret="hmac-s3cret-value", **sink_kwargs(tmp_path, grouping=GroupPolicy()))
     text = repr(sink) + str(sink) + repr(sink._destination) + f"{sink._destination}" + repr(vars(sink))
     assert "secret" not in text.lower().replace("_secret", "") and "T000" not in text
+
+
+def test_example_explains_without_url_and_previews_without_network(monkeypatch, capsys) -> None:
+    import runpy
+    from pathlib import Path
+
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "alerts_slack.py"), run_name="example")
+    monkeypatch.delenv("SLACK_WEBHOOK_URL", raising=False)
+    assert example["main"]([]) == 0
+    assert "SLACK_WEBHOOK_URL is not set" in capsys.readouterr().out
+    assert example["main"](["--preview"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert "1,000 occurrences, steps 1,200-2,199" in payload["blocks"][1]["text"]["text"]

@@ -86,7 +86,7 @@ def facts(note: Notification) -> list[tuple[str, str]]:
         if f.name in _COMMON or f.name in _SKIP:
             continue
         value = getattr(event, f.name)
-        if value in (None, "", (), 0) and not isinstance(value, float):
+        if value in (None, "", (), 0):  # unset defaults say nothing
             continue
         pairs.append((f.name, _show(value)))
     return pairs

@@ -114,12 +114,10 @@ class Transport:
             backoff = min(policy.max_backoff, policy.initial_backoff * 2 ** (state.attempt_number - 1))
             return self._rng.uniform(0, backoff)
 
-        def past_deadline(state: tenacity.RetryCallState) -> bool:
-            return self._clock() - start + (state.upcoming_sleep or 0.0) >= policy.deadline
-
         retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(policy.max_attempts) | past_deadline
-            | tenacity.stop_when_event_set(self.stop),
+            stop=tenacity.stop_any(tenacity.stop_after_attempt(policy.max_attempts),
+                                   tenacity.stop_before_delay(policy.deadline),  # the next wait would cross it
+                                   tenacity.stop_when_event_set(self.stop)),
             wait=wait,
             retry=tenacity.retry_if_exception_type(_Retryable),
             sleep=self._sleep,

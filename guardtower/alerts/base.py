@@ -72,6 +72,8 @@ class AlertSink(BaseSink):
     default_rate_limit: ClassVar[float] = 0.0
     default_send_resolved: ClassVar[bool] = False
     rank_zero_only = True
+    _closing: bool
+    _closed: bool
 
     def __init__(
         self,
@@ -282,7 +284,8 @@ class AlertSink(BaseSink):
         self._thread: threading.Thread | None = None
         self._thread_done = False
         self._flush_requested = self._flush_taken = self._flush_done = 0
-        self._closing = self._closed = False
+        self._closing = False
+        self._closed = False
 
     def _start_locked(self) -> None:
         if self._thread is None:
