@@ -330,3 +330,20 @@ def test_example_explains_without_url_and_previews_without_network(monkeypatch, 
     assert example["main"](["--preview"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert "1,000 occurrences, steps 1,200-2,199" in payload["blocks"][1]["text"]["text"]
+
+
+def test_redaction_survives_a_dead_twin_secret() -> None:
+    import gc
+
+    from guardtower.alerts._secret import Secret, redact
+
+    first = Secret(URL)
+    second = Secret(URL)
+    del first
+    gc.collect()
+    assert "T000SECRET" not in redact(f"error at {URL} and /services/T000SECRET/B000SECRET/xyzsecrettoken")
+    assert repr(second) == str(second) == f"{second}" == "<redacted>"
+    with pytest.raises(TypeError):
+        import pickle
+
+        pickle.dumps(second)

@@ -52,11 +52,6 @@ class Secret:
     def __reduce__(self) -> tuple[object, ...]:
         raise TypeError("guardtower Secret values cannot be pickled")
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
 
 
 def resolve_secret(value: str | Secret | None, argument: str, env: str, *, required: bool = True) -> Secret | None:
