@@ -359,7 +359,8 @@ class AlertSink(BaseSink):
         spool = self.spool
         for event in events:
             spool.append(event, reason, self.sink_id)
-        self._counters["spooled"] += len(events)
+        with self._spool_lock:  # several threads spool: worker, sender, close() and spill()
+            self._counters["spooled"] += len(events)
 
     def _after_fork(self) -> None:
         self._reset_runtime()
