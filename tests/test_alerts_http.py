@@ -306,3 +306,52 @@ def test_no_secret_in_logs_errors_spool_or_reprs(tmp_path, caplog) -> None:
     haystack = "\n".join([caplog.text, *texts, *files, *(r.getMessage() for r in caplog.records)])
     for bit in SECRET_BITS:
         assert bit not in haystack, bit
+
+
+def _guarded_run(tmp_path: Path, server_url: str, *, nan_steps: range, **guard: object) -> None:
+    """A real GuardedOptimizer on a tiny model, NaN in one gradient during ``nan_steps``."""
+    import torch
+
+    from guardtower.guard import GuardedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    sink = webhook(server_url, tmp_path, grouping=GroupPolicy(group_wait=30))
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, nan_action="skip", log_every=10,
+                           log_dir=tmp_path / "logs", verbose=False, sinks=[sink], run="tiny", **guard)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    try:
+        for step in range(60):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if step in nan_steps:
+                model[2].weight.grad[0, 0] = float("nan")
+            opt.step()
+    finally:
+        opt.close(timeout=10)
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_guarded_training_run_with_a_nan_storm_sends_one_grouped_alert(tmp_path) -> None:
+    with ScriptedServer() as server:
+        _guarded_run(tmp_path, server.url, nan_steps=range(20, 50), max_consecutive_skips=None)
+    (body,) = (r.json for r in server.requests)
+    assert body["kind"] == "spike" and body["run"] == "tiny"
+    assert body["total"] == 30 and len(body["event_ids"]) == 30
+    assert body["text"] == "NaN/Inf gradient in 2.weight: 30 occurrences, steps 21-50"  # the guard counts from 1
+
+
+@pytest.mark.slow
+def test_guard_escalation_halt_supersedes_the_pending_spikes(tmp_path) -> None:
+    from guardtower.errors import GradientSpikeError
+
+    with ScriptedServer() as server:
+        with pytest.raises(GradientSpikeError):
+            _guarded_run(tmp_path, server.url, nan_steps=range(20, 60))
+        # the guard flushes the bus before raising: the halt went out at once, not after group_wait
+        assert [r.json["kind"] for r in server.requests] == ["halt"]
+    body = server.requests[0].json
+    assert body["total"] == 1 and body["superseded"] == {"spike": len(body["event_ids"]) - 1}
+    assert len(body["event_ids"]) - 1 >= 20  # every rejected step's spike event rides along
+    assert body["text"].startswith("Training halted: nonfinite in 2.weight at step ")
