@@ -355,3 +355,26 @@ def test_guard_escalation_halt_supersedes_the_pending_spikes(tmp_path) -> None:
     assert body["total"] == 1 and body["superseded"] == {"spike": len(body["event_ids"]) - 1}
     assert len(body["event_ids"]) - 1 >= 20  # every rejected step's spike event rides along
     assert body["text"].startswith("Training halted: nonfinite in 2.weight at step ")
+
+
+def test_a_forked_child_never_sends_its_parents_pending_alerts(tmp_path) -> None:
+    import os
+
+    with ScriptedServer() as server:
+        sink = webhook(server.url, tmp_path, grouping=GroupPolicy(group_wait=30))
+        bus = EventBus([sink])
+        bus.publish(parent_event := nan(1))
+        deadline = time.monotonic() + 5
+        while sink._grouper.pending_events == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the event waits in the sink's group rather than in the bus queue
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, say
+            child = EventBus([sink])
+            child.close(2)
+            bus.close(2)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert server.requests == [] and not sink.spool_path.exists()  # neither sent nor spooled by the child
+        bus.close(5)
+    assert [r.json["event_ids"] for r in server.requests] == [[parent_event.event_id]]

@@ -347,7 +347,12 @@ class AlertSink(BaseSink):
             logger.warning("guardtower %s alert not delivered (%s); %d event(s) spooled to %s",
                            self.sink_id, reason, len(note.events), self.spool_path)
         if not orphaned:
-            self._spool_events(list(note.events), reason)
+            try:
+                self._spool_events(list(note.events), reason)
+            except OSError as exc:  # keep the sender alive; say loudly what could not be kept
+                self._counters["lost"] += len(note.events)
+                logger.error("guardtower %s could not write its spool %s (%s): %d event(s) lost",
+                             self.sink_id, self.spool_path, type(exc).__name__, len(note.events))
 
     def _post(self, note: Notification) -> None:
         body = json.dumps(self.render(note), allow_nan=False, separators=(",", ":")).encode()
