@@ -207,3 +207,18 @@ def test_group_policy_rejects_bad_values(kwargs: dict) -> None:
 def test_retry_policy_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         RetryPolicy(**kwargs)
+
+
+def test_sinks_of_one_destination_share_a_throttle_while_they_live() -> None:
+    import gc
+
+    from guardtower.alerts.policy import shared_throttle
+
+    clock = Clock()
+    strict = shared_throttle("https://hooks.example.test/a", 1.0, clock)
+    loose = shared_throttle("https://hooks.example.test/a", 0.0, clock)
+    assert loose is strict and strict.interval == 1.0
+    assert shared_throttle("https://hooks.example.test/b", 0.0, clock) is not strict
+    del strict, loose
+    gc.collect()
+    assert shared_throttle("https://hooks.example.test/a", 0.0, clock).interval == 0.0

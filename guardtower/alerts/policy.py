@@ -12,12 +12,13 @@ import hashlib
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 from guardtower.errors import ConfigError
 
-__all__ = ["RetryPolicy", "GroupPolicy", "Throttle", "parse_retry_after"]
+__all__ = ["RetryPolicy", "GroupPolicy", "Throttle", "shared_throttle", "parse_retry_after"]
 
 
 def _check_positive(argument: str, value: float | None, *, allow_zero: bool = True, allow_none: bool = False) -> None:
@@ -115,12 +116,16 @@ class Throttle:
             return max(0.0, self._paused_until - self._clock())
 
 
-_shared: dict[str, Throttle] = {}
+#: live throttles by destination hash; one dies with the last sink using it
+_shared: "weakref.WeakValueDictionary[str, Throttle]" = weakref.WeakValueDictionary()
 _shared_lock = threading.Lock()
 
 
 def shared_throttle(destination: str, interval: float, clock: Callable[[], float] = time.monotonic) -> Throttle:
-    """The process-wide throttle of one destination (keyed by a hash, so the URL is never kept as a key)."""
+    """The throttle every live sink posting to ``destination`` shares (the strictest interval wins).
+
+    Keyed by a hash, so the URL itself is never kept.
+    """
     key = hashlib.sha256(destination.encode()).hexdigest()
     with _shared_lock:
         throttle = _shared.get(key)
