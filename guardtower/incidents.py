@@ -155,10 +155,22 @@ def _merge(log: RunLog, events: list[Event]) -> None:
                 log.global_norms[step] = event.global_norm
             for name, norm, _ratio in event.top_layers:
                 log.layer_norms.setdefault(name, {})[step] = norm
+            _merge_event_history(log, event)
             if event.report_path:
                 _merge_report_history(log, Path(event.report_path))
         if isinstance(event, RollbackEvent):
             log.skipped_steps.update(range(event.to_step + 1, event.from_step + 1))
+
+
+def _merge_event_history(log: RunLog, event: SpikeEvent) -> None:
+    """The norms of the steps before a spike, when the guard recorded them with the event."""
+    steps = getattr(event, "history_steps", ())
+    for step, norm in zip(steps, getattr(event, "history_global_norms", ())):
+        log.global_norms.setdefault(step, norm)
+    layer = log.layer_norms.setdefault(event.layer, {}) if event.layer else None
+    if layer is not None:
+        for step, norm in zip(steps, getattr(event, "history_layer_norms", ())):
+            layer.setdefault(step, norm)
 
 
 def _merge_report_history(log: RunLog, report: Path) -> None:
