@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from guardtower._dist import current_rank
+from guardtower._dist import current_rank, is_distributed
 from guardtower.errors import ConfigError
 from guardtower.events import Event
 
@@ -203,6 +203,14 @@ def add_tap(tap: Callable[[Event], None]) -> None:
     _taps.append(tap)
 
 
+def _call_taps(event: Event) -> None:
+    for tap in tuple(_taps):
+        try:
+            tap(event)
+        except Exception:
+            logger.debug("guardtower tap raised", exc_info=True)
+
+
 def remove_tap(tap: Callable[[Event], None]) -> None:
     if tap in _taps:
         _taps.remove(tap)
@@ -216,6 +224,7 @@ class EventBus:
         self._workers: list[_SinkWorker] = []
         self._published = 0
         self._closed = False
+        self._env_rank = current_rank()
         for sink in sinks:
             self.add_sink(sink)
         _live_buses.add(self)
@@ -243,20 +252,23 @@ class EventBus:
             raise ConfigError("event", f"expected a guardtower.events.Event, got {type(event).__name__}",
                               "publish instances of the classes in guardtower.events")
         self._published += 1
-        for tap in tuple(_taps):
-            try:
-                tap(event)
-            except Exception:
-                logger.debug("guardtower tap raised", exc_info=True)
+        if _taps:
+            _call_taps(event)
         if self._closed:
             for worker in self._workers:
                 worker.counters["dropped"] += 1
             return
-        remote_ok = not self.main_process_only or current_rank() == 0
+        remote_ok = not self.main_process_only or self._is_rank_zero()
         for worker in self._workers:
             if worker.rank_zero_only and not remote_ok:
                 continue
             worker.offer(event)
+
+    def _is_rank_zero(self) -> bool:
+        # The process group may be initialised after the bus was made; the environment does not change.
+        if is_distributed():
+            return current_rank() == 0
+        return self._env_rank == 0
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued event was handled and every sink flushed; False on timeout."""
