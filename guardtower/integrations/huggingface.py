@@ -163,3 +163,151 @@ def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
             break
         optimizer = inner
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+class StabilityGuardCallback(TrainerCallback):  # type: ignore[misc]
+    """Guard every optimizer step of a ``Trainer`` with a ``GuardedOptimizer``.
+
+    Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step). In ``on_train_begin``
+    the optimizer inside Accelerate's wrapper is replaced by a ``GuardedOptimizer`` around it, so the
+    Trainer's own ``optimizer.step()`` goes through the guard. Events carry the Trainer's ``global_step``;
+    ``on_log`` adds ``guardtower/spikes``, ``guardtower/skipped_steps`` and ``guardtower/rollbacks``.
+
+    With ``max_grad_norm > 0`` the Trainer would clip before the guard sees the gradients, and a clipped
+    spike looks normal. The callback therefore sets ``args.max_grad_norm = 0`` for the run (the Trainer still
+    logs the unclipped norm) and clips with the same norm right before each accepted update; the value is
+    restored at the end of training. ``clip_in_guard=False`` keeps the Trainer's clipping as it is.
+    """
+
+    def __init__(
+        self,
+        spike_threshold: float = 10.0,
+        nan_action: str = "skip",
+        *,
+        clip_in_guard: bool = True,
+        sinks: Iterable[Sink] | None = None,
+        bus: EventBus | None = None,
+        **guard_kwargs: Any,
+    ) -> None:
+        from guardtower.guard import GuardedOptimizer
+
+        for reserved in ("base_optimizer", "model"):
+            if reserved in guard_kwargs:
+                raise ConfigError(reserved, "is set by the callback from the Trainer",
+                                  f"remove {reserved}= from StabilityGuardCallback(...)")
+        self.guard_kwargs: dict[str, Any] = dict(spike_threshold=spike_threshold, nan_action=nan_action,
+                                                 **guard_kwargs)
+        # build a throwaway guard now so a bad argument fails here, not after the Trainer has started
+        probe = GuardedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), **self.guard_kwargs)
+        probe.close()
+        self.clip_in_guard = bool(clip_in_guard)
+        self._bus, self._owns_bus = resolve_bus(bus, sinks)
+        self.guard: GuardedOptimizer | None = None
+        self._holder: Any = None
+        self._clip_handle: Any = None
+        self._saved_max_grad_norm: float | None = None
+        self._args: TrainingArguments | None = None
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        from guardtower.guard import GuardedOptimizer
+
+        holder = _step_holder(optimizer)
+        if holder is None:
+            raise ConfigError(
+                "optimizer", f"the Trainer steps a {type(optimizer).__name__}, which holds no inner optimizer to guard",
+                "use the Trainer's default Accelerate setup, or wrap your optimizer in GuardedOptimizer yourself",
+            )
+        inner = holder.optimizer
+        if isinstance(inner, GuardedOptimizer):  # a second train() call: keep the guard and its baselines
+            self.guard = inner
+        else:
+            self.guard = GuardedOptimizer(inner, model, **self.guard_kwargs, bus=self._bus)
+            _swap_inner_optimizer(holder, self.guard)
+        self._holder = holder
+        self._args = args
+        if self.clip_in_guard and args.max_grad_norm and args.max_grad_norm > 0 and not _trainer_shards(args):
+            self._saved_max_grad_norm = float(args.max_grad_norm)
+            args.max_grad_norm = 0.0
+            self._clip_handle = self.guard.base_optimizer.register_step_pre_hook(
+                _clipper(self.guard.base_optimizer, self._saved_max_grad_norm))
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
+        if self.guard is not None:
+            # the guard numbers its steps from step_count; the Trainer's update is global_step + 1
+            self.guard.step_count = state.global_step
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if self.guard is None or logs is None:
+            return
+        counters = {
+            "guardtower/spikes": self.guard.total_spikes,
+            "guardtower/skipped_steps": self.guard.total_skips,
+            "guardtower/rollbacks": self.guard.total_rollbacks,
+        }
+        logs.update(counters)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step:  # Trainer.log stored a copy before on_log
+            history[-1].update(counters)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self.guard is not None:
+            self.guard.flush(10.0)
+        self._restore_clipping()
+
+    def close(self) -> None:
+        """Restore the Trainer's optimizer and clipping, close the guard and the bus if this callback made it."""
+        self._restore_clipping()
+        if self.guard is not None and self._holder is not None and self._holder.optimizer is self.guard:
+            _swap_inner_optimizer(self._holder, self.guard.base_optimizer)
+        if self.guard is not None:
+            self.guard.close()
+        if self._owns_bus:
+            self._bus.close(5.0)
+
+    def _restore_clipping(self) -> None:
+        if self._clip_handle is not None:
+            self._clip_handle.remove()
+            self._clip_handle = None
+        if self._saved_max_grad_norm is not None and self._args is not None:
+            self._args.max_grad_norm = self._saved_max_grad_norm
+            self._saved_max_grad_norm = None
+
+
+def _step_holder(optimizer: Any) -> Any:
+    """The innermost wrapper whose ``step`` calls ``self.optimizer.step`` (Accelerate's ``AcceleratedOptimizer``)."""
+    holder = None
+    current = optimizer
+    while isinstance(getattr(current, "optimizer", None), torch.optim.Optimizer):
+        holder = current
+        current = current.optimizer
+        if type(current).__name__ == "GuardedOptimizer":
+            break
+    return holder
+
+
+def _swap_inner_optimizer(holder: Any, new: torch.optim.Optimizer) -> None:
+    """Put ``new`` where ``holder`` keeps its optimizer, including Accelerate's GradScaler step patch."""
+    holder.optimizer = new
+    if getattr(holder, "scaler", None) is not None and hasattr(holder, "_optimizer_original_step_method"):
+        from accelerate.optimizer import patch_optimizer_step
+
+        holder._optimizer_original_step_method = new.step
+        holder._optimizer_patched_step_method = patch_optimizer_step(holder, new.step)
+
+
+def _trainer_shards(args: TrainingArguments) -> bool:
+    """FSDP and DeepSpeed clip sharded gradients themselves; the guard then sees clipped gradients."""
+    return bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
+
+
+def _clipper(optimizer: torch.optim.Optimizer, max_norm: float) -> Any:
+    def clip(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    return clip
