@@ -58,15 +58,21 @@ def plot_run_log(log: RunLog, out: str | Path) -> Path:
 
 
 def _series(points: dict[int, float], lo: int | None = None, hi: int | None = None) -> tuple[list[int], list[float]]:
-    """Finite points of a step->value map inside [lo, hi], in step order (log axes cannot show NaN/Inf/0)."""
-    xs, ys = [], []
+    """A step->value map inside [lo, hi] in step order; NaN/Inf/0 (unplottable on a log axis) and missing
+    steps become NaN so the line breaks there instead of bridging the incident."""
+    xs: list[int] = []
+    ys: list[float] = []
     for step in sorted(points):
-        value = points[step]
         if (lo is not None and step < lo) or (hi is not None and step > hi):
             continue
-        if math.isfinite(value) and value > 0:
-            xs.append(step)
-            ys.append(value)
+        if xs and step > xs[-1] + 1:
+            xs.append(xs[-1] + 1)
+            ys.append(math.nan)
+        value = points[step]
+        xs.append(step)
+        ys.append(value if math.isfinite(value) and value > 0 else math.nan)
+    if all(math.isnan(y) for y in ys):
+        return [], []
     return xs, ys
 
 
@@ -107,7 +113,7 @@ def _draw_overview(ax: Any, log: RunLog, incidents: list[Incident]) -> None:
                    label=None if incident.kind in kinds_labelled else f"incident: {incident.kind}")
         kinds_labelled.add(incident.kind)
     ax.set_title(f"gradient norms over the run ({len(incidents)} incident(s))")
-    _finish(ax, log_scale=bool(xs or busiest))
+    _finish(ax, log_scale=bool(xs or busiest), outside=True)
 
 
 def _draw_incident(ax: Any, log: RunLog, incident: Incident) -> None:
@@ -140,14 +146,16 @@ def _draw_incident(ax: Any, log: RunLog, incident: Incident) -> None:
     _finish(ax, log_scale=bool(xs or lx), fontsize=7)
 
 
-def _finish(ax: Any, *, log_scale: bool, fontsize: int = 8) -> None:
+def _finish(ax: Any, *, log_scale: bool, fontsize: int = 8, outside: bool = False) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("gradient L2 norm")
     if log_scale:
         ax.set_yscale("log")
     ax.grid(True, which="major", alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
-    if handles:
+    if handles and outside:
+        ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    elif handles:
         ax.legend(fontsize=fontsize, loc="upper left")
 
 

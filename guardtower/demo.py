@@ -113,7 +113,8 @@ class _Bar:
         self.total, self.label, self.enabled, self.n = total, label, enabled, 0
         self._tqdm: Any = None
         self._postfix = ""
-        if enabled:
+        self._tty = sys.stdout.isatty()
+        if enabled and self._tty:
             try:
                 from tqdm import tqdm
 
@@ -130,6 +131,10 @@ class _Bar:
             self._tqdm.set_postfix_str(postfix, refresh=False)
             self._tqdm.update(1)
             return
+        if not self._tty:  # a log file: one line per 10% instead of carriage returns
+            if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+                print(f"{self.label} {self.n}/{self.total} {postfix}", flush=True)
+            return
         width = 30
         done = int(width * self.n / self.total)
         sys.stdout.write(f"\r{self.label} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} {postfix}   ")
@@ -139,13 +144,13 @@ class _Bar:
         if self._tqdm is not None:
             self._tqdm.write(text, file=sys.stdout)
         else:
-            sys.stdout.write(("\r" + " " * 100 + "\r" if self.enabled else "") + text + "\n")
+            sys.stdout.write(("\r" + " " * 100 + "\r" if self.enabled and self._tty else "") + text + "\n")
             sys.stdout.flush()
 
     def close(self) -> None:
         if self._tqdm is not None:
             self._tqdm.close()
-        elif self.enabled:
+        elif self.enabled and self._tty:
             sys.stdout.write("\n")
             sys.stdout.flush()
 
