@@ -390,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=1, log_dir=str(spike_dir),
                                         warmup_steps=10, verbose=False, bus=bus)
     if args.rollback:
-        guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback")
+        guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback", rollback_every=10)
     guarded = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model, **guard_kwargs)
     shown = 0
 
