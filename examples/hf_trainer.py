@@ -47,7 +47,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="hf_trainer_"))
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=32, vocab_size=128,
-                                       bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM"))
+                                       bos_token_id=0, eos_token_id=0))
     events = JsonlSink(out / "events.jsonl")
     preflight = GuardtowerCallback(raise_on_error=True, sinks=[events])
     guard = StabilityGuardCallback(spike_threshold=10.0, nan_action="skip", warmup_steps=5,

@@ -65,8 +65,7 @@ def _gpt(vocab_size: int, seed: int) -> Any:
 
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=_SEQ_LEN, vocab_size=vocab_size,
-                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        loss_type="ForCausalLM")
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
 
 
