@@ -101,6 +101,7 @@ class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
         self._remove_hook()
         report = self.run_audit(module, args, kwargs)
         if report is not None and self.raise_on_error and not report.ok:
+            self._bus.flush(10.0)  # the run's trackers get the failure before train() unwinds
             raise PreflightFailed(report)
         return None
 
