@@ -155,6 +155,10 @@ class SpikeEvent(Event):
     top_layers: tuple[tuple[str, float, float], ...] = ()  # (name, norm, ratio)
     nonfinite_layers: tuple[str, ...] = ()
     report_path: str | None = None
+    # the steps before and including this one: global grad norm and the trigger layer's norm
+    history_steps: tuple[int, ...] = ()
+    history_global_norms: tuple[float, ...] = ()
+    history_layer_norms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,24 @@
+"""The runtime guard: ``GuardedOptimizer`` and its pluggable parts (detectors, actions, snapshots, reports)."""
+
+from guardtower.guard.detector import (
+    Detector,
+    PreUpdateEMADetector,
+    RatioDetector,
+    RollingSigmaDetector,
+    Verdict,
+    ZScoreDetector,
+)
+from guardtower.guard.optimizer import GuardedOptimizer
+from guardtower.guard.reports import SpikeReportSink, read_report
+
+__all__ = [
+    "GuardedOptimizer",
+    "Detector",
+    "Verdict",
+    "RatioDetector",
+    "ZScoreDetector",
+    "PreUpdateEMADetector",
+    "RollingSigmaDetector",
+    "SpikeReportSink",
+    "read_report",
+]

@@ -1,0 +1,363 @@
+"""Spike detectors: judge one step's per-tensor gradient norms against baselines kept on the device.
+
+A detector never leaves the device and never reads a value back to the host: ``judge`` returns tensors,
+``update`` folds the step into the baselines with ``torch.where`` so that a rejected step changes nothing.
+The guard calls ``judge`` first and ``update`` second, always in that order, so the step being judged is
+never part of the baseline it is compared with.
+
+``RatioDetector`` (the default) compares each tensor's norm, and the global norm, with an exponential moving
+average of past accepted log-norms (a geometric mean: one outlier that slips through moves it by a factor,
+not an order of magnitude). ``ZScoreDetector`` uses the same averages plus an EMA variance. The two others are
+the rules published guards use, kept as real detectors so ``bench/detection.py`` can compare them:
+``PreUpdateEMADetector`` updates its (linear) EMA with every step *before* comparing, and
+``RollingSigmaDetector`` flags a norm above the mean plus k standard deviations of a rolling window.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from guardtower.errors import ConfigError
+
+__all__ = [
+    "Verdict",
+    "Detector",
+    "RatioDetector",
+    "ZScoreDetector",
+    "PreUpdateEMADetector",
+    "RollingSigmaDetector",
+    "DETECTORS",
+    "make_detector",
+]
+
+_TINY = 1e-30
+
+
+class Verdict(NamedTuple):
+    """One step's judgement, all on the device. Non-finite norms are the guard's business, not the detector's."""
+
+    tripped: Tensor  # bool [n]: this tensor alone would reject the step
+    ratios: Tensor  # float32 [n]: norm / baseline, for reports
+    baselines: Tensor  # float32 [n]
+    global_tripped: Tensor  # bool 0-d
+    global_ratio: Tensor  # float32 0-d
+    global_baseline: Tensor  # float32 0-d
+
+    @property
+    def spike(self) -> Tensor:
+        return self.tripped.any() | self.global_tripped
+
+
+class Detector(ABC):
+    """Per-tensor and global baselines in device tensors.
+
+    Subclasses list their per-tensor state in ``_per_tensor`` (attribute name -> initial value) and their
+    global state in ``_scalars``; ``resize`` and ``state_dict`` are generic over those.
+    """
+
+    name: str = "detector"
+    threshold: float = 10.0
+    _per_tensor: dict[str, float] = {}
+    _scalars: dict[str, float] = {}
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.device = torch.device("cpu")
+        self._state: dict[str, Tensor] = {}
+
+    def resize(self, n: int, device: torch.device) -> None:
+        """Make room for ``n`` tensors on ``device``; existing baselines keep their positions."""
+        if n == self.n and device == self.device and self._state:
+            return
+        new: dict[str, Tensor] = {}
+        for key, init in self._per_tensor.items():
+            t = torch.full((n,), init, dtype=torch.float32, device=device)
+            old = self._state.get(key)
+            if old is not None:
+                keep = min(n, old.shape[0])
+                t[:keep] = old[:keep].to(device)
+            new[key] = t
+        for key, init in self._scalars.items():
+            old = self._state.get(key)
+            new[key] = old.to(device) if old is not None else torch.full((), init, dtype=torch.float32, device=device)
+        self._state = new
+        self.n = n
+        self.device = device
+
+    @abstractmethod
+    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
+        """Compare this step's norms with the baselines; must not change any state."""
+
+    @abstractmethod
+    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
+        """Fold the step into the baselines where ``accept`` (bool 0-d) holds; a no-op otherwise."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "n": self.n, "state": {k: v.detach().cpu().clone() for k, v in self._state.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ConfigError(
+                "state_dict",
+                f"guard state was saved with detector {state.get('name')!r}, this guard uses {self.name!r}",
+                "construct the GuardedOptimizer with the same detector",
+            )
+        n = int(state["n"])
+        saved = state["state"]
+        if n != self.n:
+            raise ConfigError(
+                "state_dict",
+                f"guard state covers {n} gradient tensors, this optimizer has {self.n}",
+                "load a state dict saved from the same model and optimizer parameter groups",
+            )
+        self._state = {k: saved[k].to(self.device, torch.float32).clone() for k in self._state}
+
+
+def _warm(count: Tensor, warmup: int) -> Tensor:
+    return count >= warmup
+
+
+def _valid(norms: Tensor, accept: Tensor) -> Tensor:
+    """Observations that may enter a baseline: accepted step, finite and non-zero norm."""
+    return accept & torch.isfinite(norms) & (norms > 0)
+
+
+def _check_common(threshold: float, ema_alpha: float, warmup_steps: int, threshold_arg: str) -> None:
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold > 0):
+        raise ConfigError(threshold_arg, f"must be a positive number, got {threshold!r}", f"pass e.g. {threshold_arg}=10.0")
+    if not (isinstance(ema_alpha, (int, float)) and 0 < ema_alpha < 1):
+        raise ConfigError("ema_alpha", f"must lie strictly between 0 and 1, got {ema_alpha!r}", "pass e.g. ema_alpha=0.01")
+    if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
+        raise ConfigError("warmup_steps", f"must be a non-negative int, got {warmup_steps!r}", "pass e.g. warmup_steps=10")
+
+
+class _LogEMA(Detector):
+    """Shared state of the log-domain detectors: EMA of log-norms with a running-mean start.
+
+    The step size is ``max(ema_alpha, 1/(count+1))``: a plain mean over the first ``1/ema_alpha`` accepted
+    steps (so warmup ends with an unbiased baseline), then an EMA.
+    """
+
+    _per_tensor = {"log_base": 0.0, "log_var": 0.0, "count": 0.0}
+    _scalars = {"g_log_base": 0.0, "g_log_var": 0.0, "g_count": 0.0}
+
+    def __init__(self, threshold: float, ema_alpha: float, warmup_steps: int, floor: float) -> None:
+        super().__init__()
+        self.threshold = float(threshold)
+        self.ema_alpha = float(ema_alpha)
+        self.warmup_steps = int(warmup_steps)
+        if not (isinstance(floor, (int, float)) and 0 <= floor < 1):
+            raise ConfigError("norm_floor", f"must lie in [0, 1), got {floor!r}", "pass e.g. norm_floor=1e-3")
+        self.floor = float(floor)
+
+    def _baselines(self, global_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s = self._state
+        base = torch.exp(s["log_base"]) * (s["count"] > 0)
+        g_base = torch.exp(s["g_log_base"]) * (s["g_count"] > 0)
+        # a tensor whose baseline is below floor * global baseline is judged against that floor instead
+        effective = torch.maximum(base, g_base * self.floor).clamp_min(_TINY)
+        return base, g_base, effective
+
+    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
+        s = self._state
+        _ema_log(norms, _valid(norms, accept), s["log_base"], s["log_var"], s["count"], self.ema_alpha)
+        g_valid = _valid(global_norm, accept)
+        _ema_log(global_norm, g_valid, s["g_log_base"], s["g_log_var"], s["g_count"], self.ema_alpha)
+
+
+def _ema_log(x: Tensor, valid: Tensor, mean: Tensor, var: Tensor, count: Tensor, alpha: float) -> None:
+    """In-place masked EMA of log(x) and its variance."""
+    log_x = torch.log(torch.where(valid, x, torch.ones_like(x)))
+    step = torch.clamp_min(1.0 / (count + 1.0), alpha)
+    delta = log_x - mean
+    new_mean = mean + step * delta
+    new_var = (1.0 - step) * (var + step * delta * delta)
+    mean.copy_(torch.where(valid, new_mean, mean))
+    var.copy_(torch.where(valid, new_var, var))
+    count.add_(valid.to(count.dtype))
+
+
+class RatioDetector(_LogEMA):
+    """Reject when a tensor's (or the global) norm exceeds ``threshold`` x its EMA baseline. The default."""
+
+    name = "ratio"
+
+    def __init__(self, threshold: float = 10.0, ema_alpha: float = 0.01, warmup_steps: int = 10,
+                 floor: float = 1e-3) -> None:
+        _check_common(threshold, ema_alpha, warmup_steps, "spike_threshold")
+        super().__init__(threshold, ema_alpha, warmup_steps, floor)
+
+    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
+        s = self._state
+        base, g_base, effective = self._baselines(global_norm)
+        ratios = norms / effective
+        g_ratio = global_norm / g_base.clamp_min(_TINY)
+        tripped = _warm(s["count"], self.warmup_steps) & (ratios > self.threshold)
+        g_tripped = _warm(s["g_count"], self.warmup_steps) & (g_ratio > self.threshold)
+        return Verdict(tripped, ratios, base, g_tripped, g_ratio, g_base)
+
+
+class ZScoreDetector(_LogEMA):
+    """Reject when a log-norm is more than ``z_threshold`` EMA standard deviations above its EMA mean.
+
+    ``min_ratio`` keeps near-constant series (tiny variance) from tripping on small moves.
+    """
+
+    name = "zscore"
+
+    def __init__(self, z_threshold: float = 6.0, ema_alpha: float = 0.01, warmup_steps: int = 10,
+                 floor: float = 1e-3, min_ratio: float = 3.0) -> None:
+        _check_common(z_threshold, ema_alpha, warmup_steps, "z_threshold")
+        super().__init__(z_threshold, ema_alpha, warmup_steps, floor)
+        self.min_ratio = float(min_ratio)
+
+    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
+        s = self._state
+        base, g_base, effective = self._baselines(global_norm)
+        ratios = norms / effective
+        g_ratio = global_norm / g_base.clamp_min(_TINY)
+        z = torch.log(ratios.clamp_min(_TINY)) / torch.sqrt(s["log_var"]).clamp_min(1e-3)
+        g_z = torch.log(g_ratio.clamp_min(_TINY)) / torch.sqrt(s["g_log_var"]).clamp_min(1e-3)
+        tripped = _warm(s["count"], self.warmup_steps) & (z > self.threshold) & (ratios > self.min_ratio)
+        g_tripped = _warm(s["g_count"], self.warmup_steps) & (g_z > self.threshold) & (g_ratio > self.min_ratio)
+        return Verdict(tripped, ratios, base, g_tripped, g_ratio, g_base)
+
+
+class PreUpdateEMADetector(Detector):
+    """The common published rule: a linear EMA updated with every finite step *before* the comparison.
+
+    Kept for comparison only. Its ratio can never exceed ``1/ema_alpha``, and a spike it flags still enters
+    the baseline, which then hides the next incidents until it decays.
+    """
+
+    name = "pre_update_ema"
+    _per_tensor = {"ema": 0.0, "count": 0.0}
+    _scalars = {"g_ema": 0.0, "g_count": 0.0}
+
+    def __init__(self, threshold: float = 10.0, ema_alpha: float = 0.01, warmup_steps: int = 10) -> None:
+        super().__init__()
+        _check_common(threshold, ema_alpha, warmup_steps, "spike_threshold")
+        self.threshold = float(threshold)
+        self.ema_alpha = float(ema_alpha)
+        self.warmup_steps = warmup_steps
+
+    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
+        s = self._state
+        for x, ema, count in ((norms, s["ema"], s["count"]), (global_norm, s["g_ema"], s["g_count"])):
+            finite = torch.isfinite(x)
+            first = count == 0
+            new = torch.where(first, x, (1 - self.ema_alpha) * ema + self.ema_alpha * x)
+            ema.copy_(torch.where(finite, new, ema))
+            count.add_(finite.to(count.dtype))
+        ratios = norms / s["ema"].clamp_min(_TINY)
+        g_ratio = global_norm / s["g_ema"].clamp_min(_TINY)
+        tripped = _warm(s["count"], self.warmup_steps) & (ratios > self.threshold)
+        g_tripped = _warm(s["g_count"], self.warmup_steps) & (g_ratio > self.threshold)
+        return Verdict(tripped, ratios, s["ema"].clone(), g_tripped, g_ratio, s["g_ema"].clone())
+
+    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
+        return None  # already folded in by judge(): that is the flaw this detector demonstrates
+
+
+class RollingSigmaDetector(Detector):
+    """Flag a norm above mean + ``sigmas`` x std of the last ``window`` accepted steps."""
+
+    name = "rolling_sigma"
+    _per_tensor = {"count": 0.0}
+    _scalars = {"g_count": 0.0}
+
+    def __init__(self, window: int = 128, sigmas: float = 6.0, warmup_steps: int = 10) -> None:
+        super().__init__()
+        if not (isinstance(window, int) and window >= 2):
+            raise ConfigError("window", f"must be an int >= 2, got {window!r}", "pass e.g. window=128")
+        _check_common(sigmas, 0.5, warmup_steps, "sigmas")
+        self.window = window
+        self.threshold = float(sigmas)
+        self.warmup_steps = max(2, warmup_steps)
+        self._ring = torch.full((window, 0), float("nan"))
+        self._g_ring = torch.full((window,), float("nan"))
+        self._pos = torch.zeros(1, dtype=torch.long)
+
+    def resize(self, n: int, device: torch.device) -> None:
+        old = self._ring
+        super().resize(n, device)
+        ring = torch.full((self.window, n), float("nan"), device=device)
+        keep = min(n, old.shape[1])
+        ring[:, :keep] = old[:, :keep].to(device)
+        self._ring = ring
+        self._g_ring = self._g_ring.to(device)
+        self._pos = self._pos.to(device)
+
+    @staticmethod
+    def _stats(ring: Tensor) -> tuple[Tensor, Tensor]:
+        filled = ~torch.isnan(ring)
+        count = filled.sum(0).clamp_min(1)
+        values = torch.where(filled, ring, torch.zeros_like(ring))
+        mean = values.sum(0) / count
+        var = (torch.where(filled, ring - mean, torch.zeros_like(ring)) ** 2).sum(0) / count
+        return mean, torch.sqrt(var)
+
+    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
+        s = self._state
+        mean, std = self._stats(self._ring)
+        g_mean, g_std = self._stats(self._g_ring.unsqueeze(1))
+        g_mean, g_std = g_mean[0], g_std[0]
+        tripped = _warm(s["count"], self.warmup_steps) & (norms > mean + self.threshold * std)
+        g_tripped = _warm(s["g_count"], self.warmup_steps) & (global_norm > g_mean + self.threshold * g_std)
+        return Verdict(tripped, norms / mean.clamp_min(_TINY), mean, g_tripped, global_norm / g_mean.clamp_min(_TINY),
+                       g_mean)
+
+    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
+        s = self._state
+        valid = _valid(norms, accept)
+        g_valid = _valid(global_norm, accept)
+        # index_select/index_copy_ with a device index: indexing with a 0-d tensor would read it on the host
+        row = self._ring.index_select(0, self._pos)[0]
+        self._ring.index_copy_(0, self._pos, torch.where(valid, norms, row).unsqueeze(0))
+        g_old = self._g_ring.index_select(0, self._pos)
+        self._g_ring.index_copy_(0, self._pos, torch.where(g_valid, global_norm, g_old))
+        s["count"].add_(valid.to(torch.float32))
+        s["g_count"].add_(g_valid.to(torch.float32))
+        self._pos.copy_(torch.where(accept, (self._pos + 1) % self.window, self._pos))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["ring"] = self._ring.cpu().clone()
+        state["g_ring"] = self._g_ring.cpu().clone()
+        state["pos"] = self._pos.cpu().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._ring = state["ring"].to(self.device)
+        self._g_ring = state["g_ring"].to(self.device)
+        self._pos = state["pos"].to(self.device)
+
+
+DETECTORS: dict[str, type[Detector]] = {
+    cls.name: cls for cls in (RatioDetector, ZScoreDetector, PreUpdateEMADetector, RollingSigmaDetector)
+}
+
+
+def make_detector(detector: str | Detector, *, spike_threshold: float, ema_alpha: float, warmup_steps: int,
+                  norm_floor: float) -> Detector:
+    """The detector a ``GuardedOptimizer`` uses: an instance as given, or one built by name from its arguments."""
+    if isinstance(detector, Detector):
+        return detector
+    if detector == "ratio":
+        return RatioDetector(spike_threshold, ema_alpha, warmup_steps, norm_floor)
+    if detector == "zscore":
+        _check_common(spike_threshold, ema_alpha, warmup_steps, "spike_threshold")
+        return ZScoreDetector(ema_alpha=ema_alpha, warmup_steps=warmup_steps, floor=norm_floor)
+    if detector == "pre_update_ema":
+        return PreUpdateEMADetector(spike_threshold, ema_alpha, warmup_steps)
+    if detector == "rolling_sigma":
+        _check_common(spike_threshold, ema_alpha, warmup_steps, "spike_threshold")
+        return RollingSigmaDetector(warmup_steps=warmup_steps)
+    raise ConfigError("detector", f"unknown detector {detector!r}",
+                      f"pass one of {sorted(DETECTORS)} or a guardtower.guard.detector.Detector instance")

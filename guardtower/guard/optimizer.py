@@ -1,0 +1,526 @@
+"""``GuardedOptimizer``: a drop-in ``torch.optim.Optimizer`` that judges every step's gradients first.
+
+Each ``step()`` measures every gradient tensor's L2 norm in one multi-tensor pass, compares the norms with
+baselines of past *accepted* steps (``guardtower.guard.detector``), and rejects the step on NaN/Inf or a
+spike. Everything up to the decision stays on the device. With a fused optimizer (``fused=True``) the
+decision reaches the optimizer as its ``found_inf`` tensor, so a guarded step costs zero host syncs; any other
+optimizer costs one (the decision flag is read once). ``nan_action="raise"``/``"rollback"`` also read the flag
+once per step, because the host has to act before the next step.
+
+Events (spike, skip, rollback, halt, summary) are built from a per-step record that reaches the host through
+an asynchronous copy, at most two steps later (immediately for a step the host already had to read), and
+are only *published* on the training thread; sinks (console box, spike-report files, trackers) run on the
+bus's worker threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from guardtower._dist import current_rank, is_distributed, world_size
+from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower.errors import ConfigError, GradientSpikeError
+from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, SummaryEvent
+from guardtower.guard._measure import GradMeter
+from guardtower.guard._records import HEADER, RecordQueue, StepRecord
+from guardtower.guard.actions import ActionPolicy, device_skip, supports_device_skip
+from guardtower.guard.detector import Detector, make_detector
+from guardtower.guard.reports import SpikeReportSink, report_filename
+from guardtower.guard.snapshots import SnapshotStore
+from guardtower.severity import Severity
+from guardtower.spool import _check_writable_dir
+
+__all__ = ["GuardedOptimizer"]
+
+logger = logging.getLogger("guardtower.guard")
+
+_H = len(HEADER)
+_HISTORY = 32
+_TOP = 10
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_RAISE_FLUSH_S = 5.0
+
+
+def _clean_name(name: str, wrapped: bool) -> str:
+    """A parameter name without the parts DDP (``wrapped``), FSDP, checkpointing and torch.compile add."""
+    parts = [part for part in name.split(".") if part not in _WRAPPER_PARTS]
+    if wrapped and parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _positive_int(value: Any, argument: str, example: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(argument, f"must be a positive int, got {value!r}", f"pass e.g. {argument}={example}")
+    return value
+
+
+def _replay_closure(closure: Callable[[], Any], first: Any) -> Callable[[], Any]:
+    """A closure whose first call returns the loss already computed; later calls (LBFGS) re-evaluate."""
+    pending = [first]
+
+    def replay() -> Any:
+        if pending:
+            return pending.pop()
+        with torch.enable_grad():
+            return closure()
+
+    return replay
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """Wrap ``base_optimizer``; skip, roll back or raise on gradient spikes and NaN/Inf before the update.
+
+    It shares ``param_groups``, ``state`` and ``defaults`` with the base optimizer, so LR schedulers,
+    ``GradScaler``, Accelerate and the HF Trainer accept it. Counters: ``step_count`` (calls to ``step``),
+    ``total_spikes`` (rejected steps), ``total_skips``, ``total_rollbacks``; they reflect events already
+    handed to the host (at most two steps behind with fused optimizers; ``flush()`` brings them up to date).
+
+    Arguments beyond the contract: ``detector`` (``"ratio"``, ``"zscore"`` or a ``Detector``), ``norm_floor``
+    (a tensor whose norm is below this fraction of the global-norm baseline cannot trigger),
+    ``max_consecutive_skips``/``escalate_to`` (a run that keeps failing stops or rolls back instead of
+    skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
+    to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``.
+    """
+
+    def __init__(
+        self,
+        base_optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        *,
+        spike_threshold: float = 10.0,
+        nan_action: str = "skip",
+        log_every: int = 50,
+        log_dir: str | os.PathLike[str] = "./sg_logs",
+        ema_alpha: float = 0.01,
+        warmup_steps: int = 10,
+        verbose: bool = True,
+        sinks: Iterable[Sink] | None = None,
+        bus: EventBus | None = None,
+        detector: str | Detector = "ratio",
+        norm_floor: float = 1e-3,
+        max_consecutive_skips: int | None = 20,
+        escalate_to: str = "raise",
+        rollback_every: int = 100,
+        keep: int = 2,
+        on_rollback: Callable[[int, int], Any] | None = None,
+        process_group: Any = None,
+        run: str | None = None,
+    ) -> None:
+        # --- validate everything before touching anything ---
+        if not isinstance(base_optimizer, torch.optim.Optimizer):
+            raise ConfigError("base_optimizer", f"expected a torch.optim.Optimizer, got {type(base_optimizer).__name__}",
+                              "pass e.g. torch.optim.AdamW(model.parameters())")
+        if isinstance(base_optimizer, GuardedOptimizer):
+            raise ConfigError("base_optimizer", "is already a GuardedOptimizer", "wrap the plain optimizer once")
+        if model is not None and not isinstance(model, nn.Module):
+            raise ConfigError("model", f"expected an nn.Module, got {type(model).__name__}", "pass the model or None")
+        policy = ActionPolicy(nan_action, max_consecutive_skips, escalate_to)
+        found_detector = make_detector(detector, spike_threshold=spike_threshold, ema_alpha=ema_alpha,
+                                       warmup_steps=warmup_steps, norm_floor=norm_floor)
+        log_every = _positive_int(log_every, "log_every", "50")
+        rollback_every = _positive_int(rollback_every, "rollback_every", "100")
+        keep = _positive_int(keep, "keep", "2")
+        if on_rollback is not None and not callable(on_rollback):
+            raise ConfigError("on_rollback", "must be callable(from_step, to_step)", "pass a function or None")
+        params = [p for g in base_optimizer.param_groups for p in g["params"]]
+        names = self._param_names(base_optimizer, model)
+        log_path = Path(log_dir)
+        try:
+            log_path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("log_dir", f"cannot create {str(log_path)!r} ({exc.strerror})",
+                              "pass a writable directory") from None
+        _check_writable_dir(log_path, "log_dir")
+
+        # --- the Optimizer machinery, without Optimizer.__init__ (which would copy the param groups) ---
+        self._base = base_optimizer
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_post_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+        self._patch_step_function()
+        # GradScaler reads this to hand us grad_scale/found_inf instead of unscaling and syncing itself
+        self._step_supports_amp_scaling = supports_device_skip(base_optimizer)
+
+        self.model = model
+        self.spike_threshold = float(spike_threshold)
+        self.policy = policy
+        self.log_every = log_every
+        self.log_dir = log_path.resolve()
+        self.verbose = verbose
+        self.on_rollback = on_rollback
+        self.process_group = process_group
+        self.run = run
+        self._run_kw: dict[str, Any] = {} if run is None else {"run": run}
+        self.detector = found_detector
+        self._names = names
+        self._params = params
+        self._device = params[0].device if params else torch.device("cpu")
+        self._meter = GradMeter(self._device, process_group)
+        self.detector.resize(len(params), self._device)
+        self._records = RecordQueue()
+        self._history: collections.deque[tuple[int, float, Tensor]] = collections.deque(maxlen=_HISTORY)
+        self._host_decides = not self._step_supports_amp_scaling or policy.nan_action != "skip"
+        self._snapshots = (SnapshotStore(model, base_optimizer, rollback_every, keep)
+                           if policy.may_rollback else None)
+        if self._snapshots is not None:
+            self._snapshots.take(0)  # the state as handed to us, before any forward pass moves buffers
+        self.step_count = 0
+        self.total_spikes = 0
+        self.total_skips = 0
+        self.total_rollbacks = 0
+        self.total_overflows = 0
+        self.consecutive_rejections = 0
+        self._closed = False
+
+        self._report_sink = SpikeReportSink(self.log_dir)
+        self.bus, self._owns_bus = resolve_bus(bus, sinks)
+        self.bus.add_sink(self._report_sink)
+        if verbose:
+            from guardtower.sinks import ConsoleSink
+
+            if not any(isinstance(s, ConsoleSink) for s in self.bus.sinks):
+                self.bus.add_sink(ConsoleSink(min_severity=Severity.WARN))
+
+    # ------------------------------------------------------------------ shared Optimizer state
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._base.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._base.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self._base.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._base.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._base.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._base.defaults = value
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        return self._base
+
+    def __repr__(self) -> str:
+        return (f"GuardedOptimizer(nan_action={self.policy.nan_action!r}, spike_threshold={self.spike_threshold}, "
+                f"detector={self.detector.name!r}) wrapping {self._base!r}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("GuardedOptimizer cannot be pickled; save state_dict() instead")
+
+    # ------------------------------------------------------------------ pass-through API
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._base.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the base optimizer; the new tensors get fresh baselines (and their own warmup)."""
+        if not hasattr(self, "_base"):  # called from Optimizer internals before __init__ finished
+            raise RuntimeError("GuardedOptimizer is not initialised")
+        self._base.add_param_group(param_group)
+        self._params = [p for g in self._base.param_groups for p in g["params"]]
+        self._names = self._param_names(self._base, self.model)
+        self.detector.resize(len(self._params), self._device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state dict plus the guard's own state under the key ``"guardtower"``."""
+        self._drain(block=True)
+        state = self._base.state_dict()
+        state["guardtower"] = {
+            "version": 1,
+            "step_count": self.step_count,
+            "total_spikes": self.total_spikes,
+            "total_skips": self.total_skips,
+            "total_rollbacks": self.total_rollbacks,
+            "total_overflows": self.total_overflows,
+            "consecutive_rejections": self.consecutive_rejections,
+            "detector": self.detector.state_dict(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state dict from ``state_dict()``, or a plain base-optimizer one (guard state unchanged)."""
+        state = dict(state_dict)
+        guard = state.pop("guardtower", None)
+        if guard is not None:
+            detector_state = guard.get("detector", {})
+            if detector_state.get("name") != self.detector.name or int(detector_state.get("n", -1)) != self.detector.n:
+                raise ConfigError(
+                    "state_dict",
+                    f"guard state is for detector {detector_state.get('name')!r} over {detector_state.get('n')} "
+                    f"tensors; this guard uses {self.detector.name!r} over {self.detector.n}",
+                    "load a state dict saved from the same model, parameter groups and detector",
+                )
+        self._drain(block=True)
+        self._base.load_state_dict(state)
+        self._params = [p for g in self._base.param_groups for p in g["params"]]
+        if guard is not None:
+            self.detector.load_state_dict(guard["detector"])
+            self.step_count = int(guard["step_count"])
+            self.total_spikes = int(guard["total_spikes"])
+            self.total_skips = int(guard["total_skips"])
+            self.total_rollbacks = int(guard["total_rollbacks"])
+            self.total_overflows = int(guard.get("total_overflows", 0))
+            self.consecutive_rejections = int(guard.get("consecutive_rejections", 0))
+        self._history.clear()
+        if self._snapshots is not None:
+            self._snapshots.clear()
+
+    # ------------------------------------------------------------------ the step
+    def step(self, closure: Callable[[], Any] | None = None, loss: Any = None) -> Any:
+        """Judge the gradients, then update (or skip, roll back, raise). Returns what the base returns.
+
+        ``loss`` (a tensor or a number) only goes into spike reports and summaries; a tensor is kept on the
+        device until an event needs it. With a closure, the closure's loss is used and returned.
+        """
+        if self._closed:
+            return self._base.step(closure) if closure is not None else self._base.step()
+        result: Any = None
+        base_closure: Callable[[], Any] | None = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+            loss = result if loss is None else loss
+            base_closure = _replay_closure(closure, result)
+        self._drain(block=False)
+        self.step_count += 1
+        step = self.step_count
+        if self._snapshots is not None and not self._snapshots.snapshots:  # e.g. after load_state_dict
+            self._snapshots.take(step - 1)
+
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        scaler_found_inf: Tensor | None = getattr(self, "found_inf", None)
+        with torch.no_grad():
+            reject, skip = self._judge(step, loss, grad_scale, scaler_found_inf)
+
+        out: Any = None
+        if self._host_decides and bool(reject):  # the one host sync of non-fused optimizers / raise / rollback
+            self._drain(block=True)  # publishes this step's events and rolls back or raises
+        elif self._step_supports_amp_scaling:
+            out = device_skip(self._base, skip, grad_scale, base_closure)
+        else:
+            out = self._base.step(base_closure) if base_closure is not None else self._base.step()
+        if self._snapshots is not None and self._snapshots.due(step):
+            self._snapshots.take(step)
+        return result if closure is not None else out
+
+    def _judge(self, step: int, loss: Any, grad_scale: Tensor | None,
+               scaler_found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Measure and decide on the device; queue the step's record. Returns (reject, skip as 0.0/1.0)."""
+        device = self._device
+        norms = self._meter.norms(self._params)
+        if grad_scale is not None:  # GradScaler handed us still-scaled gradients
+            norms = norms / grad_scale.to(device, torch.float32, non_blocking=True).reshape(())
+        global_norm = torch.linalg.vector_norm(norms)
+        nonfinite = ~torch.isfinite(norms).all() | ~torch.isfinite(global_norm)
+        verdict = self.detector.judge(norms, global_norm)
+        spike = verdict.spike
+        flags = torch.stack([spike | nonfinite, spike, nonfinite]).to(torch.float32)
+        if scaler_found_inf is not None:
+            overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(()) > 0
+            flags = flags * (~overflow).to(torch.float32)  # an overflow step is the scaler's, not a spike
+        else:
+            overflow = torch.zeros((), dtype=torch.bool, device=device)
+        if self._distributed():
+            import torch.distributed as dist
+
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        reject = flags[0] > 0
+        self.detector.update(norms, global_norm, ~reject & ~overflow)
+
+        loss_value: float | None = None
+        loss_slot = torch.full((), math.nan, device=device)
+        if isinstance(loss, Tensor):
+            loss_slot = loss.detach().to(device, torch.float32, non_blocking=True).mean()
+        elif isinstance(loss, (int, float)):
+            loss_value = float(loss)
+        header = torch.stack([flags[0], flags[1], flags[2], overflow.to(torch.float32), global_norm,
+                              verdict.global_baseline, verdict.global_ratio, loss_slot])
+        vec = torch.cat([header, norms, verdict.ratios, verdict.baselines, verdict.tripped.to(torch.float32)])
+        self._records.push(step, vec, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
+        skip = (reject | overflow).to(torch.float32)
+        return reject, skip
+
+    def _distributed(self) -> bool:
+        return self.process_group is not None or (is_distributed() and world_size() > 1)
+
+    def _lr(self) -> float | None:
+        lr = self._base.param_groups[0].get("lr") if self._base.param_groups else None
+        if isinstance(lr, Tensor):
+            return float(lr) if lr.device.type == "cpu" else None
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    # ------------------------------------------------------------------ host side: records -> events
+    def _drain(self, block: bool) -> None:
+        for record in self._records.ready(block):
+            self._handle(record)
+
+    def _handle(self, record: StepRecord) -> None:
+        reject, _spike, _nonfinite, overflow, global_norm, global_base, global_ratio, loss_slot = (
+            record.data[:_H].tolist())
+        loss = record.loss if record.loss is not None else (loss_slot if record.loss_on_device else None)
+        self._history.append((record.step, global_norm, record.data))
+        if overflow:
+            self.total_overflows += 1
+        elif reject:
+            self._incident(record, global_norm, global_base, global_ratio, loss)
+        else:
+            self.consecutive_rejections = 0
+        if record.step % self.log_every == 0:
+            n = record.n
+            ratios = record.data[_H + n:_H + 2 * n]
+            self._publish(SummaryEvent(
+                **self._run_kw,
+                step=record.step, grad_norm=global_norm, loss=loss, lr=record.lr,
+                total_spikes=self.total_spikes, total_skips=self.total_skips, total_rollbacks=self.total_rollbacks,
+                metrics={"global_baseline": global_base, "global_ratio": global_ratio,
+                         "max_layer_ratio": max(ratios.nan_to_num(0.0).tolist(), default=0.0),
+                         "overflow_steps": float(self.total_overflows),
+                         "consecutive_rejections": float(self.consecutive_rejections)},
+            ))
+
+    def _incident(self, record: StepRecord, global_norm: float, global_base: float, global_ratio: float,
+                  loss: float | None) -> None:
+        n = record.n
+        data = record.data
+        norms = data[_H:_H + n].tolist()
+        ratios = data[_H + n:_H + 2 * n].tolist()
+        baselines = data[_H + 2 * n:_H + 3 * n].tolist()
+        tripped = data[_H + 3 * n:_H + 4 * n].tolist()
+        names = self._names
+        nonfinite = [i for i in range(n) if not math.isfinite(norms[i])]
+        trigger: int | None
+        if nonfinite:
+            reason, trigger = "nonfinite", nonfinite[0]
+        else:
+            reason = "spike"
+            candidates = [i for i in range(n) if tripped[i]]
+            trigger = max(candidates, key=lambda i: ratios[i]) if candidates else None
+        if trigger is not None:
+            layer, norm, baseline = names[trigger], norms[trigger], baselines[trigger]
+            ratio = math.inf if reason == "nonfinite" else ratios[trigger]
+        elif math.isfinite(global_ratio) and global_ratio > self.spike_threshold:
+            layer, norm, baseline, ratio = "global", global_norm, global_base, global_ratio
+        else:  # another rank rejected the step (its gradients differed from ours)
+            layer, norm, baseline, ratio = "peer-rank", global_norm, global_base, global_ratio
+        order = sorted(range(n), key=lambda i: -(math.inf if not math.isfinite(norms[i]) else ratios[i]))
+        top = tuple((names[i], norms[i], ratios[i] if math.isfinite(norms[i]) else math.inf) for i in order[:_TOP])
+        history = list(self._history)
+        steps = tuple(s for s, _, _ in history)
+        global_hist = tuple(g for _, g, _ in history)
+        layer_hist = tuple((float(d[_H + trigger]) if trigger is not None and d.shape[0] > _H + trigger else g)
+                           for _, g, d in history)
+
+        self.total_spikes += 1
+        self.consecutive_rejections += 1
+        action = self.policy.action(self.consecutive_rejections)
+        rank = current_rank()
+        report_path = str(self.log_dir / report_filename(record.step, rank))
+        module = layer.rsplit(".", 1)[0] if "." in layer else ""
+        self._publish(SpikeEvent(
+                **self._run_kw,
+            step=record.step, severity=Severity.WARN, layer=layer, module=module, reason=reason, norm=norm,
+            baseline=baseline, ratio=ratio, threshold=self.spike_threshold, global_norm=global_norm,
+            action=action, loss=loss, lr=record.lr, top_layers=top,
+            nonfinite_layers=tuple(names[i] for i in nonfinite), report_path=report_path,
+            history_steps=steps, history_global_norms=global_hist, history_layer_norms=layer_hist,
+        ))
+        if action == "skip":
+            self.total_skips += 1
+            self._publish(SkipEvent(**self._run_kw, step=record.step, severity=Severity.WARN, layer=layer, reason=reason,
+                                    total_skips=self.total_skips, consecutive_skips=self.consecutive_rejections))
+        elif action == "rollback":
+            self._rollback(record.step, layer, reason)
+        else:
+            escalated = self.policy.nan_action != "raise"
+            message = (f"gradient {reason} at step {record.step} in {layer} (ratio {ratio:.3g}, threshold "
+                       f"{self.spike_threshold:g})"
+                       + (f" after {self.consecutive_rejections} rejected steps in a row" if escalated else ""))
+            self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer, reason=reason,
+                                    ratio=ratio, message=message))
+            self.bus.flush(_RAISE_FLUSH_S)
+            raise GradientSpikeError(record.step, layer, ratio, message)
+
+    def _rollback(self, from_step: int, layer: str, reason: str) -> None:
+        store = self._snapshots
+        assert store is not None, "rollback requested without a snapshot store"
+        snap = store.latest_before(from_step) or (store.snapshots[0] if store.snapshots else None)
+        if snap is None:
+            raise GradientSpikeError(from_step, layer, math.nan, f"rollback at step {from_step}: no snapshot")
+        store.restore(snap)
+        self.total_rollbacks += 1
+        self.consecutive_rejections = 0
+        self._publish(RollbackEvent(**self._run_kw, step=from_step, severity=Severity.ERROR, layer=layer, reason=reason,
+                                    from_step=from_step, to_step=snap.step, total_rollbacks=self.total_rollbacks))
+        if self.on_rollback is not None:
+            self.on_rollback(from_step, snap.step)
+
+    def _publish(self, event: Event) -> None:
+        self.bus.publish(event)
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self, timeout: float | None = None) -> bool:
+        """Hand every pending step record to the bus (waits for the device) and flush the bus."""
+        self._drain(block=True)
+        return self.bus.flush(timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Publish what is pending, close the bus if the guard made it, drop snapshots. Idempotent.
+
+        Afterwards ``step()`` passes straight through to the base optimizer, unguarded.
+        """
+        if self._closed:
+            return
+        try:
+            self._drain(block=True)
+        finally:
+            self._closed = True
+            if self._owns_bus:
+                self.bus.close(timeout)
+            else:
+                self.bus.flush(timeout)
+                self._report_sink.closed = True
+            if self._snapshots is not None:
+                self._snapshots.clear()
+            self._records.clear()
+            self._history.clear()
+
+    # ------------------------------------------------------------------ names
+    @staticmethod
+    def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> list[str]:
+        """Parameter names from ``model`` in optimizer order; ``group{g}.param{i}`` for the others."""
+        by_id: dict[int, str] = {}
+        if model is not None:
+            wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+            by_id = {id(p): _clean_name(name, wrapped) for name, p in model.named_parameters(remove_duplicate=False)}
+        names: list[str] = []
+        found = 0
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                name = by_id.get(id(p))
+                found += name is not None
+                names.append(name if name is not None else f"group{g}.param{i}")
+        if model is not None and found == 0 and names:
+            raise ConfigError("model", "none of the model's parameters is in the optimizer",
+                              "pass the model whose parameters the optimizer updates (or model=None)")
+        return names

@@ -1,0 +1,95 @@
+"""One rank of the 2-process gloo tests for GuardedOptimizer (run as a script by tests/test_guard_dist.py).
+
+Usage: python tests/_guard_dist_worker.py {ddp|fsdp2} RANK WORLD INIT_FILE OUT_DIR
+Writes OUT_DIR/rank{RANK}.pt with the skip steps, spike layers, counters and final parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from guardtower.events import SkipEvent, SpikeEvent, SummaryEvent  # noqa: E402
+from guardtower.guard import GuardedOptimizer  # noqa: E402
+from guardtower.testing import InMemorySink  # noqa: E402
+
+STEPS = 50
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    assert g is not None
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    model = make_model()
+    if mode == "ddp":
+        wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
+        base = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, fused=True)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        wrapped = fully_shard(model)
+        base = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    sink = InMemorySink()
+    guard = GuardedOptimizer(base, wrapped, log_dir=out / "logs", verbose=False, sinks=[sink], log_every=10)
+    reference_norms: dict[int, float] = {}
+    for step in range(STEPS):
+        guard.zero_grad()
+        x, y = batch(rank, step)
+        loss = ((wrapped(x) - y) ** 2).mean()
+        if step == 20 and rank == 1:
+            loss = loss * 1e4  # a corrupted local batch: after the gradient all-reduce every rank sees it
+        loss.backward()
+        params = list(wrapped.parameters())
+        if step == 35 and rank == 1:
+            local_grad(params[2]).mul_(1e4)  # a rank-local corruption after the all-reduce: only rank 1 sees it
+        if step == 42 and rank == 0:
+            local_grad(params[0]).fill_(float("nan"))
+        if (step + 1) % 10 == 0:
+            full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
+            reference_norms[step + 1] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full])))
+        guard.step(loss=loss)
+    guard.close()
+    final = {}
+    for name, p in wrapped.named_parameters():
+        final[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    result = {
+        "skips": [e.step for e in sink.events if isinstance(e, SkipEvent)],
+        "spikes": [(e.step, e.layer) for e in sink.events if isinstance(e, SpikeEvent)],
+        "summary_norms": {e.step: e.grad_norm for e in sink.events if isinstance(e, SummaryEvent)},
+        "reference_norms": reference_norms,
+        "counters": (guard.step_count, guard.total_spikes, guard.total_skips),
+        "params": final,
+    }
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))

@@ -1,0 +1,66 @@
+"""Identical guard decisions on every rank: real torch.distributed with gloo and 2 processes (DDP and FSDP2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("_guard_dist_worker.py")
+TIMEOUT_S = 240
+
+
+def run_world(mode: str, tmp_path: Path, world: int = 2) -> list[dict[str, Any]]:
+    init_file = tmp_path / "init"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GUARDTOWER_RUN": f"dist-{mode}"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), mode, str(rank), str(world), str(init_file), str(tmp_path)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=TIMEOUT_S)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-4000:]
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_skip_together_and_stay_identical(tmp_path: Path) -> None:
+    r0, r1 = run_world("ddp", tmp_path)
+    # step 21: a spiking local batch on rank 1; 36: rank-local corruption on rank 1; 43: NaN on rank 0 only
+    assert r0["skips"] == r1["skips"] == [21, 36, 43]
+    assert r0["counters"] == r1["counters"] == (50, 3, 3)
+    assert dict(r0["spikes"])[36] == "peer-rank" and dict(r1["spikes"])[36] == "2.weight"
+    assert dict(r0["spikes"])[43] == "0.weight" and dict(r1["spikes"])[43] == "peer-rank"
+    assert r0["params"].keys() == r1["params"].keys()
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    assert all(torch.isfinite(v).all() for v in r0["params"].values())
+    reports = sorted(p.name for p in (tmp_path / "logs").glob("spike-*.json"))
+    assert sum("-rank0-" in n for n in reports) == 3 and sum("-rank1-" in n for n in reports) == 3
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_measure_full_norms_and_skip_together(tmp_path: Path) -> None:
+    r0, r1 = run_world("fsdp2", tmp_path)
+    assert r0["skips"] == r1["skips"] == [21, 36, 43]
+    for result in (r0, r1):
+        for step, norm in result["summary_norms"].items():
+            assert norm == pytest.approx(result["reference_norms"][step], rel=1e-4)
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    assert all(torch.isfinite(v).all() for v in r0["params"].values())
