@@ -27,8 +27,7 @@ def tiny_gpt2(seed: int = 0, vocab: int = 64) -> Any:
 
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=vocab, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        loss_type="ForCausalLM")
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
 
 

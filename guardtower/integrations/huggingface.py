@@ -60,7 +60,10 @@ class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
         if not isinstance(raise_on_error, bool):
             raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
                               "pass raise_on_error=True to stop training on a failed pre-flight")
-        self.checks = _validate_checks(checks)
+        from guardtower.audit._runner import select_checks
+
+        select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
+        self.checks = checks
         self.raise_on_error = raise_on_error
         self.verbose = bool(verbose)
         self._bus, self._owns_bus = resolve_bus(bus, sinks)
@@ -127,29 +130,6 @@ class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
         if self.verbose and current_rank() == 0:
             print(report, flush=True)
         return report
-
-
-def _validate_checks(checks: str | Iterable[str]) -> str | tuple[str, ...]:
-    """The ``checks`` argument as audit() takes it, rejecting unknown names now rather than at step 0."""
-    import guardtower.audit  # noqa: F401  (registers the checks)
-    from guardtower.audit._registry import CHECKS
-
-    names: tuple[str, ...]
-    if isinstance(checks, str):
-        if checks == "all":
-            return checks
-        names = (checks,)
-    else:
-        try:
-            names = tuple(checks)
-        except TypeError:
-            raise ConfigError("checks", f"expected 'all', a check name or names, got {checks!r}",
-                              "pass checks='all' or e.g. checks=['lora_optimizer']") from None
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown or not names:
-        raise ConfigError("checks", f"unknown check name(s) {unknown}" if unknown else "no check named",
-                          f"use 'all' or names from {sorted(CHECKS)}")
-    return names
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
