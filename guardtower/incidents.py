@@ -9,7 +9,6 @@ guard's summary events and the norms recorded with each incident.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -26,11 +25,14 @@ from guardtower.events import (
     SkipEvent,
     SpikeEvent,
     SummaryEvent,
-    event_from_record,
+    _decode,
 )
+from guardtower.severity import Severity
 from guardtower.sinks import read_events
 
 __all__ = ["Incident", "RunLog", "load_run_log", "format_table", "main"]
+
+_REPORT_PREFIX = "guardtower.spike-report/"
 
 
 @dataclass(frozen=True)
@@ -88,40 +90,32 @@ def load_run_log(path: str | Path) -> RunLog:
 
 
 def _spike_report_event(file: Path) -> SpikeEvent | None:
-    """The spike described by a guard spike report, or None for any other JSON file."""
+    """The spike described by a guard spike report (``guardtower.spike-report/1``), else None."""
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = _decode(json.loads(file.read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict):
-        return None
-    record = data.get("event") if isinstance(data.get("event"), dict) else data
-    if record.get("kind") != SpikeEvent.kind:
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith(_REPORT_PREFIX):
         return None
     try:
-        event = event_from_record(record)
-    except (TypeError, ValueError):
-        return None
-    if not isinstance(event, SpikeEvent):
-        return None
-    return event if event.report_path else dataclasses.replace(event, report_path=str(file))
-
-
-def _history_pairs(raw: Any) -> Iterable[tuple[int, float]]:
-    """(step, norm) pairs from a report's history: a list of [step, norm] pairs or of {step, grad_norm} dicts."""
-    if not isinstance(raw, list):
-        return []
-    pairs: list[tuple[int, float]] = []
-    for item in raw:
-        if isinstance(item, dict):
-            step, norm = item.get("step"), item.get("grad_norm", item.get("norm"))
-        elif isinstance(item, (list, tuple)) and len(item) >= 2:
-            step, norm = item[0], item[1]
-        else:
-            continue
-        if isinstance(step, int) and isinstance(norm, (int, float)):
-            pairs.append((step, float(norm)))
-    return pairs
+        trigger = data.get("trigger") or {}
+        history = data.get("history") or {}
+        return SpikeEvent(
+            event_id=str(data["event_id"]), time=float(data["time"]), run=str(data["run"]), rank=int(data["rank"]),
+            step=data.get("step"), severity=Severity.WARN, layer=str(trigger.get("layer", "")),
+            module=str(trigger.get("module", "")), reason=str(data.get("reason", "spike")),
+            norm=float(trigger.get("norm", math.nan)), baseline=float(trigger.get("baseline", math.nan)),
+            ratio=float(trigger.get("ratio", math.nan)), threshold=float(data.get("threshold", math.nan)),
+            global_norm=float(data.get("global_norm", math.nan)), action=str(data.get("action", "")),
+            loss=data.get("loss"), lr=data.get("lr"),
+            top_layers=tuple((str(t["layer"]), float(t["norm"]), float(t["ratio"])) for t in data.get("top_layers", ())),
+            nonfinite_layers=tuple(data.get("nonfinite_layers", ())), report_path=str(file),
+            history_steps=tuple(history.get("steps", ())),
+            history_global_norms=tuple(history.get("global_norm", ())),
+            history_layer_norms=tuple(history.get("trigger_norm", ())),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None  # a file that only looks like a report
 
 
 def _merge(log: RunLog, events: list[Event]) -> None:
@@ -156,31 +150,18 @@ def _merge(log: RunLog, events: list[Event]) -> None:
             for name, norm, _ratio in event.top_layers:
                 log.layer_norms.setdefault(name, {})[step] = norm
             _merge_event_history(log, event)
-            if event.report_path:
-                _merge_report_history(log, Path(event.report_path))
         if isinstance(event, RollbackEvent):
             log.skipped_steps.update(range(event.to_step + 1, event.from_step + 1))
 
 
 def _merge_event_history(log: RunLog, event: SpikeEvent) -> None:
     """The norms of the steps before a spike, when the guard recorded them with the event."""
-    steps = getattr(event, "history_steps", ())
-    for step, norm in zip(steps, getattr(event, "history_global_norms", ())):
+    for step, norm in zip(event.history_steps, event.history_global_norms):
         log.global_norms.setdefault(step, norm)
-    layer = log.layer_norms.setdefault(event.layer, {}) if event.layer else None
-    if layer is not None:
-        for step, norm in zip(steps, getattr(event, "history_layer_norms", ())):
+    if event.layer:
+        layer = log.layer_norms.setdefault(event.layer, {})
+        for step, norm in zip(event.history_steps, event.history_layer_norms):
             layer.setdefault(step, norm)
-
-
-def _merge_report_history(log: RunLog, report: Path) -> None:
-    try:
-        data = json.loads(report.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if isinstance(data, dict):
-        for step, norm in _history_pairs(data.get("history") or data.get("grad_norm_history")):
-            log.global_norms.setdefault(step, norm)
 
 
 def _layer_metric(key: str) -> str | None:

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from guardtower.bus import EventBus
 from guardtower.cli import main as cli_main
@@ -70,26 +71,48 @@ def test_table_shows_step_kind_layer_ratio_action(tmp_path: Path) -> None:
     assert nan_row.split()[1:4] == ["nonfinite", "h.1.mlp", "inf"]
 
 
-def test_cli_prints_table_for_a_log_dir_with_spike_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # a log_dir holding only a spike report (e.g. the event log went elsewhere): the report alone is an incident
-    spike = SpikeEvent(step=7, layer="lm_head", norm=90.0, baseline=1.0, ratio=90.0, threshold=10.0,
-                       global_norm=95.0, action="rollback", severity=Severity.WARN)
-    (tmp_path / "spike_rank0_step7.json").write_text(json.dumps(spike.to_record(), allow_nan=False))
-    (tmp_path / "unrelated.json").write_text(json.dumps({"hello": 1}))
+def _guarded_run(log_dir: Path) -> None:
+    """A real GuardedOptimizer run: a gradient spike at step 15 and a NaN batch at step 20, both skipped."""
+    from guardtower.guard import GuardedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, warmup_steps=5, log_every=1,
+                             log_dir=log_dir, verbose=False, sinks=[JsonlSink(log_dir / "events.jsonl")])
+    for step in range(1, 26):
+        x, y = torch.randn(32, 8), torch.randn(32, 1)
+        if step == 20:
+            x = x * float("nan")
+        loss = torch.nn.functional.mse_loss(model(x), y) * (1e4 if step == 15 else 1.0)
+        loss.backward()
+        guard.step(loss=loss)
+        guard.zero_grad()
+    guard.close()
+
+
+def test_log_dir_of_a_real_guarded_run_lists_each_incident_once(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _guarded_run(tmp_path)
+    assert len(list(tmp_path.glob("spike-*.json"))) == 2
+    log = load_run_log(tmp_path)  # the event log and the spike reports describe the same two incidents
+    assert [(i.step, i.kind, i.action) for i in log.incidents] == [(15, "spike", "skip"), (20, "nonfinite", "skip")]
+    assert log.incidents[0].ratio is not None and log.incidents[0].ratio > 10
+    assert {15, 20} <= log.skipped_steps
+    assert set(range(1, 26)) <= set(log.global_norms)  # summaries every step (log_every=1)
     assert cli_main(["report", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "1 incident(s)" in out
-    assert "lm_head" in out and "rollback" in out
+    assert "2 incident(s)" in capsys.readouterr().out
 
 
-def test_spike_in_event_log_and_report_is_listed_once(tmp_path: Path) -> None:
-    events = tmp_path / "events.jsonl"
-    _write_run(events)
-    first = next(i for i in load_run_log(events).incidents if i.kind == "spike")
-    report = SpikeEvent(step=first.step, layer=first.layer, ratio=first.ratio or 0.0, action="skip")
-    (tmp_path / "spike.json").write_text(json.dumps({"event": report.to_record()}))
-    spikes = [i for i in load_run_log(tmp_path).incidents if i.kind == "spike"]
-    assert len(spikes) == 1
+def test_spike_reports_alone_are_enough(tmp_path: Path) -> None:
+    _guarded_run(tmp_path)
+    (tmp_path / "events.jsonl").unlink()
+    (tmp_path / "unrelated.json").write_text(json.dumps({"hello": 1}))
+    log = load_run_log(tmp_path)
+    assert [(i.step, i.kind) for i in log.incidents] == [(15, "spike"), (20, "nonfinite")]
+    spike = log.incidents[0]
+    assert spike.report_path is not None and spike.layer
+    assert set(range(6, 15)) <= set(log.global_norms)  # the report's history of the steps before the spike
+    assert len(log.layer_norms[spike.layer]) > 5
 
 
 def test_cli_json_output_is_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
