@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -119,10 +120,16 @@ class _Recorder:
                     self.record.saturated[site] = (kind, _saturation(kind, output))
 
     def observe(self, site: str, path: str, t: torch.Tensor, args: Any) -> None:
+        magnitude = t.abs()
+        peak = float(magnitude.max())  # NaN propagates, so one reduction settles the common all-finite case
+        limit = torch.finfo(t.dtype).max / 2
+        if math.isfinite(peak) and peak <= limit:
+            self.record.max_abs[site] = max(self.record.max_abs.get(site, 0.0), peak)
+            return
         finite = torch.isfinite(t)
         # values at the dtype's lowest are additive masks (finfo.min / -inf), not activations
-        counted = finite & (t > torch.finfo(t.dtype).min / 2)
-        value = float(torch.where(counted, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).max())
+        counted = finite & (t > -limit)
+        value = float(torch.where(counted, magnitude, torch.zeros((), dtype=t.dtype, device=t.device)).max())
         if not bool(finite.all()):
             bad = bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any())
             if bad and self.record.first_nonfinite is None:
