@@ -414,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3)
     plain_run = _train(plain_model, plain, corpus, faults, label="unguarded", progress=not args.no_progress,
                        guarded=False)
-    print(_side_by_side(guarded_run.losses, plain_run.losses))
+    print(_side_by_side(guarded_run.losses, plain_run.losses, faults))
 
     trackers.log_losses(guarded_run.losses, plain_run.losses)
     bus.close(15)
@@ -454,9 +454,17 @@ def _one_line(event: Any) -> str:
     return f"  ! step {event.step}: {event.kind}"
 
 
-def _side_by_side(guarded: list[float], plain: list[float]) -> str:
+def _side_by_side(guarded: list[float], plain: list[float], faults: Faults) -> str:
+    """Losses at six evenly spaced steps, moved off the injected bad batches (whose loss is NaN by design)."""
     n = len(guarded)
-    marks = sorted({max(1, n * k // 6) for k in range(1, 7)})
+    bad = {faults.nan_step, faults.spike_step, *faults.burst}
+    marks = []
+    for k in range(1, 7):
+        step = max(1, n * k // 6)
+        while step in bad and step > 1:
+            step -= 1
+        marks.append(step)
+    marks = sorted(set(marks))
     lines = ["", f"{'step':>6}  {'guarded loss':>13}  {'unguarded loss':>15}"]
     for step in marks:
         lines.append(f"{step:>6}  {guarded[step - 1]:>13.4f}  {plain[step - 1]:>15.4f}")
