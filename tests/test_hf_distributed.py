@@ -53,7 +53,7 @@ def test_ddp_peft_runs_are_audited_and_guarded_identically_on_both_ranks(tmp_pat
         # a LoRA optimizer built before get_peft_model stops every rank, none hangs in a collective
         stale = r["stale_optimizer"]
         assert stale["outcome"] == "preflight_failed"
-        assert {"LORA-003", "OPT-003"} & set(stale["error_ids"])  # type: ignore[arg-type]
+        assert "LORA-003" in stale["error_ids"]  # type: ignore[operator]
         assert stale["global_step"] == 0
         # the correct setup trains under DDP; the spike at step 5 is skipped on both ranks
         run = r["train"]

@@ -65,9 +65,8 @@ class _SpikeAt(TrainerCallback):  # type: ignore[misc]
 
 
 def _stale_optimizer_found(found: Any) -> bool:
-    """The audit names an optimizer built before get_peft_model: LORA-003 (adapters missing) or OPT-003 (stale)."""
-    ids = {getattr(f, "catalog_id", f) for f in found}
-    return bool(ids & {"LORA-003", "OPT-003"})
+    """The audit names an optimizer built before get_peft_model: the LoRA adapters are missing from it."""
+    return "LORA-003" in {getattr(f, "catalog_id", f) for f in found}
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
