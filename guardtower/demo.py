@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -364,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from guardtower.testing import InMemorySink
 
     transformers.logging.set_verbosity_error()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # no database-migration chatter in the tour
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
