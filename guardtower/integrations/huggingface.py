@@ -16,6 +16,7 @@ set the callback moves the clipping behind the guard's decision (same norm, appl
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Iterable
 
 import torch
@@ -37,6 +38,9 @@ if False:  # pragma: no cover - typing only, without importing the guard at modu
 __all__ = ["GuardtowerCallback", "StabilityGuardCallback"]
 
 logger = logging.getLogger("guardtower.integrations.huggingface")
+
+#: how far up the stack the first forward looks for the Trainer's DDP/FSDP wrapper
+_MAX_FRAMES = 40
 
 
 class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
@@ -102,7 +106,7 @@ class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
         if not module.training or not torch.is_grad_enabled():
             return None  # an evaluation before training (eval_on_start) is not the first training batch
         self._remove_hook()
-        report = self.run_audit(module, args, kwargs)
+        report = self.run_audit(_calling_wrapper(module), args, kwargs)
         if report is not None and self.raise_on_error and not report.ok:
             self._bus.flush(10.0)  # the run's trackers get the failure before train() unwinds
             raise PreflightFailed(report)
@@ -130,6 +134,24 @@ class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
         if self.verbose and current_rank() == 0:
             print(report, flush=True)
         return report
+
+
+def _calling_wrapper(module: nn.Module) -> nn.Module:
+    """The DDP/FSDP/DeepSpeed wrapper whose forward is calling ``module`` right now, else ``module`` itself.
+
+    The Trainer calls its wrapped model, but callbacks only get the inner one. Auditing the wrapper lets the
+    distributed checks see the real setup (no false "model not wrapped", and DDP's unused-parameter hang is
+    caught); the wrapper is found on the call stack of this very forward, where it holds ``.module``.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, nn.Module) and candidate is not module and getattr(candidate, "module", None) is module:
+            return candidate
+        frame = frame.f_back
+    return module
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
