@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Iterable
+import types
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess without transformers
     raise MissingDependencyError("transformers", "hf") from exc
 
-if False:  # pragma: no cover - typing only, without importing the guard at module import
+if TYPE_CHECKING:
     from guardtower.guard import GuardedOptimizer
     from guardtower.report import Report
 
@@ -43,7 +44,7 @@ logger = logging.getLogger("guardtower.integrations.huggingface")
 _MAX_FRAMES = 40
 
 
-class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
+class GuardtowerCallback(TrainerCallback):
     """Run ``guardtower.audit`` on the Trainer's first real batch, before the first optimizer step.
 
     ``raise_on_error=True`` stops ``trainer.train()`` with ``PreflightFailed`` when the audit finds a FAIL;
@@ -143,7 +144,7 @@ def _calling_wrapper(module: nn.Module) -> nn.Module:
     distributed checks see the real setup (no false "model not wrapped", and DDP's unused-parameter hang is
     caught); the wrapper is found on the call stack of this very forward, where it holds ``.module``.
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break
@@ -168,7 +169,7 @@ def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
-class StabilityGuardCallback(TrainerCallback):  # type: ignore[misc]
+class StabilityGuardCallback(TrainerCallback):
     """Guard every optimizer step of a ``Trainer`` with a ``GuardedOptimizer``.
 
     Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step). In ``on_train_begin``
