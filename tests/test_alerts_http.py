@@ -378,3 +378,23 @@ def test_a_forked_child_never_sends_its_parents_pending_alerts(tmp_path) -> None
         assert server.requests == [] and not sink.spool_path.exists()  # neither sent nor spooled by the child
         bus.close(5)
     assert [r.json["event_ids"] for r in server.requests] == [[parent_event.event_id]]
+
+
+def test_close_spools_a_failing_storm_message_quickly(tmp_path) -> None:
+    """1,000 events of one grouped message, the receiver down: close() spools them all within its timeout."""
+    slow_retry = RetryPolicy(max_attempts=10, initial_backoff=20, max_backoff=20, deadline=100)
+    with ScriptedServer(lambda n: Reply(503)) as server:
+        bus = EventBus([sink := webhook(server.url, tmp_path, retry=slow_retry, grouping=GroupPolicy(group_wait=0))])
+        events = [nan(i) for i in range(1000)]
+        with sink._cond:  # all 1,000 reach the group before its first message goes out
+            for event in events:
+                bus.publish(event)
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while not server.requests and time.monotonic() < deadline:
+            time.sleep(0.005)
+        started = time.monotonic()
+        bus.close(2.0)
+        took = time.monotonic() - started
+    assert took < 2.5
+    assert len(Spool(sink.spool_path)) == 1000

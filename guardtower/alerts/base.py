@@ -238,8 +238,7 @@ class AlertSink(BaseSink):
             self._closed = True
             self._stop.set()
             self._cond.notify_all()
-        for note in leftovers:
-            self._spool_events(list(note.events), "sink closed with the message still pending")
+        self._spool_events([e for note in leftovers for e in note.events], "sink closed with the message still pending")
 
     # -- replay and stats ----------------------------------------------------------------------------------
 
@@ -339,8 +338,7 @@ class AlertSink(BaseSink):
             self._counters["messages"] += 1
             self._counters["delivered"] += len(note.events)
             if orphaned:  # close() spooled it meanwhile: mark it done so a replay skips it
-                for event_id in note.event_ids:
-                    self.spool.ack(event_id)
+                self.spool.ack_many(note.event_ids)
             return
         self._counters["failed_messages"] += 1
         if self._counters["failed_messages"] <= _LOGGED_FAILURES or self._counters["failed_messages"] % 100 == 0:
@@ -361,9 +359,7 @@ class AlertSink(BaseSink):
     def _spool_events(self, events: list[Event], reason: str) -> None:
         if not events:
             return
-        spool = self.spool
-        for event in events:
-            spool.append(event, reason, self.sink_id)
+        self.spool.append_many(events, reason, self.sink_id)
         with self._spool_lock:  # several threads spool: worker, sender, close() and spill()
             self._counters["spooled"] += len(events)
 
