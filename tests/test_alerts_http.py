@@ -189,11 +189,20 @@ def test_queue_overflow_is_spilled_to_the_spool(tmp_path) -> None:
         sink = webhook(server.url, tmp_path, queue_size=2)
         bus = EventBus([sink])
         events = [nan(i) for i in range(20)]
+        writers: list[str] = []
+        append_many = sink.spool.append_many
+
+        def spy(*args: object, **kwargs: object) -> None:
+            writers.append(threading.current_thread().name)
+            append_many(*args, **kwargs)  # type: ignore[arg-type]
+
+        sink.spool.append_many = spy  # type: ignore[method-assign]
         with sink._cond:  # hold the sink so the bus worker blocks in handle_batch and its queue fills up
             for event in events:
                 bus.publish(event)
             time.sleep(0.05)
         bus.close(10)
+        assert writers and threading.current_thread().name not in writers  # never the publishing thread
         acked = set(server.acknowledged_ids())
     spilled = {r["event"]["event_id"] for r in spooled(sink.spool_path) if r["reason"] == "bus queue full"}
     assert bus.stats()["sinks"]["webhook"]["spilled"] == len(spilled) > 0

@@ -74,6 +74,8 @@ class AlertSink(BaseSink):
     rank_zero_only = True
     _closing: bool
     _closed: bool
+    _overflow: list[Event]
+    _overflow_lock: threading.Lock
 
     def __init__(
         self,
@@ -168,6 +170,7 @@ class AlertSink(BaseSink):
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
+        self._drain_overflow()
         rejected: list[tuple[Event, str]] = []
         with self._cond:
             for event in events:
@@ -186,14 +189,28 @@ class AlertSink(BaseSink):
             self._spool_events([event], reason)
 
     def spill(self, event: Event) -> bool:
-        """The bus queue is full: keep the event in the spool rather than dropping it."""
+        """The bus queue is full: the event goes to the spool rather than being dropped.
+
+        Runs on the publishing thread, so it only parks the event in memory; the bus worker (next batch) or
+        ``flush``/``close`` writes parked events to the spool in one go. Only when ``max_pending`` events are
+        already parked does it write synchronously.
+        """
         if not self.accepts(event):
             return True  # it would not alert anyway; nothing is lost
+        with self._overflow_lock:
+            if len(self._overflow) < self._max_pending:
+                self._overflow.append(event)
+                return True
         try:
             self._spool_events([event], "bus queue full")
         except Exception:
             return False
         return True
+
+    def _drain_overflow(self) -> None:
+        with self._overflow_lock:
+            parked, self._overflow = self._overflow, []
+        self._spool_events(parked, "bus queue full")
 
     def resolve(self, *, run: str | None = None, fingerprint: str | None = None) -> None:
         """Clear incidents now (all, one run's, or one fingerprint); PagerDuty gets a resolve."""
@@ -204,6 +221,7 @@ class AlertSink(BaseSink):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Send everything pending now (ignoring group waits); False if not done within ``timeout``."""
+        self._drain_overflow()
         with self._cond:
             if self._thread is None:
                 return self._grouper.pending_events == 0
@@ -239,6 +257,7 @@ class AlertSink(BaseSink):
             self._stop.set()
             self._cond.notify_all()
         self._spool_events([e for note in leftovers for e in note.events], "sink closed with the message still pending")
+        self._drain_overflow()
 
     # -- replay and stats ----------------------------------------------------------------------------------
 
@@ -278,6 +297,8 @@ class AlertSink(BaseSink):
                                 max_pending=self._max_pending)
         self._transport = Transport(self.retry, self._throttle, self._stop, clock=self._clock, sleep=self._sleep)
         self._outgoing: collections.deque[Notification] = collections.deque()
+        self._overflow = []
+        self._overflow_lock = threading.Lock()
         self._current: Notification | None = None
         self._current_orphaned = False
         self._thread: threading.Thread | None = None
