@@ -64,8 +64,8 @@ def test_429_retry_after_pauses_every_sink_of_the_destination(tmp_path) -> None:
         bus = EventBus([first])
         bus.publish(nan(1))
         deadline = time.monotonic() + 5
-        while not server.requests and time.monotonic() < deadline:
-            time.sleep(0.005)
+        while first._throttle.paused_for() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the 429 reached the client
         other = EventBus([second])
         other.publish(nan(2, layer="lm_head"))  # same URL, other sink: must wait for the pause too
         bus.close(10)

@@ -245,8 +245,8 @@ class AlertSink(BaseSink):
             # leave a fifth of the time to spool what could not be sent
             thread.join(None if deadline is None else max(0.0, (deadline - time.monotonic()) * 0.8))
             if thread.is_alive():
-                self._stop.set()  # interrupts backoff and rate-limit waits
-                thread.join(0.05)
+                self._stop.set()  # interrupts backoff and rate-limit waits; an HTTP attempt runs to its timeout
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._cond:
             leftovers = list(self._outgoing) + self._grouper.drain()
             self._outgoing.clear()
