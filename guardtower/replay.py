@@ -103,7 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             senders[kind_of[event.event_id]](event)
         except Exception as exc:
-            failure.append(str(exc))
+            from guardtower.alerts._secret import redact  # the message may quote a destination URL
+
+            failure.append(redact(str(exc)))
             raise
 
     sent, remaining = spool.replay(deliver)
