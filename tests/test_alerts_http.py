@@ -240,11 +240,11 @@ def test_replay_without_destination_explains(tmp_path, capsys, monkeypatch) -> N
     assert main([str(tmp_path / "s.jsonl")]) == 2
     assert "SLACK_WEBHOOK_URL" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.jsonl")]) == 2
-    assert main([str(tmp_path / "s.jsonl"), "--dry-run"]) == 0
+    assert main([str(tmp_path / "s.jsonl"), "--list"]) == 0
     assert "slack:alerts\tspike\t" in capsys.readouterr().out
     Spool(tmp_path / "o.jsonl").append(nan(1), "HTTP 500", "carrier-pigeon:x")
     assert main([str(tmp_path / "o.jsonl")]) == 2
-    assert "no replayer for sink kind(s) ['carrier-pigeon']" in capsys.readouterr().err
+    assert "no replayer for sink kind 'carrier-pigeon'" in capsys.readouterr().err
 
 
 def test_pagerduty_triggers_then_resolves_when_the_run_is_quiet(tmp_path) -> None:
