@@ -17,7 +17,12 @@ from typing import Callable, Iterable, Iterator
 from guardtower.errors import ConfigError
 from guardtower.events import Event, event_from_record
 
-__all__ = ["Spool", "SpoolEntry"]
+__all__ = ["Spool", "SpoolEntry", "default_spool_dir"]
+
+
+def default_spool_dir() -> Path:
+    """Where sinks keep undelivered events unless told otherwise: ``GUARDTOWER_SPOOL_DIR`` or ``./sg_logs/spool``."""
+    return Path(os.environ.get("GUARDTOWER_SPOOL_DIR", os.path.join("sg_logs", "spool")))
 
 
 class SpoolEntry:

@@ -24,20 +24,19 @@ from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
 from guardtower.events import EVENT_TYPES, Event
 from guardtower.severity import Severity
-from guardtower.spool import Spool
+from guardtower.spool import Spool, default_spool_dir
 from guardtower.alerts._format import RunUrl, run_url_for
 from guardtower.alerts._secret import REDACTED, Secret, redact
 from guardtower.alerts._transport import DeliveryError, Transport, require_dependencies
 from guardtower.alerts.grouping import Grouper, Notification
 from guardtower.alerts.policy import GroupPolicy, RetryPolicy, shared_throttle
 
-__all__ = ["AlertSink", "DEFAULT_KINDS", "DEFAULT_SPOOL_DIR"]
+__all__ = ["AlertSink", "DEFAULT_KINDS"]
 
 logger = logging.getLogger("guardtower.alerts")
 
 #: what alerts by default: failed pre-flights, spikes, rollbacks, halts
 DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt")
-DEFAULT_SPOOL_DIR = "guardtower-spool"
 _IDLE_WAIT_S = 1.0
 _LOGGED_FAILURES = 10
 _PREFLIGHT_STATUS = {"PASS": Severity.INFO, "WARN": Severity.WARN, "FAIL": Severity.ERROR}
@@ -58,7 +57,7 @@ class AlertSink(BaseSink):
     - ``rate_limit``: messages per second to one destination, shared by every sink posting there
       (0: unlimited).
     - ``retry``: a ``RetryPolicy``. ``spool_path``: the dead-letter JSONL file (default
-      ``./guardtower-spool/<kind>-<name>.jsonl``; created only when something is spooled).
+      ``<GUARDTOWER_SPOOL_DIR or ./sg_logs/spool>/<kind>[-<name>].jsonl``; created only when needed).
     - ``run_url``: a URL, or a callable ``run name -> URL``, linked from messages (e.g. the W&B or
       MLflow run page a bridge knows).
     - ``send_resolved``: also send a message when an incident clears.
@@ -391,7 +390,7 @@ class AlertSink(BaseSink):
 
 def _spool_path(value: str | os.PathLike[str] | None, kind: str, name: str) -> Path:
     default_name = f"{kind}.jsonl" if name == kind else f"{kind}-{name}.jsonl"
-    path = (Path(DEFAULT_SPOOL_DIR) / default_name) if value is None else Path(value)
+    path = (default_spool_dir() / default_name) if value is None else Path(value)
     path = path.expanduser().absolute()
     if path.is_dir():
         raise ConfigError("spool_path", f"{str(path)!r} is a directory", "pass a file path such as alerts.jsonl")
