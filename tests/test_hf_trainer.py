@@ -164,6 +164,22 @@ def test_spike_at_step_5_is_skipped_and_training_continues(tmp_path: Path) -> No
     assert any(tmp_path.joinpath("sg").glob("*.json"))
 
 
+def test_rollback_inside_the_trainer_restores_the_last_snapshot(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    recorder = _Recorder(model)
+    guard_cb = StabilityGuardCallback(nan_action="rollback", rollback_every=3, warmup_steps=2,
+                                      log_dir=str(tmp_path / "sg"), verbose=False)
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=8), train_dataset=TokenDataset(),
+                      callbacks=[_SpikeAt(model, 5), recorder, guard_cb])
+    with capture_events() as events:
+        trainer.train()
+    rollbacks = [e for e in events if e.kind == "rollback"]
+    assert [(e.step, e.to_step) for e in rollbacks] == [(5, 3)]
+    assert _same(recorder.weights[5], recorder.weights[3])  # steps 4 and 5 undone
+    assert trainer.state.global_step == 8 and not _same(recorder.weights[8], recorder.weights[5])
+    assert trainer.state.log_history[-2]["guardtower/rollbacks"] == 1
+
+
 def test_clean_steps_match_an_unguarded_trainer_including_clipping(tmp_path: Path) -> None:
     """With the guard moving the clipping behind its decision, clean runs are bit-for-bit the Trainer's own."""
     finals = []
