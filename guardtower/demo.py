@@ -390,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in faults.describe():
         print("  - " + line)
     model = _gpt(len(corpus.vocab), args.seed)
-    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=1, log_dir=str(spike_dir),
+    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=5, log_dir=str(spike_dir),
                                         warmup_steps=10, verbose=False, bus=bus)
     if args.rollback:
         guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback", rollback_every=10)
