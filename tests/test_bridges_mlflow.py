@@ -191,6 +191,7 @@ def test_a_hung_server_never_blocks_publish_and_events_go_to_the_spool(tmp_path:
             start = time.perf_counter()
             bus.publish(event)
             latencies.append(time.perf_counter() - start)
+        assert bridge.spool_path == tmp_path / "spool.jsonl"
         _wait_for(lambda: bridge.stats()["spooled"] == 5, 15, "the events to be spooled")
         # the user's own MLflow settings are untouched on this thread while the worker used 1 s
         assert env_vars.MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 120
@@ -225,6 +226,26 @@ def test_replay_command_sends_spooled_events_once(server: MlflowServer, tmp_path
     assert _history(server.url, run.info.run_id, f"{P}.spike_ratio") == [(5, 42.0), (6, 42.0), (7, 42.0)]
 
 
+@pytest.mark.slow
+def test_a_new_bridge_first_replays_what_a_previous_process_left_in_the_spool(server: MlflowServer,
+                                                                             tmp_path: Path) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    client = _client(server.url)
+    run_id = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
+    spool = tmp_path / "spool.jsonl"
+    crashed = MLflowBridge(run_id, tracking_uri=f"http://127.0.0.1:{free_port()}", spool_path=spool,
+                           request_retries=0, retry_interval=60)
+    _publish_and_flush_expect_backlog(crashed, [spike_event(1), spike_event(2)])
+    restarted = MLflowBridge(run_id, tracking_uri=server.url, spool_path=spool, retry_interval=0.1)
+    assert restarted.stats()["backlog"] == 1
+    _publish_and_flush(restarted, [spike_event(3)])
+    stats = restarted.stats()
+    assert stats["replayed"] >= 2 and stats["replayed"] + stats["delivered"] == 3 and stats["backlog"] == 0
+    assert [s for s, _ in _history(server.url, run_id, f"{P}.spike_ratio")] == [1, 2, 3]
+    assert client.get_run(run_id).data.tags[f"{P}.last_incident"].startswith("kind=spike step=3 ")
+
+
 def _publish_and_flush_expect_backlog(bridge: Any, events: list[Event]) -> None:
     bus = EventBus([bridge])
     for event in events:
@@ -247,25 +268,24 @@ def test_without_a_run_it_warns_once_and_ignores_events(monkeypatch: pytest.Monk
     assert not bridge.active and bridge.stats()["ignored"] == 1
 
 
-def test_the_active_run_is_captured_on_the_constructing_thread(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_the_active_run_is_captured_on_the_constructing_thread(tracking: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """MLflow's active run is per thread: a bridge built on a thread without one sees no run."""
     import mlflow
 
     from guardtower.bridges import MLflowBridge
+    from guardtower.bridges import mlflow as bridge_module
 
-    uri = f"sqlite:///{tmp_path / 'x.db'}"
-    mlflow.set_tracking_uri(uri)
-    try:
-        with mlflow.start_run() as run:
-            here = MLflowBridge(spool_path=tmp_path / "a.jsonl")
-            there: list[Any] = []
-            with pytest.warns(RuntimeWarning):
-                thread = threading.Thread(target=lambda: there.append(MLflowBridge(spool_path=tmp_path / "b.jsonl")))
-                thread.start()
-                thread.join()
-    finally:
-        mlflow.set_tracking_uri("")
-    assert here.run_id == run.info.run_id
+    monkeypatch.setattr(bridge_module, "_warned_no_run", False)
+    with mlflow.start_run() as run:
+        here = MLflowBridge(spool_path=tmp_path / "a.jsonl")
+        there: list[Any] = []
+        with pytest.warns(RuntimeWarning):
+            thread = threading.Thread(target=lambda: there.append(MLflowBridge(spool_path=tmp_path / "b.jsonl")))
+            thread.start()
+            thread.join()
+    assert here.run_id == run.info.run_id and here.tracking_uri == tracking
     assert there[0].run_id is None
 
 

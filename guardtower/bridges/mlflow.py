@@ -198,7 +198,8 @@ class MLflowBridge(BaseSink):
         self.name = f"mlflow:{sink_name(run_id, self.prefix, self.tracking_uri)}"
         self._writer = MlflowWriter(self.tracking_uri, run_id, self.prefix, request_timeout=int(request_timeout),
                                     request_retries=int(request_retries), artifacts=artifacts)
-        self._spool_path = explicit_spool.path if explicit_spool else default_spool_dir() / f"mlflow-{run_id}.jsonl"
+        self._spool_path = (explicit_spool.path if explicit_spool is not None
+                            else default_spool_dir() / f"mlflow-{run_id}.jsonl")
         if self._spool_path.exists():  # events a previous process could not deliver go first
             self._backlog = next(self._get_spool().entries(), None) is not None
             if self._backlog:
