@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from guardtower.bridges._common import safe_error
 from guardtower.events import Event
 from guardtower.spool import Spool, SpoolEntry
 
@@ -82,14 +83,14 @@ def _replay_file(spool: Spool, pending: list[SpoolEntry], args: argparse.Namespa
         try:
             deliver = factory(argparse.Namespace(**vars(args), sink=sink, sink_kind=kind, sink_name=name))
         except Exception as exc:
-            print(f"guardtower replay: cannot replay to {kind}: {exc}", file=sys.stderr)
+            print(f"guardtower replay: cannot replay to {kind}: {safe_error(exc)}", file=sys.stderr)
             continue
         for entry in entries:
             try:
                 deliver(entry.event)
             except Exception as exc:
                 print(f"guardtower replay: {kind} failed at {entry.event.kind} step {entry.event.step}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+                      f"{safe_error(exc)}", file=sys.stderr)
                 break
             spool.ack(entry.event.event_id)
             sent += 1

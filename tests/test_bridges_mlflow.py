@@ -206,6 +206,21 @@ def test_a_hung_server_never_blocks_publish_and_events_go_to_the_spool(tmp_path:
                for e in Spool(tmp_path / "spool.jsonl").entries())
 
 
+def test_credentials_in_the_tracking_uri_never_reach_logs_reprs_or_the_spool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    uri = f"http://alice:s3cret-token@127.0.0.1:{free_port()}"
+    bridge = MLflowBridge("1" * 32, tracking_uri=uri, spool_path=tmp_path / "spool.jsonl", request_retries=0,
+                          retry_interval=60)
+    with caplog.at_level("INFO", logger="guardtower"):
+        _publish_and_flush_expect_backlog(bridge, [spike_event(1)])
+    assert bridge.stats()["spooled"] == 1
+    seen = repr(bridge) + bridge.name + caplog.text + (tmp_path / "spool.jsonl").read_text()
+    assert "127.0.0.1" in seen and "s3cret" not in seen and "alice" not in seen
+
+
 @pytest.mark.slow
 def test_replay_command_sends_spooled_events_once(server: MlflowServer, tmp_path: Path) -> None:
     from guardtower.bridges import MLflowBridge
@@ -491,3 +506,26 @@ def test_server_outage_never_delays_training_and_every_event_arrives_exactly_onc
     batches = server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST") - batches_before
     uploads = server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True) - uploads_before
     assert (batches, uploads) == (len(published), len(spike_steps))
+
+
+def test_replay_keeps_entries_while_the_server_is_down_and_lists_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from guardtower.bridges.mlflow import sink_name
+    from guardtower.replay import main
+    from guardtower.spool import Spool
+
+    spool = Spool(tmp_path / "spool.jsonl")
+    dead = f"http://127.0.0.1:{free_port()}"
+    events = [spike_event(1), skip_event(1, total=1)]
+    for event in events:
+        spool.append(event, "undelivered", "mlflow:" + sink_name("2" * 32, "guardtower", dead))
+    spool.append(spike_event(2), "undelivered", "carrier-pigeon:coo")
+    assert main([str(spool.path), "--timeout", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "sent 0, remaining 3" in out
+    assert "no replayer for sink kind 'carrier-pigeon'" in err and "mlflow failed at spike step 1" in err
+    assert main([str(spool.path), "--list"]) == 1
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[1] for line in listed] == ["spike", "skip", "spike"]
+    assert len(spool) == 3

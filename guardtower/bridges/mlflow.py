@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from guardtower.bridges._common import INCIDENT_KINDS, check_prefix, incident_label, require
+from guardtower.bridges._common import INCIDENT_KINDS, check_prefix, incident_label, require, safe_error
 from guardtower.bridges._mlflow_http import bounded_http
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
@@ -237,7 +237,7 @@ class MLflowBridge(BaseSink):
                     self._backlog = True
                     self._spool_all(events[index:], f"undelivered: {type(exc).__name__}")
                 logger.warning("guardtower: MLflow at %s is unreachable (%s); spooling events to %s",
-                               _public_uri(self.tracking_uri), _short(exc), self._spool_path)
+                               _public_uri(self.tracking_uri), safe_error(exc), self._spool_path)
                 self._start_retry_thread()
                 return
 
@@ -289,7 +289,7 @@ class MLflowBridge(BaseSink):
                 raise
             self._counts["rejected"] += 1
             if self._counts["rejected"] <= 3:
-                logger.warning("guardtower: MLflow refused a %s event: %s", event.kind, _short(exc))
+                logger.warning("guardtower: MLflow refused a %s event: %s", event.kind, safe_error(exc))
 
     def _get_spool(self) -> Spool:
         if self._spool is None:
@@ -358,7 +358,7 @@ def replayer(sink: str, *, tracking_uri: str | None = None, request_timeout: int
         except Exception as exc:
             if not is_permanent(exc):
                 raise
-            logger.warning("guardtower replay: MLflow refused a %s event (%s); dropping it", event.kind, _short(exc))
+            logger.warning("guardtower replay: MLflow refused a %s event (%s); dropping it", event.kind, safe_error(exc))
 
     return deliver
 
@@ -371,11 +371,6 @@ def _public_uri(uri: str) -> str:
         return uri.split("@")[-1]
     netloc = parts.netloc.rsplit("@", 1)[-1]
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:200]
 
 
 def _check_number(argument: str, value: object, *, minimum: float, integer: bool = False) -> None:
