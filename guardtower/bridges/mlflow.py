@@ -304,14 +304,28 @@ class MLflowBridge(BaseSink):
         self._counts["spooled"] += len(events)
 
     def _drain(self) -> bool:
-        """Replay the spool in order; leave backlog mode once it is empty. False if the server still fails."""
+        """Replay the spool in order; leave backlog mode once it is empty. False if the server still fails.
+
+        The oldest entry goes first, alone: while the server is down that probe is all it costs (no parse of
+        the whole spool on every attempt, which would compete with training for the GIL).
+        """
         with self._deliver_lock:
-            sent, remaining = self._get_spool().replay(self._send_or_reject)
+            spool = self._get_spool()
+            first = next(spool.entries(), None)
+            sent = remaining = 0
+            if first is not None:
+                try:
+                    self._send_or_reject(first.event)
+                except Exception:
+                    return False
+                spool.ack(first.event.event_id)
+                sent, remaining = spool.replay(self._send_or_reject)
+                sent += 1
         self._counts["replayed"] += sent
         if remaining:
             return False
         with self._state_lock:  # nothing can be appended while we decide
-            if next(self._get_spool().entries(), None) is None:
+            if next(spool.entries(), None) is None:
                 self._backlog = False
                 logger.info("guardtower: MLflow reachable again; %d spooled event(s) replayed", sent)
         return True
@@ -332,7 +346,7 @@ class MLflowBridge(BaseSink):
                 continue
             try:
                 ok = self._drain()
-            except Exception:
+            except Exception:  # e.g. the spool's disk is full: keep the thread alive, try again later
                 logger.debug("guardtower: spool replay failed", exc_info=True)
                 ok = False
             interval = self.retry_interval if ok else min(interval * 2, self.max_retry_interval)
