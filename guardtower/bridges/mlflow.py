@@ -37,19 +37,14 @@ from guardtower.events import (
     SpikeEvent,
     SummaryEvent,
 )
-from guardtower.spool import Spool
+from guardtower.spool import Spool, default_spool_dir
 
-__all__ = ["MLflowBridge", "MlflowWriter", "default_spool_dir"]
+__all__ = ["MLflowBridge", "MlflowWriter", "replayer", "sink_name", "is_permanent"]
 
 logger = logging.getLogger("guardtower.bridges.mlflow")
 
 _warned_no_run = False
 _warn_lock = threading.Lock()
-
-
-def default_spool_dir() -> Path:
-    """Where undelivered events wait: ``GUARDTOWER_SPOOL_DIR`` or ``./sg_logs/spool``."""
-    return Path(os.environ.get("GUARDTOWER_SPOOL_DIR", os.path.join("sg_logs", "spool")))
 
 
 class MlflowWriter:
@@ -298,9 +293,7 @@ class MLflowBridge(BaseSink):
         return self._spool
 
     def _spool_all(self, events: list[Event], reason: str) -> None:
-        spool = self._get_spool()
-        for event in events:
-            spool.append(event, reason, self.name)
+        self._get_spool().append_many(events, reason, self.name)
         self._counts["spooled"] += len(events)
 
     def _drain(self) -> bool:
@@ -370,8 +363,8 @@ def replayer(sink: str, *, tracking_uri: str | None = None, request_timeout: int
         try:
             writer.send(event)
         except Exception as exc:
-            if not is_permanent(exc):
-                raise
+            if not is_permanent(exc):  # MLflow's message quotes the full URL: drop credentials from it
+                raise RuntimeError(safe_error(exc)) from None
             logger.warning("guardtower replay: MLflow refused a %s event (%s); dropping it", event.kind, safe_error(exc))
 
     return deliver
