@@ -525,6 +525,10 @@ def test_replay_keeps_entries_while_the_server_is_down_and_lists_them(
     out, err = capsys.readouterr()
     assert "sent 0, remaining 3" in out
     assert "no replayer for sink kind 'carrier-pigeon'" in err and "mlflow failed at spike step 1" in err
+    port = dead.rsplit(":", 1)[1]
+    assert main([str(spool.path), "--tracking-uri", f"http://alice:s3cret@127.0.0.1:{port}", "--timeout", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert "mlflow failed at spike step 1" in err and "s3cret" not in out + err
     assert main([str(spool.path), "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert [line.split("\t")[1] for line in listed] == ["spike", "skip", "spike"]
