@@ -184,18 +184,24 @@ class Monitor:
     # -- hooks (hot path: Python bookkeeping only) -------------------------------------------------------
     def _post(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               output: Any) -> None:
+        if not self._depth:  # outside a forward of the model: a direct submodule call, checkpoint recompute
+            return
         tracker = self._tracker
         inputs = tracker.slots(args) + tracker.slots(kwargs) if kwargs else tracker.slots(args)
         tracker.record(index, inputs, tracker.slots(output))
 
     def _inplace_pre(self, index: int, module: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> None:
+        if not self._depth:
+            return
         tracker = self._tracker
         self._inplace_inputs.setdefault(index, []).append(tracker.slots(args) + tracker.slots(kwargs))
         tracker.reduce()
 
     def _inplace_post(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
+        if not self._depth:
+            return
         stack = self._inplace_inputs.get(index)
         inputs = stack.pop() if stack else ()
         self._tracker.record(index, inputs, self._tracker.slots(output))
