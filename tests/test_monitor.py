@@ -444,3 +444,14 @@ def test_checkpoint_recompute_and_direct_submodule_calls_are_not_held(gpt2: nn.M
         gc.collect()
         assert len(outputs) == 2 and outputs[1]() is None  # the recomputed activation was freed
         assert mon.passes == 1 and mon.nonfinite_passes == 0
+
+
+def test_package_level_monitor_is_callable_whatever_was_imported_first() -> None:
+    import guardtower
+    import guardtower.monitor as submodule
+
+    model = nn.Linear(2, 2)
+    for entry in (guardtower.monitor, submodule, monitor):
+        with entry(model, on_nonfinite="warn") as mon:
+            model(torch.ones(1, 2))
+        assert mon.passes == 1
