@@ -7,7 +7,7 @@ the default detector and the alternatives in ``guardtower.guard.detector`` (a pr
 unguarded run (incidents, no guard). Reported: recall over incidents, false-positive steps per 1,000 clean
 steps, and the final held-out loss.
 
-    python bench/detection.py [--steps 1000] [--json out.json]
+    python bench/detection.py [--steps 1000] [--scenario mixed|burst] [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,6 +72,16 @@ def plan_incidents(steps: int, seed: int = 1) -> dict[int, tuple[str, float]]:
     plan: dict[int, tuple[str, float]] = {}
     for step, kind in zip(at, kinds):
         plan[step] = (kind, 10 ** rng.uniform(2, 4) if kind == "scale" else rng.random())
+    return plan
+
+
+def plan_bursts(steps: int, seed: int = 2) -> dict[int, tuple[str, float]]:
+    """4 bursts of 5 consecutive steps (a bad data shard): one layer's gradient x100 on each step."""
+    rng = random.Random(seed)
+    plan: dict[int, tuple[str, float]] = {}
+    for start in sorted(rng.sample(range(50, steps - 5, 25), 4)):
+        for step in range(start, start + 5):
+            plan[step] = ("scale", 100.0)
     return plan
 
 
@@ -149,9 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--detectors", default=",".join(DETECTORS))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--scenario", default="mixed", choices=["mixed", "burst"],
+                        help="mixed: the 20 incidents above; burst: 4 x 5 consecutive x100 steps")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    plan = plan_incidents(args.steps)
+    plan = plan_incidents(args.steps) if args.scenario == "mixed" else plan_bursts(args.steps)
     data = MarkovData(args.steps)
     results = [train(args.steps, {}, None, data), train(args.steps, plan, None, data)]
     for detector in args.detectors.split(","):

@@ -235,8 +235,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the base optimizer; the new tensors get fresh baselines (and their own warmup)."""
-        if not hasattr(self, "_base"):  # called from Optimizer internals before __init__ finished
-            raise RuntimeError("GuardedOptimizer is not initialised")
         self._base.add_param_group(param_group)
         self._params = [p for g in self._base.param_groups for p in g["params"]]
         self._names = self._param_names(self._base, self.model)
