@@ -76,13 +76,21 @@ def plan_incidents(steps: int, seed: int = 1) -> dict[int, tuple[str, float]]:
 
 
 def plan_bursts(steps: int, seed: int = 2) -> dict[int, tuple[str, float]]:
-    """4 bursts of 5 consecutive steps (a bad data shard): one layer's gradient x100 on each step."""
+    """4 bursts of 5 consecutive steps on one layer (a layer going unstable): x1000, then x100 four times.
+
+    ``BURST_LAYERS[step]`` picks the burst's layer (modulo the number of parameters).
+    """
     rng = random.Random(seed)
     plan: dict[int, tuple[str, float]] = {}
     for start in sorted(rng.sample(range(50, steps - 5, 25), 4)):
-        for step in range(start, start + 5):
-            plan[step] = ("scale", 100.0)
+        layer = rng.randrange(1_000_000)
+        for k, step in enumerate(range(start, start + 5)):
+            plan[step] = ("scale", 1000.0 if k == 0 else 100.0)
+            BURST_LAYERS[step] = layer
     return plan
+
+
+BURST_LAYERS: dict[int, int] = {}
 
 
 def corrupt_batch(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +122,8 @@ def train(steps: int, plan: dict[int, tuple[str, float]], detector: str | None, 
             out = model(tokens, labels=labels)
             out.loss.backward()
             if kind in ("scale", "nonfinite"):
-                name = names[rng.randrange(len(names))]
+                pick = rng.randrange(len(names))
+                name = names[BURST_LAYERS[step] % len(names)] if step in BURST_LAYERS else names[pick]
                 grad = dict(model.named_parameters())[name].grad
                 assert grad is not None
                 if kind == "scale":
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--detectors", default=",".join(DETECTORS))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--scenario", default="mixed", choices=["mixed", "burst"],
-                        help="mixed: the 20 incidents above; burst: 4 x 5 consecutive x100 steps")
+                        help="mixed: the 20 incidents above; burst: 4 x (x1000 then 4 x x100) on one layer")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     plan = plan_incidents(args.steps) if args.scenario == "mixed" else plan_bursts(args.steps)
