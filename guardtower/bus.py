@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from guardtower._dist import current_rank
+from guardtower._dist import current_rank, is_distributed
 from guardtower.errors import ConfigError
 from guardtower.events import Event
 
@@ -101,6 +101,7 @@ class _SinkWorker:
         self.maxsize: int = int(getattr(sink, "queue_size", _DEFAULT_QUEUE_SIZE))
         self.counters = collections.Counter[str]()
         self._reset_runtime()
+        self._start()  # now, so the first publish does not pay for a thread start
 
     def _reset_runtime(self) -> None:
         self.queue: collections.deque[Event] = collections.deque()
@@ -110,7 +111,10 @@ class _SinkWorker:
         self.start_lock = threading.Lock()
 
     def after_fork(self) -> None:
-        """In a forked child: forget the parent's queue and thread (threads do not survive fork)."""
+        """In a forked child: forget the parent's queue and thread (threads do not survive fork).
+
+        The child's worker starts again on its first publish.
+        """
         self._reset_runtime()
         self.counters.clear()
 
@@ -203,6 +207,14 @@ def add_tap(tap: Callable[[Event], None]) -> None:
     _taps.append(tap)
 
 
+def _call_taps(event: Event) -> None:
+    for tap in tuple(_taps):
+        try:
+            tap(event)
+        except Exception:
+            logger.debug("guardtower tap raised", exc_info=True)
+
+
 def remove_tap(tap: Callable[[Event], None]) -> None:
     if tap in _taps:
         _taps.remove(tap)
@@ -216,6 +228,7 @@ class EventBus:
         self._workers: list[_SinkWorker] = []
         self._published = 0
         self._closed = False
+        self._env_rank = current_rank()
         for sink in sinks:
             self.add_sink(sink)
         _live_buses.add(self)
@@ -243,20 +256,23 @@ class EventBus:
             raise ConfigError("event", f"expected a guardtower.events.Event, got {type(event).__name__}",
                               "publish instances of the classes in guardtower.events")
         self._published += 1
-        for tap in tuple(_taps):
-            try:
-                tap(event)
-            except Exception:
-                logger.debug("guardtower tap raised", exc_info=True)
+        if _taps:
+            _call_taps(event)
         if self._closed:
             for worker in self._workers:
                 worker.counters["dropped"] += 1
             return
-        remote_ok = not self.main_process_only or current_rank() == 0
+        remote_ok = not self.main_process_only or self._is_rank_zero()
         for worker in self._workers:
             if worker.rank_zero_only and not remote_ok:
                 continue
             worker.offer(event)
+
+    def _is_rank_zero(self) -> bool:
+        # The process group may be initialised after the bus was made; the environment does not change.
+        if is_distributed():
+            return current_rank() == 0
+        return self._env_rank == 0
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued event was handled and every sink flushed; False on timeout."""

@@ -31,13 +31,583 @@ class FailureMode:
 
 # --- core wiring, loss, inputs, optimizer, mode, numerics, mixed precision (LOSS-, INPUT-, GRAD-, OPT-,
 # NAN-, RELU-, TIE-, MODE-, AMP-, DATA-, ...) ---------------------------------------------------------------
-_CORE: tuple[FailureMode, ...] = ()
+_CORE: tuple[FailureMode, ...] = (
+    FailureMode(
+        "AUDIT-001", "An audit check crashed", Severity.ERROR,
+        "A check raised (or emitted something that is not a catalogued finding) while judging this model, so its "
+        "verdict is unknown. The training state was still restored.",
+        "The audit keeps going so one broken check cannot hide the others; the failure shows up only as this finding.",
+        "Read the exception in the finding's details; it usually names an unusual model or optimizer layout. Run "
+        "the audit with checks= excluding that check meanwhile, and report the case.",
+        "https://docs.python.org/3/library/traceback.html",
+        ("audit",),
+    ),
+    FailureMode(
+        "LOSS-001", "Loss is detached from the graph", Severity.ERROR,
+        "The loss tensor does not require grad, so backward() cannot reach any parameter.",
+        "Calling .item()/.detach(), rebuilding the loss with torch.tensor(...), or computing it under "
+        "torch.no_grad() gives a perfectly printable number; loss curves look normal while weights never change.",
+        "Return the loss tensor produced by the model/criterion itself; keep .item() for logging only.",
+        "https://pytorch.org/docs/stable/notes/autograd.html",
+        ("loss", "wiring"),
+    ),
+    FailureMode(
+        "LOSS-002", "Loss is not a scalar", Severity.ERROR,
+        "The loss has more than one element (typically reduction='none' left un-reduced).",
+        "Some training code sums or averages it somewhere else, or calls backward(gradient=ones), so nothing "
+        "fails; the effective loss scale then depends on batch and sequence size.",
+        "Reduce explicitly (mean over the supervised elements) before backward.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html",
+        ("loss",),
+    ),
+    FailureMode(
+        "LOSS-003", "Loss is NaN or Inf", Severity.ERROR,
+        "The loss of the audited batch is not finite.",
+        "A NaN loss still backpropagates and optimizers happily apply NaN updates; logs often average it away or "
+        "print 'nan' far down the line after the weights are already destroyed.",
+        "Find the first non-finite module (NAN-001), check log(0)/division by zero in custom losses, and batches "
+        "with no supervised token (DATA-001).",
+        "https://pytorch.org/docs/stable/autograd.html#anomaly-detection",
+        ("loss", "numerics"),
+    ),
+    FailureMode(
+        "LOSS-004", "Probabilities fed to a logits loss (double softmax/sigmoid)", Severity.ERROR,
+        "cross_entropy / CrossEntropyLoss received rows in [0, 1] that sum to 1, or "
+        "binary_cross_entropy_with_logits received values all in [0, 1]: the model already applied "
+        "softmax/sigmoid.",
+        "The loss still decreases a little and the model trains, only much worse: the double squashing caps "
+        "the gradient and the achievable loss.",
+        "Remove the final softmax/sigmoid from the model (apply it only at inference), or use NLLLoss on "
+        "log_softmax / BCELoss on probabilities.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html",
+        ("loss", "wiring"),
+    ),
+    FailureMode(
+        "LOSS-005", "Regression target broadcasts against the prediction", Severity.ERROR,
+        "mse_loss / l1_loss / smooth_l1_loss / huber_loss got input and target of different but broadcastable "
+        "shapes, e.g. (N, 1) and (N,), so every prediction is compared with every target.",
+        "PyTorch only emits a UserWarning that scrolls away; the loss is a valid number that converges to the "
+        "target mean.",
+        "Make the shapes identical: pred.squeeze(-1) or target.unsqueeze(-1).",
+        "https://pytorch.org/docs/stable/generated/torch.nn.MSELoss.html",
+        ("loss", "shapes"),
+    ),
+    FailureMode(
+        "LOSS-006", "The training step raised", Severity.ERROR,
+        "step_fn (or the backward pass) raised an exception on the audited batch.",
+        "Without a pre-flight run this surfaces only after data loading, compilation and model download, often "
+        "hours into a queued job.",
+        "Fix the exception in the details (phase, type, message, location); common causes are shape mismatches, "
+        "dtype/device mismatches and in-place ops on tensors autograd saved.",
+        "https://pytorch.org/docs/stable/notes/autograd.html#in-place-operations-with-autograd",
+        ("loss", "wiring"),
+    ),
+    FailureMode(
+        "LOSS-007", "The step returned no loss tensor", Severity.ERROR,
+        "step_fn returned something without a loss tensor: a Python number, None, or a Hugging Face output whose "
+        ".loss is None.",
+        "Hugging Face models compute a loss only when labels are passed; without them .loss is None and a "
+        "custom loop may skip backward or log zeros.",
+        "Pass labels= to the model (or compute the loss from the logits) and return the tensor.",
+        "https://huggingface.co/docs/transformers/main_classes/output",
+        ("loss", "wiring", "huggingface"),
+    ),
+    FailureMode(
+        "LOSS-008", "NLLLoss fed logits or probabilities", Severity.ERROR,
+        "nll_loss received values above 0; it expects log-probabilities, which are <= 0.",
+        "nll_loss just picks -input[target]; on logits or probabilities it returns a finite number and the "
+        "model optimises a meaningless objective.",
+        "Apply log_softmax before NLLLoss, or use cross_entropy on the raw logits.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.NLLLoss.html",
+        ("loss", "wiring"),
+    ),
+    FailureMode(
+        "INPUT-001", "Loss does not depend on the input", Severity.ERROR,
+        "The gradient of the loss with respect to the model's input (or the embedding of its token ids) is zero "
+        "or absent.",
+        "The model still fits the label distribution (bias terms, a stored tensor), so the loss goes down and "
+        "looks like learning.",
+        "Look for .detach()/no_grad on the input path, an input that is overwritten or ignored in forward, or a "
+        "cached tensor used instead of the batch.",
+        "https://karpathy.github.io/2019/04/25/recipe/",
+        ("wiring", "inputs"),
+    ),
+    FailureMode(
+        "INPUT-002", "Samples leak across the batch", Severity.WARN,
+        "The prediction for sample 0 has a non-zero gradient with respect to other samples' inputs.",
+        "A view/reshape/transpose that mixes the batch dimension with time or features produces the right "
+        "shapes and a decreasing loss; BatchNorm in train mode does the same by design.",
+        "Use permute instead of view to reorder dimensions, keep the batch dimension first; if the leak is "
+        "BatchNorm and samples must stay independent, use GroupNorm/LayerNorm.",
+        "https://karpathy.github.io/2019/04/25/recipe/",
+        ("wiring", "inputs", "shapes"),
+    ),
+    FailureMode(
+        "GRAD-001", "Trainable parameter gets no gradient", Severity.ERROR,
+        "After backward, a parameter with requires_grad=True still has .grad None.",
+        "Optimizers skip parameters without a gradient, so the layer silently stays at its initialisation; "
+        "under DDP it can also hang the job (DDP-001).",
+        "Use the layer in forward, remove it, or freeze it explicitly; look for detach()/no_grad and modules "
+        "replaced after the optimizer was built.",
+        "https://pytorch.org/docs/stable/notes/autograd.html",
+        ("gradients", "wiring"),
+    ),
+    FailureMode(
+        "GRAD-002", "Exploding gradient norm", Severity.WARN,
+        "The global gradient norm exceeds 1e4, or a tensor's gradient norm exceeds 100x its weight norm.",
+        "Adam normalises the update, so training continues, but the first steps wreck the initialisation and "
+        "clipping (if any) silently rescales every step.",
+        "Normalise inputs and regression targets, check the init scale, clip gradients, lower the learning rate.",
+        "https://arxiv.org/abs/1211.5063",
+        ("gradients", "numerics"),
+    ),
+    FailureMode(
+        "GRAD-003", "Vanishing gradient norm", Severity.WARN,
+        "The global gradient norm is below 1e-8, or a weight matrix's gradient norm is below 1e-8 of its norm.",
+        "Nothing fails; the affected layers just do not learn while the rest of the network compensates.",
+        "Use non-saturating activations, residual connections and normalisation; check the init and any loss "
+        "scaling (a loss multiplied by a tiny factor).",
+        "http://proceedings.mlr.press/v9/glorot10a.html",
+        ("gradients", "numerics"),
+    ),
+    FailureMode(
+        "GRAD-004", "Gradient is exactly zero", Severity.WARN,
+        "A trainable parameter's gradient exists but every element is 0.",
+        "The parameter is connected to the graph, so connectivity checks pass, but something upstream (dead "
+        "ReLUs, clamps, zero-initialised layers, fully masked outputs) blocks every signal.",
+        "Find what zeroes the signal: dead ReLUs (RELU-001), saturated clamps, or a zero-initialised layer "
+        "between this one and the loss.",
+        "https://cs231n.github.io/neural-networks-3/#gradcheck",
+        ("gradients",),
+    ),
+    FailureMode(
+        "GRAD-005", "Update-to-weight ratio far from ~1e-3", Severity.WARN,
+        "One real optimizer step (measured, then undone) changes the weight matrices by a median fraction above "
+        "1e-1 or below 1e-6 of their norm.",
+        "Too large overwrites the initialisation or pretrained weights in a few steps; too small looks like a "
+        "flat loss that is blamed on the data. Both train without any error.",
+        "Tune the learning rate (and warmup) until the ratio is around 1e-3; check lr units and scheduler setup.",
+        "https://cs231n.github.io/neural-networks-3/#ratio",
+        ("optimizer", "gradients"),
+    ),
+    FailureMode(
+        "OPT-001", "Trainable parameter missing from the optimizer", Severity.ERROR,
+        "A parameter with requires_grad=True is in no optimizer param group.",
+        "It receives gradients (so gradient checks pass) but is never updated.",
+        "Build the optimizer from model.parameters() after the model is final (heads added, adapters "
+        "attached), or add the missing parameters to a param group.",
+        "https://pytorch.org/docs/stable/optim.html",
+        ("optimizer", "wiring"),
+    ),
+    FailureMode(
+        "OPT-002", "Frozen parameter in the optimizer", Severity.WARN,
+        "A parameter with requires_grad=False sits in an optimizer param group.",
+        "Optimizers skip tensors without a gradient, so nothing fails; it wastes optimizer memory and, if the "
+        "tensor is unfrozen later, stale moments or weight decay apply to it.",
+        "Pass only trainable parameters: [p for p in model.parameters() if p.requires_grad].",
+        "https://pytorch.org/docs/stable/optim.html#per-parameter-options",
+        ("optimizer", "freezing"),
+    ),
+    FailureMode(
+        "OPT-003", "Optimizer is stale (built for other tensors)", Severity.ERROR,
+        "The optimizer holds tensors that are not the model's parameters, or updates none of its trainable "
+        "parameters: it was built before the model was wrapped, re-created, given a new head, passed through "
+        "get_peft_model or materialised from the meta device.",
+        "optimizer.step() runs without error on the old tensors while the model that computes the loss never "
+        "changes.",
+        "Create the optimizer last, from the final model object.",
+        "https://pytorch.org/docs/stable/optim.html",
+        ("optimizer", "wiring", "lora"),
+    ),
+    FailureMode(
+        "OPT-004", "Learning rate is zero", Severity.WARN,
+        "A param group with trainable parameters has lr=0 and no scheduler that will raise it.",
+        "Every step runs, loss is computed and logged, gradients flow; only the weights never change.",
+        "Set the learning rate (check config parsing and units); a warmup scheduler should start from a "
+        "non-zero initial_lr.",
+        "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
+        ("optimizer",),
+    ),
+    FailureMode(
+        "OPT-005", "Weight decay on biases and normalisation weights", Severity.INFO,
+        "A param group with weight_decay > 0 contains 1-D tensors (biases, LayerNorm/BatchNorm weights).",
+        "Decaying norm gains and biases toward zero slightly hurts training; it shows up as a small quality gap, "
+        "never as an error.",
+        "Put 1-D parameters in a param group with weight_decay=0 (as nanoGPT and HF Trainer do).",
+        "https://arxiv.org/abs/1711.05101",
+        ("optimizer",),
+    ),
+    FailureMode(
+        "NAN-001", "NaN/Inf in the forward pass", Severity.ERROR,
+        "A module's output holds NaN or +Inf (-Inf is ignored: attention masks use it); the finding names the "
+        "first such module in execution order and whether its input was already non-finite.",
+        "NaNs propagate silently through every later layer and into the loss; by the time the loss prints nan "
+        "the origin is lost.",
+        "Inspect the named module: overflow in fp16, log/sqrt/division of zero or negatives, or unnormalised "
+        "inputs.",
+        "https://pytorch.org/docs/stable/autograd.html#anomaly-detection",
+        ("numerics",),
+    ),
+    FailureMode(
+        "NAN-002", "NaN/Inf in gradients", Severity.ERROR,
+        "After backward, some gradient tensors hold NaN or Inf.",
+        "Optimizers apply the NaN update without complaint and every weight it touches becomes NaN.",
+        "Look for operations with infinite derivatives (sqrt at 0, log near 0, norms of zero vectors), clip "
+        "gradients, or guard the step with GuardedOptimizer.",
+        "https://pytorch.org/docs/stable/autograd.html#anomaly-detection",
+        ("numerics", "gradients"),
+    ),
+    FailureMode(
+        "NAN-003", "NaN/Inf in parameters or buffers before training", Severity.ERROR,
+        "Parameters or buffers already hold NaN/Inf before the first step.",
+        "Uninitialised memory (torch.empty, to_empty after meta init) or a bad checkpoint can hold NaN that "
+        "only surfaces when that entry is used.",
+        "Initialise every tensor after to_empty(), load the complete checkpoint, and check it with "
+        "torch.isfinite.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.to_empty",
+        ("numerics", "initialisation"),
+    ),
+    FailureMode(
+        "RELU-001", "Dead ReLUs", Severity.WARN,
+        "At least half of a ReLU layer's units output zero for every sample in the batch (judged on at least 4 "
+        "rows per unit); nn.ReLU-style modules and F.relu calls are both measured.",
+        "Dead units pass no gradient, so they never recover; the network just behaves like a smaller one.",
+        "Check bias init and input normalisation, lower the learning rate, or use LeakyReLU/GELU.",
+        "https://cs231n.github.io/neural-networks-1/#actfun",
+        ("activations",),
+    ),
+    FailureMode(
+        "TIE-001", "Tied (shared) weights", Severity.INFO,
+        "A parameter is registered under several names (e.g. lm_head.weight is the token embedding).",
+        "Intended in most language models; listed so that freezing, optimizer groups, LoRA targets and "
+        "checkpoint surgery treat the shared tensor consistently.",
+        "Nothing to fix if intended; remember that freezing or re-initialising one name affects the other.",
+        "https://arxiv.org/abs/1608.05859",
+        ("weights", "huggingface"),
+    ),
+    FailureMode(
+        "TIE-002", "Config promises tied embeddings, tensors are separate", Severity.WARN,
+        "config.tie_word_embeddings is True but the input and output embedding weights are different tensors.",
+        "Replacing or resizing the head after tying (or skipping tie_weights()) creates an untied copy; both "
+        "train and the saved checkpoint no longer matches what the config says.",
+        "Call model.tie_weights() after changing embeddings or the head, or set tie_word_embeddings=False "
+        "deliberately.",
+        "https://huggingface.co/docs/transformers/main_classes/model",
+        ("weights", "huggingface"),
+    ),
+    FailureMode(
+        "MODE-001", "Eval mode during the training step", Severity.WARN,
+        "The model (or some dropout/BatchNorm submodules) is in eval mode while training.",
+        "from_pretrained() returns an eval-mode model, and an evaluation loop's model.eval() outlives it; "
+        "training still works, just without dropout and with frozen BatchNorm statistics.",
+        "Call model.train() at the start of every training epoch; freeze BatchNorm on purpose only.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.train",
+        ("modes",),
+    ),
+    FailureMode(
+        "ACT-001", "Saturated sigmoid/tanh", Severity.WARN,
+        "At least half the outputs of a sigmoid/tanh layer are within 1% of the asymptotes.",
+        "Saturated units have near-zero derivative, so earlier layers stop learning without any error.",
+        "Scale the pre-activations down (init, input normalisation), add normalisation before the activation, "
+        "or use a non-saturating activation.",
+        "http://proceedings.mlr.press/v9/glorot10a.html",
+        ("activations", "gradients"),
+    ),
+    FailureMode(
+        "AMP-001", "float16 autocast without a GradScaler", Severity.ERROR,
+        "The step ran under float16 autocast and no enabled GradScaler was passed.",
+        "Small gradients underflow to zero in fp16; the run trains, only worse, with no error.",
+        "Use torch.amp.GradScaler (scaler.scale(loss).backward(), scaler.step(opt), scaler.update()) and pass it "
+        "to audit(scaler=...), or switch to bfloat16.",
+        "https://pytorch.org/docs/stable/amp.html#gradient-scaling",
+        ("mixed-precision",),
+    ),
+    FailureMode(
+        "AMP-002", "Low-precision weights swallow the updates", Severity.ERROR,
+        "Trainable fp16/bf16 parameters did not change in a real optimizer step although their gradient was "
+        "non-zero: lr x update is below the dtype's resolution and rounds away.",
+        "Without fp32 master weights the loss plateaus as if the learning rate were too low; nothing errors.",
+        "Keep fp32 weights and use autocast, or an optimizer with fp32 master copies / stochastic rounding.",
+        "https://arxiv.org/abs/1710.03740",
+        ("mixed-precision", "optimizer"),
+    ),
+    FailureMode(
+        "AMP-003", "Activations close to the fp16 maximum", Severity.WARN,
+        "With fp16 in use, module outputs reach more than 1/8 of 65504.",
+        "They fit today; a little growth during training overflows to Inf, which then surfaces as NaN far "
+        "from the cause.",
+        "Normalise inputs, scale residual branches, or use bfloat16.",
+        "https://pytorch.org/docs/stable/amp.html",
+        ("mixed-precision", "numerics"),
+    ),
+    FailureMode(
+        "DATA-001", "Batch without a supervised position", Severity.ERROR,
+        "Every target is ignore_index (-100): nothing in the batch is supervised.",
+        "cross_entropy returns NaN (0/0) or 0 depending on reduction; with truncation in completion-only "
+        "fine-tuning it hits only some batches, so the run degrades intermittently.",
+        "Check truncation (max_length vs. prompt length) and the label masking; drop empty examples.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html",
+        ("data", "loss", "huggingface"),
+    ),
+    FailureMode(
+        "DATA-002", "Padding positions carry labels", Severity.WARN,
+        "Positions where attention_mask is 0 have labels other than -100.",
+        "labels = input_ids.clone() with pad_token = eos trains the model to emit padding; the loss even looks "
+        "better because padding is easy to predict.",
+        "Set labels to -100 where attention_mask == 0 (DataCollatorForLanguageModeling does this).",
+        "https://huggingface.co/docs/transformers/main_classes/data_collator",
+        ("data", "huggingface"),
+    ),
+    FailureMode(
+        "DEV-001", "Tensors on the meta device or on mixed devices", Severity.ERROR,
+        "Some parameters/buffers are on the meta device (never materialised), or the model is spread over "
+        "devices without a device map.",
+        "Meta tensors have no data; a partially moved model fails late or silently runs some layers on the CPU.",
+        "Materialise and load weights (to_empty + init, or load_state_dict(assign=True)); move the whole model "
+        "with model.to(device).",
+        "https://pytorch.org/docs/stable/meta.html",
+        ("device",),
+    ),
+    FailureMode(
+        "DEV-002", "float64 weights", Severity.WARN,
+        "Trainable parameters are float64.",
+        "Everything works, at twice the memory and, on GPUs, a fraction of the speed; usually caused by "
+        "torch.set_default_dtype(torch.float64) or .double().",
+        "Keep weights in float32 (or use mixed precision); convert numpy inputs with .float().",
+        "https://pytorch.org/docs/stable/generated/torch.set_default_dtype.html",
+        ("device", "dtype"),
+    ),
+)
+
+_PEFT_TROUBLESHOOTING = "https://huggingface.co/docs/peft/developer_guides/troubleshooting"
+_PEFT_LORA = "https://huggingface.co/docs/peft/developer_guides/lora"
+_DDP_DOCS = "https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html"
 
 # --- LoRA / PEFT (LORA-) --------------------------------------------------------------------------------------
-_LORA: tuple[FailureMode, ...] = ()
+_LORA: tuple[FailureMode, ...] = (
+    FailureMode(
+        id="LORA-001",
+        title="Base model weights are not frozen",
+        severity=Severity.ERROR,
+        summary="Base-model parameters still have requires_grad=True next to the LoRA adapters, so the run is a "
+        "full fine-tune wearing a LoRA label.",
+        why="Training works and the loss falls, only with far more memory and optimizer state; and "
+        "save_pretrained() stores just the adapter, so every base-weight update is thrown away at save time.",
+        fix="Build the model with get_peft_model() after any manual requires_grad changes, and do not call "
+        "model.train()/requires_grad_(True) on the whole model afterwards; list extra trainable modules in "
+        "modules_to_save instead.",
+        reference=_PEFT_LORA,
+        tags=("lora", "peft", "freezing"),
+    ),
+    FailureMode(
+        id="LORA-002",
+        title="LoRA adapter is frozen",
+        severity=Severity.ERROR,
+        summary="The active adapter's lora_A / lora_B factors have requires_grad=False, so nothing trains.",
+        why="The forward pass and the loss look normal; the usual cause is PeftModel.from_pretrained() without "
+        "is_trainable=True (inference_mode) or a blanket model.requires_grad_(False) after wrapping.",
+        fix="Load adapters to continue training with PeftModel.from_pretrained(base, path, is_trainable=True), or "
+        "freeze the base before get_peft_model() rather than after.",
+        reference="https://huggingface.co/docs/peft/package_reference/peft_model",
+        tags=("lora", "peft", "freezing"),
+    ),
+    FailureMode(
+        id="LORA-003",
+        title="LoRA adapter missing from the optimizer",
+        severity=Severity.ERROR,
+        summary="Trainable LoRA factors are not in any optimizer param group, so optimizer.step() never moves them.",
+        why="Gradients are computed and the loss is reported, but the weights never change; the classic cause "
+        "is building the optimizer before get_peft_model() created the adapter parameters.",
+        fix="Create the optimizer after get_peft_model(), from model.parameters() filtered on requires_grad.",
+        reference="https://pytorch.org/docs/stable/optim.html",
+        tags=("lora", "peft", "optimizer"),
+    ),
+    FailureMode(
+        id="LORA-004",
+        title="Random LoRA factor has a zero gradient at step 1 (expected)",
+        severity=Severity.INFO,
+        summary="lora_A gets an all-zero gradient on the first step because lora_B is initialised to zero; "
+        "this is by design, not a bug.",
+        why="Generic gradient checks would flag it as a dead parameter; it receives gradient as soon as lora_B "
+        "has moved after the first update.",
+        fix="Nothing to fix; reported so that other zero-gradient findings are not confused with it.",
+        reference="https://arxiv.org/abs/2106.09685",
+        tags=("lora", "peft", "gradients"),
+    ),
+    FailureMode(
+        id="LORA-005",
+        title="Trainable share too high for LoRA",
+        severity=Severity.WARN,
+        summary="Adapters plus modules_to_save make up more than 10% of the model's parameters.",
+        why="Nothing fails; memory, optimizer state and checkpoint size approach a full fine-tune, typically "
+        "from a very large rank or from saving whole embeddings / lm_head with modules_to_save.",
+        fix="Lower r, target fewer modules, or prefer trainable_token_indices over saving whole embeddings.",
+        reference=_PEFT_LORA,
+        tags=("lora", "peft", "efficiency"),
+    ),
+    FailureMode(
+        id="LORA-006",
+        title="Zero-initialised LoRA factor gets no gradient",
+        severity=Severity.ERROR,
+        summary="lora_B (lora_embedding_A for embeddings) got no gradient although its layer ran, so the adapter "
+        "stays exactly zero for the whole run.",
+        why="The loss still falls through the parts that do train (a classification head, other layers); the usual "
+        "cause is reentrant gradient checkpointing whose input does not require grad (inputs_embeds computed "
+        "outside the model, custom checkpointing), which silently drops the gradient of everything inside.",
+        fix="Call model.enable_input_require_grads() or checkpoint with use_reentrant=False "
+        "(gradient_checkpointing_kwargs={'use_reentrant': False}).",
+        reference="https://pytorch.org/docs/stable/checkpoint.html",
+        tags=("lora", "peft", "gradients", "checkpointing"),
+    ),
+    FailureMode(
+        id="LORA-007",
+        title="LoRA adapter merged or disabled during training",
+        severity=Severity.ERROR,
+        summary="LoRA layers ran with their adapter merged into the base weight or disabled, so the forward uses "
+        "only base weights and the adapter gets no gradient.",
+        why="Left-overs of an evaluation (merge_adapter(), a disable_adapter() block around the whole step, "
+        "disable_adapter_layers()) produce a perfectly normal-looking loss from the base model.",
+        fix="Call unmerge_adapter() / enable_adapter_layers() before training and keep disable_adapter() to the "
+        "reference forward only (as in DPO).",
+        reference="https://huggingface.co/docs/peft/package_reference/lora",
+        tags=("lora", "peft"),
+    ),
+    FailureMode(
+        id="LORA-008",
+        title="New classification head is frozen",
+        severity=Severity.ERROR,
+        summary="A sequence/token classification or QA model's freshly initialised head (score, classifier) is "
+        "not trainable, so predictions come from a random projection forever.",
+        why="get_peft_model() only keeps the head trainable when task_type is set (SEQ_CLS, TOKEN_CLS, ...) or the "
+        "head is listed in modules_to_save; otherwise the loss only decreases a little through the adapters.",
+        fix="Pass task_type='SEQ_CLS' (or TOKEN_CLS / QUESTION_ANS) to LoraConfig, or add the head to "
+        "modules_to_save.",
+        reference=_PEFT_TROUBLESHOOTING,
+        tags=("lora", "peft", "freezing"),
+    ),
+    FailureMode(
+        id="LORA-009",
+        title="LoRA adapts only some transformer blocks",
+        severity=Severity.WARN,
+        summary="target_modules matched the layers of some blocks but not of others in the same stack.",
+        why="peft accepts any pattern that matches at least one module; a too-specific regex or a list of full "
+        "module names copied from one block leaves the other blocks untouched without any warning.",
+        fix="Use short module names (['q_proj', 'v_proj']) or fix the regex; use layers_to_transform when only "
+        "some blocks are meant to be adapted.",
+        reference="https://huggingface.co/docs/peft/package_reference/lora",
+        tags=("lora", "peft", "target_modules"),
+    ),
+    FailureMode(
+        id="LORA-010",
+        title="Trainable LoRA weights stored in half precision",
+        severity=Severity.WARN,
+        summary="Trainable adapter factors are float16/bfloat16, so optimizer updates smaller than the dtype's "
+        "resolution round away.",
+        why="Training runs and the loss moves a little at first, then stalls; it happens after model.half() / "
+        ".to(torch.bfloat16) on the PEFT model or with autocast_adapter_dtype=False.",
+        fix="Keep adapters in float32 (peft's default autocast_adapter_dtype=True, or "
+        "peft.cast_mixed_precision_params) and run the forward under torch.autocast.",
+        reference=_PEFT_TROUBLESHOOTING,
+        tags=("lora", "peft", "dtype", "mixed-precision"),
+    ),
+    FailureMode(
+        id="LORA-011",
+        title="LoRA scaling alpha/r far outside the usual range",
+        severity=Severity.WARN,
+        summary="The adapter's output is multiplied by alpha/r (alpha/sqrt(r) with rsLoRA); below 0.1 or above 8 "
+        "the update is shrunk or amplified by an order of magnitude.",
+        why="The learning rate looks normal but is effectively divided or multiplied by the scaling; a large r with "
+        "peft's default lora_alpha=8 makes the adapter learn almost nothing.",
+        fix="Set lora_alpha relative to r (alpha = r or 2r are common), or use use_rslora=True for large ranks.",
+        reference="https://arxiv.org/abs/2312.03732",
+        tags=("lora", "peft", "hyperparameters"),
+    ),
+    FailureMode(
+        id="LORA-012",
+        title="modules_to_save unties tied embeddings",
+        severity=Severity.WARN,
+        summary="Only one side of a tied input-embedding / lm_head pair is in modules_to_save, so its trainable copy "
+        "drifts away from its frozen partner.",
+        why="Training sees a trainable lm_head (or embedding) and the loss falls, but the tie the model relies on "
+        "is broken and the saved adapter no longer matches the model it is loaded into.",
+        fix="Set ensure_weight_tying=True in LoraConfig, or list both tied modules in modules_to_save.",
+        reference="https://github.com/huggingface/peft/issues/2777",
+        tags=("lora", "peft", "weight-tying"),
+    ),
+)
 
 # --- distributed (DDP-) ---------------------------------------------------------------------------------------
-_DIST: tuple[FailureMode, ...] = ()
+_DIST: tuple[FailureMode, ...] = (
+    FailureMode(
+        id="DDP-001",
+        title="Unused parameter will hang DDP",
+        severity=Severity.ERROR,
+        summary="A trainable parameter got no gradient under DistributedDataParallel(find_unused_parameters=False).",
+        why="The first step completes; DDP's reducer keeps waiting for the missing gradient, so the next iteration "
+        "raises 'Expected to have finished reduction', or hangs when only some ranks skip the parameter.",
+        fix="Freeze parameters the model does not use, or pass find_unused_parameters=True (or static_graph=True).",
+        reference=_DDP_DOCS,
+        tags=("ddp", "distributed", "gradients"),
+    ),
+    FailureMode(
+        id="DDP-002",
+        title="BatchNorm not synchronised across ranks",
+        severity=Severity.WARN,
+        summary="A data-parallel model trains plain BatchNorm layers, which normalise with each rank's own small "
+        "batch statistics.",
+        why="Everything runs; with small per-GPU batches the statistics are noisy and running stats differ per "
+        "rank, which costs accuracy without any error.",
+        fix="model = nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping in DDP.",
+        reference="https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html",
+        tags=("ddp", "distributed", "batchnorm"),
+    ),
+    FailureMode(
+        id="DDP-003",
+        title="Process group initialised but model not wrapped",
+        severity=Severity.WARN,
+        summary="torch.distributed runs with several ranks but the model is not wrapped in DDP or FSDP.",
+        why="Each rank trains happily on its own shard of data; gradients are never averaged, so the ranks drift "
+        "into different models and only rank 0's is saved.",
+        fix="Wrap the model: DistributedDataParallel(model, device_ids=[local_rank]) or fully_shard(model) "
+        "(audit the wrapped model).",
+        reference="https://pytorch.org/tutorials/intermediate/ddp_tutorial.html",
+        tags=("ddp", "distributed"),
+    ),
+    FailureMode(
+        id="DDP-004",
+        title="Forward bypasses the DDP wrapper",
+        severity=Severity.ERROR,
+        summary="The step called ddp_model.module(...) instead of ddp_model(...), so DDP never arms its gradient "
+        "hooks and gradients are not all-reduced.",
+        why="Each rank computes a correct local loss and steps on its own gradients; the ranks silently diverge.",
+        fix="Call the wrapper (ddp_model(inputs)); use ddp_model.module only for saving and inspection.",
+        reference="https://pytorch.org/docs/stable/notes/ddp.html",
+        tags=("ddp", "distributed"),
+    ),
+    FailureMode(
+        id="DDP-005",
+        title="Ranks hold different weights",
+        severity=Severity.ERROR,
+        summary="Per-parameter checksums differ between ranks at the start of the step.",
+        why="DDP broadcasts rank 0's weights only when it is constructed; a checkpoint loaded on one rank after "
+        "wrapping, or an unwrapped model with per-rank seeds, leaves ranks on different weights while the "
+        "averaged gradients keep everything looking normal.",
+        fix="Load checkpoints on every rank (or before wrapping in DDP) and seed the model init identically.",
+        reference="https://pytorch.org/docs/stable/notes/ddp.html",
+        tags=("ddp", "distributed"),
+    ),
+    FailureMode(
+        id="DDP-006",
+        title="Every rank receives the same batch",
+        severity=Severity.WARN,
+        summary="The first forward's inputs are identical on all ranks.",
+        why="Training converges exactly like a single-GPU run, so nothing looks wrong; the other ranks compute the "
+        "same gradients and add no data, typically because the DataLoader has no DistributedSampler.",
+        fix="Use DistributedSampler(dataset) (and sampler.set_epoch(epoch)), or shard the data stream by rank.",
+        reference="https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler",
+        tags=("ddp", "distributed", "data"),
+    ),
+)
 
 
 CATALOG: Mapping[str, FailureMode] = MappingProxyType({m.id: m for m in (*_CORE, *_LORA, *_DIST)})

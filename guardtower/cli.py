@@ -56,7 +56,7 @@ def _catalog(*, as_json: bool) -> int:
 
     if as_json:
         entries = [
-            {**vars(m), "severity": m.severity.label, "tags": list(m.tags)}  # type: ignore[arg-type]
+            {**vars(m), "severity": m.severity.label, "tags": list(m.tags)}
             for m in catalog()
         ]
         print(json.dumps(entries, indent=2))

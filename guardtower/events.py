@@ -91,7 +91,7 @@ class Event:
             if kind not in EVENT_TYPES:
                 raise ConfigError("record", f"unknown event kind {kind!r}", f"use one of {sorted(EVENT_TYPES)}")
             target = EVENT_TYPES[kind]
-        hints = get_type_hints(target)
+        hints = _type_hints(target)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(target):
             if f.name not in record:
@@ -256,6 +256,15 @@ def to_json(event: Event) -> str:
 def from_json(line: str) -> Event:
     """Inverse of ``to_json``."""
     return event_from_record(json.loads(line))
+
+
+_HINTS: dict[type[Event], dict[str, Any]] = {}
+
+
+def _type_hints(cls: type[Event]) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _encode(value: Any) -> Any:

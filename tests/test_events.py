@@ -1,11 +1,110 @@
+"""Events: strict-JSON round trips, fingerprints, rebuild by kind."""
+
+from __future__ import annotations
+
+import dataclasses
 import json
+import math
+from typing import Any
 
-from guardtower.events import SpikeEvent, event_from_record
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from guardtower.errors import ConfigError
+from guardtower.events import (
+    EVENT_TYPES,
+    Event,
+    FindingEvent,
+    SpikeEvent,
+    SkipEvent,
+    event_from_record,
+    from_json,
+    to_json,
+)
+from guardtower.severity import Severity
+
+_floats = st.floats(allow_nan=True, allow_infinity=True)
+_text = st.text(max_size=20)
+_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**53), 2**53), _floats, _text)
+_json_value = st.recursive(
+    _json_leaf,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_text, inner, max_size=4)),
+    max_leaves=12,
+)
 
 
-def test_spike_event_round_trips_through_strict_json_with_non_finite_values() -> None:
-    event = SpikeEvent(step=3, layer="h.0.attn", ratio=float("inf"), norm=float("nan"), severity="WARN")
-    text = json.dumps(event.to_record(), allow_nan=False)
-    back = event_from_record(json.loads(text))
-    assert back.to_record() == event.to_record()
+def _strategy_for(annotation: str) -> st.SearchStrategy[Any]:
+    table: dict[str, st.SearchStrategy[Any]] = {
+        "str": _text,
+        "int": st.integers(-(2**31), 2**31),
+        "int | None": st.none() | st.integers(0, 2**31),
+        "float": _floats,
+        "float | None": st.none() | _floats,
+        "bool": st.booleans(),
+        "str | None": st.none() | _text,
+        "Severity": st.sampled_from(list(Severity)),
+        "tuple[str, ...]": st.lists(_text, max_size=4).map(tuple),
+        "tuple[int, ...]": st.lists(st.integers(-(2**31), 2**31), max_size=4).map(tuple),
+        "tuple[float, ...]": st.lists(_floats, max_size=4).map(tuple),
+        "tuple[tuple[str, float, float], ...]": st.lists(st.tuples(_text, _floats, _floats), max_size=4).map(tuple),
+        "dict[str, Any]": st.dictionaries(_text, _json_value, max_size=4),
+        "dict[str, float]": st.dictionaries(_text, _floats, max_size=4),
+    }
+    return table[annotation]
+
+
+@st.composite
+def events(draw: st.DrawFn) -> Event:
+    cls = draw(st.sampled_from(sorted(EVENT_TYPES.values(), key=lambda c: c.kind)))
+    kwargs = {f.name: draw(_strategy_for(str(f.type))) for f in dataclasses.fields(cls)}
+    return cls(**kwargs)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality where NaN equals NaN (records carry NaN explicitly)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(events())
+def test_every_event_round_trips_through_strict_json(event: Event) -> None:
+    line = to_json(event)
+    json.loads(line, parse_constant=lambda token: pytest.fail(f"non-strict JSON token {token}"))
+    back = from_json(line)
+    assert type(back) is type(event)
+    for f in dataclasses.fields(event):
+        assert _same(getattr(back, f.name), getattr(event, f.name)), f.name
     assert back.fingerprint == event.fingerprint
+
+
+def test_fingerprint_ignores_step_and_values_but_not_layer_kind_or_run() -> None:
+    a = SpikeEvent(run="r", step=1, layer="h.0", ratio=12.0, norm=3.0)
+    assert a.fingerprint == SpikeEvent(run="r", step=900, layer="h.0", ratio=1e6, norm=9.0).fingerprint
+    assert a.fingerprint != SpikeEvent(run="r", step=1, layer="h.1").fingerprint
+    assert a.fingerprint != SpikeEvent(run="other", step=1, layer="h.0").fingerprint
+    assert a.fingerprint != SkipEvent(run="r", step=1, layer="h.0").fingerprint
+
+
+def test_events_are_frozen_and_carry_common_fields() -> None:
+    event = FindingEvent(check="loss", catalog_id="LOSS-001", severity=Severity.ERROR)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.step = 3  # type: ignore[misc]
+    assert len(event.event_id) == 32 and event.time > 0 and event.rank == 0
+    assert event.to_record()["severity"] == "ERROR"
+
+
+def test_unknown_kind_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="record"):
+        event_from_record({"kind": "nope"})
+
+
+def test_severity_accepts_names_and_labels() -> None:
+    assert SpikeEvent(severity="FAIL").severity is Severity.ERROR  # type: ignore[arg-type]
+    assert Severity.parse("warn") is Severity.WARN and Severity.ERROR.label == "FAIL"

@@ -1,0 +1,47 @@
+"""Pre-flight audit: ``audit()`` runs one instrumented training step and reports the silent bugs it reveals;
+``lora_summary()`` runs the static LoRA/PEFT checks; ``is_peft_model()`` tells PEFT models apart without
+importing peft.
+
+Checks live one module per area and register themselves with ``guardtower.audit._registry.check`` when
+imported here.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+# check modules register their checks and probes on import; the order here is the report's order
+from guardtower.audit import loss as _loss  # noqa: F401
+from guardtower.audit import inputs as _inputs  # noqa: F401
+from guardtower.audit import gradients as _gradients  # noqa: F401
+from guardtower.audit import optimizer as _optimizer  # noqa: F401
+from guardtower.audit import numerics as _numerics  # noqa: F401
+from guardtower.audit import precision as _precision  # noqa: F401
+from guardtower.audit import modes as _modes  # noqa: F401
+from guardtower.audit import tying as _tying  # noqa: F401
+from guardtower.audit import lora as _lora  # noqa: F401
+from guardtower.audit import distributed as _distributed  # noqa: F401
+from guardtower.audit._runner import audit, run_static
+
+__all__ = ["audit", "run_static", "lora_summary", "is_peft_model"]
+
+
+def __getattr__(name: str) -> object:
+    # lora_summary / is_peft_model are provided by guardtower.audit.lora (the LoRA/PEFT checks)
+    if name in ("lora_summary", "is_peft_model"):
+        return getattr(_lora, name)
+    raise AttributeError(f"module 'guardtower.audit' has no attribute {name!r}")
+
+
+class _AuditModule(types.ModuleType):
+    """Importing the ``guardtower.audit`` subpackage rebinds the name ``guardtower.audit`` from the function
+    to this module; calling the module runs the function, so ``guardtower.audit(model, step_fn)`` works
+    whichever import happened first."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return audit(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _AuditModule

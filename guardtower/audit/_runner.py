@@ -1,0 +1,210 @@
+"""``audit()`` and the static runner behind ``lora_summary()``.
+
+The runner validates arguments, snapshots the training state, runs the instrumented step, runs the selected
+checks (a crashing check becomes an ``AUDIT-001`` finding), restores the state, and publishes one
+``FindingEvent`` per finding plus a ``PreflightEvent`` on the bus.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from guardtower.audit._registry import CHECKS, AuditContext, CheckSpec, StepTrace
+from guardtower.audit._state import TrainingState
+from guardtower.audit._step import confirm_input_independence, run_step
+from guardtower.audit._update import measure_update
+from guardtower.audit._util import unique_params
+from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower.catalog import CATALOG
+from guardtower.errors import ConfigError
+from guardtower.events import FindingEvent, PreflightEvent
+from guardtower.report import Finding, Report
+from guardtower.severity import Severity
+
+__all__ = ["audit", "run_static", "select_checks", "FLUSH_TIMEOUT_S"]
+
+#: how long ``audit()`` waits (in total) for the sinks of the bus it made before returning
+FLUSH_TIMEOUT_S = 5.0
+#: checks that read the optimizer step the runner measures
+_UPDATE_CHECKS = frozenset({"update_ratio", "mixed_precision"})
+
+
+def select_checks(checks: str | Iterable[str], *, static_only: bool = False) -> list[CheckSpec]:
+    """Resolve ``checks`` ("all", a name, or names) to registered checks; ``ConfigError`` for unknown names."""
+    pool = {name: spec for name, spec in CHECKS.items() if spec.static or not static_only}
+    if isinstance(checks, str):
+        names = list(pool) if checks == "all" else [checks]
+    else:
+        try:
+            names = list(checks)
+        except TypeError:
+            raise ConfigError("checks", f"expected 'all', a check name or an iterable of names, got {type(checks).__name__}",
+                              "pass checks='all' or e.g. checks=['loss', 'grad_connectivity']") from None
+    unknown = [n for n in names if n not in pool]
+    if unknown:
+        kind = "static check" if static_only else "check"
+        raise ConfigError("checks", f"unknown {kind} name(s) {unknown}", f"use 'all' or any of: {', '.join(sorted(pool))}")
+    return [pool[n] for n in dict.fromkeys(names)]  # first occurrence order, duplicates dropped
+
+
+def _validate_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}",
+                          "pass the model itself (the object whose parameters you train)")
+
+
+def _validate_optimizer(optimizer: Any) -> None:
+    if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise ConfigError("optimizer", f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}",
+                          "pass the optimizer you call .step() on, or leave it out")
+
+
+def run_static(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    checks: str | Iterable[str] = "all",
+    title: str = "guardtower static audit",
+) -> Report:
+    """Run the static checks (no forward or backward pass, nothing is modified) and return their report."""
+    _validate_model(model)
+    _validate_optimizer(optimizer)
+    specs = select_checks(checks, static_only=True)
+    ctx = AuditContext(model=model, optimizer=optimizer, inputs=None, scaler=None, params=unique_params(model))
+    report = Report(checks_run=[s.name for s in specs], title=title)
+    for spec in specs:
+        report.findings.extend(_run_check(spec, ctx))
+    return report
+
+
+def audit(
+    model: nn.Module,
+    step_fn: Callable[[], Any],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    inputs: Any = None,
+    checks: str | Iterable[str] = "all",
+    scaler: Any = None,
+    sinks: Iterable[Sink] | None = None,
+    bus: EventBus | None = None,
+) -> Report:
+    """Run one instrumented training step and report the silent bugs it reveals.
+
+    ``step_fn`` is a zero-argument callable returning the loss (a scalar tensor, or an object with ``.loss``
+    such as a Hugging Face output); the audit runs backward itself. Parameters, buffers, gradients,
+    optimizer state, RNG streams, ``training`` flags and the inputs' ``requires_grad`` are restored bitwise,
+    also when ``step_fn`` or a check raises.
+    """
+    _validate_model(model)
+    if not callable(step_fn):
+        raise ConfigError("step_fn", f"expected a zero-argument callable, got {type(step_fn).__name__}",
+                          "pass e.g. step_fn=lambda: loss_fn(model(x), y)")
+    _validate_optimizer(optimizer)
+    specs = select_checks(checks)
+    event_bus, owned = resolve_bus(bus, sinks)
+    try:
+        report = _audit(model, step_fn, optimizer, inputs, scaler, specs)
+        _publish(event_bus, report)
+    finally:
+        if owned:
+            deadline = time.monotonic() + FLUSH_TIMEOUT_S
+            event_bus.flush(FLUSH_TIMEOUT_S)
+            event_bus.close(max(0.0, deadline - time.monotonic()))
+    return report
+
+
+def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs: Any, scaler: Any,
+           specs: list[CheckSpec]) -> Report:
+    ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model))
+    report = Report(checks_run=[s.name for s in specs])
+    state = TrainingState(model, optimizer, inputs, scaler)
+    try:
+        state.clear_grads()
+        # a training step runs with autograd on, whatever context audit() was called from
+        with torch.enable_grad():
+            trace = run_step(ctx, step_fn, state.inputs)
+        if optimizer is not None and trace.extras["backward"] and any(s.name in _UPDATE_CHECKS for s in specs):
+            try:
+                trace.extras["update"] = measure_update(ctx, {id(p): saved for p, saved in state.params})
+            except Exception as exc:
+                trace.extras["update_error"] = exc
+        state.restore_values()
+        grads = trace.extras.get("input_grads")
+        if grads and all(not g for g in grads.values()) and isinstance(trace.loss, torch.Tensor) and any(
+            s.name == "input_dependency" for s in specs
+        ):
+            trace.extras["input_independent"] = confirm_input_independence(
+                model, step_fn, trace.loss, state.restore_rng)
+            state.restore_values()
+        # checks judge the model as the user handed it over, not as the step left it
+        report.findings.extend(_step_findings(trace))
+        for spec in specs:
+            report.findings.extend(_run_check(spec, ctx))
+    finally:
+        state.restore()
+    return report
+
+
+def _step_findings(trace: StepTrace) -> list[Finding]:
+    """LOSS-006/LOSS-007: the step itself did not produce a usable loss. Reported whatever checks were chosen."""
+    if trace.error is not None:
+        phase = trace.extras.get("phase") or "step_fn"
+        err = trace.error
+        where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+        return [Finding(
+            "loss", Severity.ERROR,
+            f"the training step raised in {phase}: {type(err).__name__}: {err}",
+            "LOSS-006",
+            {"phase": phase, "exception": type(err).__name__, "error": str(err)[:2000],
+             "where": f"{where.filename}:{where.lineno} in {where.name}" if where else None},
+        )]
+    if not isinstance(trace.loss, torch.Tensor):
+        out = trace.raw_output
+        has_loss_attr = hasattr(out, "loss") or (isinstance(out, dict) and "loss" in out)
+        hint = ("its .loss is None (Hugging Face models compute a loss only when labels are passed)"
+                if has_loss_attr else f"it returned {type(out).__name__}")
+        return [Finding("loss", Severity.ERROR, f"step_fn returned no loss tensor: {hint}", "LOSS-007",
+                        {"returned": type(out).__name__})]
+    return []
+
+
+def _run_check(spec: CheckSpec, ctx: AuditContext) -> list[Finding]:
+    """Run one check; a check that raises, or emits something that is not a catalogued finding, becomes AUDIT-001."""
+    try:
+        findings = list(spec.fn(ctx))
+        for f in findings:
+            if not isinstance(f, Finding) or f.catalog_id not in CATALOG:
+                raise TypeError(f"check emitted {f!r}, which is not a Finding with a catalog id")
+        return findings
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        return [Finding(
+            spec.name, Severity.ERROR,
+            f"the {spec.name!r} check crashed ({type(exc).__name__}: {exc}); its verdict is unknown",
+            "AUDIT-001",
+            {"exception": type(exc).__name__, "error": str(exc)[:2000],
+             "where": f"{where.filename}:{where.lineno} in {where.name}" if where else None},
+        )]
+
+
+def _publish(bus: EventBus, report: Report) -> None:
+    for f in report.findings:
+        bus.publish(FindingEvent(severity=f.severity, check=f.check, catalog_id=f.catalog_id, message=f.message,
+                                 details=f.to_dict()["details"]))
+    worst = max((f.severity for f in report.findings), default=Severity.INFO)
+    bus.publish(PreflightEvent(
+        severity=worst,
+        status=report.status,
+        errors=len(report.errors),
+        warnings=len(report.warnings),
+        infos=len(report.infos),
+        error_ids=tuple(sorted({f.catalog_id for f in report.errors})),
+        warning_ids=tuple(sorted({f.catalog_id for f in report.warnings})),
+        info_ids=tuple(sorted({f.catalog_id for f in report.infos})),
+        report=report.to_dict(),
+    ))

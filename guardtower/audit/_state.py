@@ -1,0 +1,231 @@
+"""Snapshot and exact restore of everything a training step can touch.
+
+The audit runs a real forward/backward (and one optimizer step for the update-ratio check) on the user's
+objects, so it must put back parameters, buffers, ``.grad`` tensors, optimizer state and hyper-parameters,
+RNG streams, ``training`` flags, the inputs' ``requires_grad``/``.grad`` and a ``GradScaler``'s state.
+Parameters and buffers are cloned once (no deep copy of the model); gradients are kept by reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from guardtower.audit._util import iter_tensors
+
+__all__ = ["TrainingState", "OptimizerState", "TensorFlags"]
+
+
+@dataclass
+class TensorFlags:
+    """``requires_grad`` and ``.grad`` of tensors the audit may mark for gradients (the inputs)."""
+
+    entries: list[tuple[torch.Tensor, bool, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+
+    def add(self, t: torch.Tensor) -> None:
+        if any(t is e[0] for e in self.entries):
+            return
+        grad = t.grad if t.is_leaf else None
+        self.entries.append((t, t.requires_grad, grad, None if grad is None else grad.detach().clone()))
+
+    def restore(self) -> None:
+        for t, requires_grad, grad, grad_copy in self.entries:
+            if not t.is_leaf:
+                continue
+            if t.requires_grad != requires_grad:
+                t.requires_grad_(requires_grad)
+            if grad is not None and grad_copy is not None:
+                with torch.no_grad():
+                    grad.copy_(grad_copy)
+            t.grad = grad
+
+
+class OptimizerState:
+    """Per-parameter state and group hyper-parameters of one optimizer, restorable in place."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.state = {p: {k: _clone(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+        self.groups = [
+            ({k: _clone(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in optimizer.param_groups
+        ]
+        self.n_groups = len(optimizer.param_groups)
+        self.flags = {k: v for k, v in vars(optimizer).items() if k in ("_opt_called",)}
+
+    def restore(self) -> None:
+        opt = self.optimizer
+        for p in [p for p in opt.state if p not in self.state]:
+            del opt.state[p]
+        for p, saved in self.state.items():
+            current = opt.state.get(p)
+            if current is None:
+                opt.state[p] = {k: _clone(v) for k, v in saved.items()}
+                continue
+            for k in [k for k in current if k not in saved]:
+                del current[k]
+            for k, v in saved.items():
+                current[k] = _restore_value(current.get(k), v)
+        del opt.param_groups[self.n_groups:]
+        for group, (hyper, params) in zip(opt.param_groups, self.groups):
+            for k in [k for k in group if k != "params" and k not in hyper]:
+                del group[k]
+            for k, v in hyper.items():
+                group[k] = _restore_value(group.get(k), v)
+            group["params"][:] = params
+        for k in ("_opt_called",):
+            if k in self.flags:
+                setattr(opt, k, self.flags[k])
+            elif k in vars(opt):
+                delattr(opt, k)
+
+
+class TrainingState:
+    """Everything ``audit()`` promises to leave bitwise identical."""
+
+    def __init__(self, model: nn.Module, optimizer: Any = None, inputs: Any = None, scaler: Any = None) -> None:
+        self.model = model
+        self.optimizers = [OptimizerState(o) for o in _optimizer_chain(optimizer)]
+        in_optimizer = {id(p) for o in self.optimizers for g in o.optimizer.param_groups for p in g["params"]}
+        all_params = _unique(model.parameters())
+        # only tensors an optimizer step can touch are cloned: a LoRA audit does not copy the frozen base
+        self.params = [(p, p.detach().clone()) for p in all_params if p.requires_grad or id(p) in in_optimizer]
+        cloned = {id(p) for p, _ in self.params}
+        self.frozen_versions = [(p, p._version) for p in all_params if id(p) not in cloned]
+        self.grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in all_params]
+        self.buffers = [(b, b.detach().clone()) for b in _unique(model.buffers())]
+        self.training = [(m, m.training) for m in model.modules()]
+        self.inputs = TensorFlags()
+        for _, t in iter_tensors(inputs, depth=6):
+            self.inputs.add(t)
+        self.scaler = scaler
+        self.scaler_state = _copy_or_none(vars(scaler)) if scaler is not None and hasattr(scaler, "__dict__") else None
+        self.grad_enabled = torch.is_grad_enabled()
+        self.torch_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.py_rng = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.np_rng = numpy.random.get_state() if numpy is not None else None
+
+    def clear_grads(self) -> None:
+        """Detach the user's gradients so the audit's backward produces fresh ones (restored later)."""
+        for p, _, _ in self.grads:
+            p.grad = None
+
+    def restore_values(self) -> None:
+        """Put back parameter and buffer values, optimizer state and the scaler (idempotent)."""
+        with torch.no_grad():
+            for p, saved in self.params:
+                _copy_into(p, saved)
+            for b, saved in self.buffers:
+                _copy_into(b, saved)
+        for opt in self.optimizers:
+            opt.restore()
+        if self.scaler is not None and self.scaler_state is not None:
+            vars(self.scaler).clear()
+            vars(self.scaler).update(copy.deepcopy(self.scaler_state))
+
+    def restore_rng(self) -> None:
+        """Rewind every RNG stream to the snapshot (also used to replay a step with identical dropout masks)."""
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.py_rng)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.np_rng is not None:
+            numpy.random.set_state(self.np_rng)
+
+    def restore(self) -> None:
+        """Put back everything (idempotent)."""
+        torch.set_grad_enabled(self.grad_enabled)
+        self.restore_values()
+        touched = [p for p, version in self.frozen_versions if p._version != version]
+        if touched:
+            warnings.warn(
+                f"guardtower.audit: step_fn modified {len(touched)} frozen parameter(s) outside the optimizer "
+                "in place; the audit does not snapshot frozen parameters, so they keep the new values",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        with torch.no_grad():
+            for p, grad, grad_copy in self.grads:
+                if grad is not None and grad_copy is not None:
+                    grad.copy_(grad_copy)
+                p.grad = grad
+        for m, training in self.training:
+            m.training = training
+        self.inputs.restore()
+        self.restore_rng()
+
+
+def _unique(tensors: Any) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The optimizer and any optimizers it wraps (they may hold separate state dicts)."""
+    chain: list[torch.optim.Optimizer] = []
+    current = optimizer
+    for _ in range(8):
+        if current is None:
+            break
+        if isinstance(current, torch.optim.Optimizer) and all(current is not c for c in chain):
+            chain.append(current)
+        current = next(
+            (v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
+             if isinstance(v, torch.optim.Optimizer) and v is not current),
+            None,
+        )
+    # wrappers sharing param_groups/state with their base need only one snapshot of that state
+    unique: list[torch.optim.Optimizer] = []
+    for opt in chain:
+        if not any(opt.state is u.state for u in unique):
+            unique.append(opt)
+    return unique
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return copy.deepcopy(value)
+
+
+def _restore_value(current: Any, saved: Any) -> Any:
+    if isinstance(saved, torch.Tensor):
+        if (
+            isinstance(current, torch.Tensor)
+            and current.shape == saved.shape
+            and current.dtype == saved.dtype
+            and current.device == saved.device
+        ):
+            with torch.no_grad():
+                current.copy_(saved)
+            return current
+        return saved.clone()
+    return copy.deepcopy(saved)
+
+
+def _copy_into(target: torch.Tensor, saved: torch.Tensor) -> None:
+    if target.shape == saved.shape and target.dtype == saved.dtype and target.device == saved.device:
+        target.copy_(saved)
+    else:
+        target.data = saved.clone()
+
+
+def _copy_or_none(state: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        return copy.deepcopy(state)
+    except Exception:  # an exotic scaler that cannot be copied is left alone
+        return None

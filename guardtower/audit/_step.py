@@ -1,0 +1,264 @@
+"""The instrumented training step: run ``step_fn`` once under probes, then backward, and record a ``StepTrace``.
+
+Besides the registered probes, the step watches the model's inputs so ``input_dependency`` can ask how the
+loss depends on them: float inputs to the root ``model(...)`` call are marked ``requires_grad`` (restored
+afterwards) and, for token ids, the output of the embedding that consumed them is watched instead (made a
+gradient leaf only when the embedding is frozen, which changes no parameter's gradient).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from guardtower.audit._registry import PROBES, AuditContext, StepTrace
+from guardtower.audit._state import TensorFlags
+from guardtower.audit._util import LABEL_KEYS, iter_tensors
+
+__all__ = ["RootCall", "run_step", "confirm_input_independence", "extract_loss", "MODE_SENSITIVE"]
+
+#: mapping keys that are neither inputs nor targets (their gradient says nothing about input dependency)
+_NOT_INPUT_KEYS = LABEL_KEYS | {"attention_mask", "position_ids", "token_type_ids", "head_mask", "decoder_attention_mask"}
+_MAX_ROOT_CALLS = 4
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+#: module types whose behaviour depends on ``training``
+MODE_SENSITIVE: tuple[type[nn.Module], ...] = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
+
+
+@dataclass
+class RootCall:
+    """One call of the audited model's own ``forward`` during the step."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    training: dict[str, bool]
+    """``training`` of the root (``""``) and of mode-sensitive submodules at call time"""
+    autocast: dict[str, torch.dtype]
+    """device type -> autocast dtype, for devices where autocast was on"""
+    output: Any = None
+
+
+@dataclass
+class _Watch:
+    """Tensors whose gradient tells whether (and how) the loss depends on the model's input."""
+
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    token_ptrs: set[int] = field(default_factory=set)
+
+
+def extract_loss(output: Any) -> Any:
+    """The loss inside what ``step_fn`` returned: the tensor itself or ``.loss`` / ``["loss"]``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    return loss
+
+
+@contextlib.contextmanager
+def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], watch: _Watch) -> Iterator[None]:
+    sensitive = [(n, m) for n, m in model.named_modules() if n and isinstance(m, MODE_SENSITIVE)]
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if len(calls) >= _MAX_ROOT_CALLS:
+            return
+        autocast = {
+            dev: torch.get_autocast_dtype(dev) for dev in _AUTOCAST_DEVICES if torch.is_autocast_enabled(dev)
+        }
+        training = {"": module.training, **{n: m.training for n, m in sensitive}}
+        calls.append(RootCall(args=args, kwargs=dict(kwargs), training=training, autocast=autocast))
+        for path, t in iter_tensors((args, kwargs), skip_keys=_NOT_INPUT_KEYS):
+            if t.is_floating_point():
+                if t.is_leaf and not t.requires_grad:
+                    flags.add(t)
+                    t.requires_grad_(True)
+                if t.requires_grad:
+                    watch.tensors.append((f"input {path}", t))
+            elif not t.is_complex() and t.dtype != torch.bool and t.device.type != "meta":
+                watch.token_ptrs.add(t.untyped_storage().data_ptr())
+
+    def post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        for call in reversed(calls):
+            if call.output is None:
+                call.output = output
+                break
+
+    def embedding_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            ids = args[0] if args else None
+            if not isinstance(ids, torch.Tensor) or not isinstance(output, torch.Tensor) or ids.device.type == "meta":
+                return None
+            if ids.untyped_storage().data_ptr() not in watch.token_ptrs:
+                return None
+            if not output.requires_grad and output.is_floating_point():
+                output = output.detach().requires_grad_(True)
+                watch.tensors.append((f"embedding {name}", output))
+                return output
+            watch.tensors.append((f"embedding {name}", output))
+            return None
+
+        return hook
+
+    handles = [
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        model.register_forward_hook(post_hook, with_kwargs=True),
+    ]
+    handles += [
+        m.register_forward_hook(embedding_hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Embedding)
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _primary_output(output: Any) -> torch.Tensor | None:
+    """The per-sample prediction of a model call: ``.logits`` of HF outputs, else the first tensor."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    for _, t in iter_tensors(output, depth=2):
+        if t.dim() > 0 and t.is_floating_point():
+            return t
+    return None
+
+
+def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[dict[str, Any]]:
+    """Gradient of sample 0's prediction w.r.t. every sample's input; rows other than 0 must be zero."""
+    if not calls:
+        return []
+    out = _primary_output(calls[0].output)
+    if out is None or not out.requires_grad or out.dim() == 0 or out.shape[0] < 2:
+        return []
+    batch = out.shape[0]
+    watched = [(label, t) for label, t in watch.tensors if t.requires_grad and t.dim() > 0 and t.shape[0] == batch]
+    if not watched:
+        return []
+    weights = torch.randn(out[0].shape, generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
+    probe = (out[0] * weights).float().sum()
+    grads = torch.autograd.grad(probe, [t for _, t in watched], retain_graph=True, allow_unused=True)
+    result = []
+    for (label, _), grad in zip(watched, grads):
+        if grad is None:
+            continue
+        g = grad.detach().float().reshape(batch, -1)
+        per_sample = g.norm(dim=1)
+        own = float(per_sample[0])
+        leaking = [int(j) for j in torch.nonzero(per_sample[1:] > 1e-6 * max(own, 1e-30)).flatten() + 1]
+        result.append({"input": label, "own": own, "other": float(per_sample[1:].norm()), "leaking_samples": leaking})
+    return result
+
+
+def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags) -> StepTrace:
+    """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``.
+
+    ``trace.extras`` keys checks may read: ``calls`` (list of ``RootCall``), ``phase`` (``"step_fn"`` or
+    ``"backward"`` when ``trace.error`` is set), ``backward`` (True when gradients were produced, by the audit
+    or by ``step_fn`` itself), ``loss_requires_grad``, ``input_grads`` (watched input -> gradient norm or
+    None), ``leak`` (per watched input: samples whose input reaches sample 0's prediction). The runner adds
+    ``update`` (param name -> ``UpdateStats`` of the trial optimizer step), ``update_error`` and
+    ``input_independent``.
+    """
+    trace = StepTrace()
+    ctx.trace = trace
+    calls: list[RootCall] = []
+    watch = _Watch()
+    trace.extras.update(calls=calls, phase=None, backward=False, input_grads=None, leak=[])
+    output: Any = None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_instrument(ctx.model, flags, calls, watch))
+        for factory in PROBES.values():
+            stack.enter_context(factory(ctx))
+        try:
+            output = step_fn()
+        except Exception as exc:
+            trace.error = exc
+            trace.extras["phase"] = "step_fn"
+    trace.raw_output = output
+    loss = extract_loss(output)
+    if not isinstance(loss, torch.Tensor):
+        return trace
+    trace.loss = loss.detach()
+    trace.extras["loss_requires_grad"] = loss.requires_grad
+    already = any(p.grad is not None for p in ctx.params.values())
+    if already:
+        # step_fn ran backward itself; its gradients are the ones to judge
+        trace.extras["backward"] = True
+    elif loss.requires_grad and trace.error is None:
+        target = loss if loss.numel() == 1 else loss.float().mean()
+        try:
+            trace.extras["leak"] = _leak_analysis(calls, watch)
+            captured: dict[str, torch.Tensor] = {}
+            handles = [
+                t.register_hook(lambda g, label=label: captured.__setitem__(label, g.detach()))
+                for label, t in watch.tensors
+                if t.requires_grad
+            ]
+            try:
+                target.backward()
+            finally:
+                for h in handles:
+                    h.remove()
+            trace.extras["backward"] = True
+            trace.extras["input_grads"] = {
+                label: (float(captured[label].float().norm()) if label in captured else None)
+                for label, t in watch.tensors
+                if t.requires_grad
+            }
+        except Exception as exc:
+            trace.error = exc
+            trace.extras["phase"] = "backward"
+    trace.grads = {name: (None if p.grad is None else p.grad.detach()) for name, p in ctx.params.items()}
+    for call in calls:
+        call.output = None  # the graph and the logits are not needed any more
+    return trace
+
+
+def _perturb(t: torch.Tensor) -> torch.Tensor:
+    """A different input of the same shape and dtype: zeros for floats, reversed/rolled ids for tokens."""
+    if t.is_floating_point():
+        return torch.zeros_like(t)
+    out = t.flip(-1) if t.dim() > 0 else t
+    return out.roll(1, 0) if out.dim() > 0 and out.shape[0] > 1 else out
+
+
+def confirm_input_independence(model: nn.Module, step_fn: Callable[[], Any], loss: torch.Tensor,
+                               rng: Callable[[], None]) -> bool | None:
+    """Re-run ``step_fn`` without gradients on perturbed model inputs (labels untouched) and the same RNG
+    stream; True when the loss is bitwise unchanged. None when it cannot tell (no root call, step failed).
+
+    A zero input gradient alone is not enough: a frozen feature extractor run under ``torch.no_grad()`` has
+    none either, yet its loss does depend on the input.
+    """
+    replaced: list[bool] = []
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        def swap(obj: Any, key: str | None = None) -> Any:
+            if key in _NOT_INPUT_KEYS:
+                return obj
+            if isinstance(obj, torch.Tensor) and obj.dtype != torch.bool and not obj.is_complex():
+                replaced.append(True)
+                return _perturb(obj)
+            return obj
+
+        return tuple(swap(a) for a in args), {k: swap(v, k) for k, v in kwargs.items()}
+
+    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        rng()
+        with torch.no_grad():
+            other = extract_loss(step_fn())
+    except Exception:
+        return None
+    finally:
+        handle.remove()
+    if not replaced or not isinstance(other, torch.Tensor) or other.shape != loss.shape:
+        return None
+    return bool(torch.equal(other.detach(), loss.detach()))

@@ -1,0 +1,89 @@
+"""Small helpers shared by the audit runner and its checks."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "iter_tensors",
+    "unique_params",
+    "base_optimizer",
+    "optimizer_tensors",
+    "is_lora_factor",
+    "fmt_names",
+    "LABEL_KEYS",
+]
+
+#: mapping keys that hold targets rather than model inputs
+LABEL_KEYS = frozenset({"labels", "label", "targets", "target", "y", "start_positions", "end_positions"})
+
+_LORA_FACTOR = re.compile(r"(^|\.)lora_(embedding_)?[AB](\.|$)")
+
+
+def iter_tensors(obj: Any, *, depth: int = 4, skip_keys: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for tensors inside nested tuples, lists, dicts and HF ``ModelOutput``s."""
+    yield from _walk(obj, "", depth, skip_keys, set())
+
+
+def _walk(obj: Any, path: str, depth: int, skip: frozenset[str], seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            yield path, obj
+        return
+    if depth <= 0:
+        return
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if str(key) in skip:
+                continue
+            yield from _walk(value, f"{path}.{key}" if path else str(key), depth - 1, skip, seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _walk(value, f"{path}[{i}]", depth - 1, skip, seen)
+
+
+def unique_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``named_parameters()`` with shared tensors listed once, under their first name."""
+    return dict(model.named_parameters())
+
+
+def base_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The innermost ``torch.optim.Optimizer`` behind wrappers (Accelerate, guards) that hold it as an attribute."""
+    current = optimizer
+    for _ in range(8):
+        inner = next(
+            (v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
+             if isinstance(v, torch.optim.Optimizer) and v is not current),
+            None,
+        )
+        if inner is None:
+            break
+        current = inner
+    return current if isinstance(current, torch.optim.Optimizer) else None
+
+
+def optimizer_tensors(optimizer: Any) -> list[tuple[int, torch.Tensor]]:
+    """``(group index, tensor)`` for every tensor in the optimizer's param groups."""
+    out: list[tuple[int, torch.Tensor]] = []
+    for gi, group in enumerate(getattr(optimizer, "param_groups", ()) or ()):
+        for p in group.get("params", ()):
+            if isinstance(p, torch.Tensor):
+                out.append((gi, p))
+    return out
+
+
+def is_lora_factor(name: str) -> bool:
+    """LoRA A/B factors: their gradient pattern at init is judged by the LoRA checks, not the generic ones."""
+    return bool(_LORA_FACTOR.search(name))
+
+
+def fmt_names(names: list[str], limit: int = 5) -> str:
+    """``a, b, c and 4 more``."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"

@@ -1,0 +1,153 @@
+"""Gradient checks: connectivity (``grad_connectivity``), magnitude (``grad_norms``) and the size of one
+optimizer update relative to the weights (``update_ratio``)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Iterable
+
+import torch
+
+from guardtower.audit._registry import AuditContext, check
+from guardtower.audit._update import UpdateStats
+from guardtower.audit._util import fmt_names, is_lora_factor
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__ = [
+    "EXPLODING_GLOBAL_NORM",
+    "EXPLODING_RATIO",
+    "VANISHING_RATIO",
+    "VANISHING_GLOBAL_NORM",
+    "UPDATE_RATIO_HIGH",
+    "UPDATE_RATIO_LOW",
+]
+
+#: a global gradient norm above this is exploding whatever the weights
+EXPLODING_GLOBAL_NORM = 1e4
+#: ``||grad|| / ||param||`` above this for a tensor: one SGD step at lr=0.01 would move it by more than itself
+EXPLODING_RATIO = 1e2
+#: ``||grad|| / ||param||`` below this for a weight matrix: it will not move in any realistic number of steps
+VANISHING_RATIO = 1e-8
+VANISHING_GLOBAL_NORM = 1e-8
+#: median ``||update|| / ||weight||`` over weight matrices after one step; ~1e-3 is healthy
+UPDATE_RATIO_HIGH = 1e-1
+UPDATE_RATIO_LOW = 1e-6
+
+
+def _grads_ready(ctx: AuditContext) -> bool:
+    return ctx.trace is not None and bool(ctx.trace.extras.get("backward"))
+
+
+@check("grad_connectivity")
+def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
+    """GRAD-001 trainable parameters without a gradient, GRAD-004 gradients that are exactly zero."""
+    if not _grads_ready(ctx):
+        return []
+    assert ctx.trace is not None
+    grads = ctx.trace.grads
+    trainable = [n for n, p in ctx.params.items() if p.requires_grad]
+    missing = [n for n in trainable if grads.get(n) is None]
+    findings = []
+    if missing:
+        findings.append(Finding(
+            "grad_connectivity", Severity.ERROR,
+            f"{len(missing)} trainable parameter(s) got no gradient: {fmt_names(missing)} (unused in forward, "
+            "used under no_grad/detach, or replaced after the graph was built)",
+            "GRAD-001", {"params": missing},
+        ))
+    zero = []
+    for n in trainable:
+        g = grads.get(n)
+        if g is not None and g.numel() > 0 and not is_lora_factor(n) and not bool(g.any()):
+            zero.append(n)
+    if zero:
+        findings.append(Finding(
+            "grad_connectivity", Severity.WARN,
+            f"{len(zero)} trainable parameter(s) got an all-zero gradient: {fmt_names(zero)} (dead ReLUs or "
+            "clamps upstream, a zero-initialised layer in between, or masked-out outputs)",
+            "GRAD-004", {"params": zero},
+        ))
+    return findings
+
+
+def _norms(ctx: AuditContext) -> list[tuple[str, float, float, int]]:
+    """(name, grad norm, param norm, ndim) for finite gradients."""
+    assert ctx.trace is not None
+    out = []
+    with torch.no_grad():
+        for name, g in ctx.trace.grads.items():
+            p = ctx.params.get(name)
+            if g is None or p is None or g.numel() == 0:
+                continue
+            gn = float(g.float().norm())
+            if not math.isfinite(gn):
+                continue
+            out.append((name, gn, float(p.detach().float().norm()), p.dim()))
+    return out
+
+
+@check("grad_norms")
+def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
+    """GRAD-002 exploding and GRAD-003 vanishing gradients, judged absolutely and relative to the weights."""
+    if not _grads_ready(ctx):
+        return []
+    norms = _norms(ctx)
+    if not norms:
+        return []
+    total = math.sqrt(sum(gn * gn for _, gn, _, _ in norms))
+    findings = []
+    exploding = [(n, gn, pn) for n, gn, pn, _ in norms if pn > 0 and gn / pn > EXPLODING_RATIO]
+    if total > EXPLODING_GLOBAL_NORM or exploding:
+        worst = max(exploding, key=lambda e: e[1] / e[2], default=None)
+        findings.append(Finding(
+            "grad_norms", Severity.WARN,
+            f"exploding gradients: global norm {total:.3g}"
+            + (f"; {len(exploding)} tensor(s) with ||grad||/||param|| > {EXPLODING_RATIO:g}, worst {worst[0]} "
+               f"({worst[1] / worst[2]:.3g})" if worst else "")
+            + " (unnormalised inputs/targets, bad init, or a loss scaled up)",
+            "GRAD-002", {"global_norm": total, "params": [e[0] for e in exploding],
+                         "ratios": {e[0]: e[1] / e[2] for e in exploding[:20]}},
+        ))
+    vanishing = [(n, gn, pn) for n, gn, pn, nd in norms
+                 if nd >= 2 and pn > 0 and 0 < gn and gn / pn < VANISHING_RATIO]
+    if 0 < total < VANISHING_GLOBAL_NORM or vanishing:
+        findings.append(Finding(
+            "grad_norms", Severity.WARN,
+            f"vanishing gradients: global norm {total:.3g}"
+            + (f"; {len(vanishing)} weight tensor(s) with ||grad||/||param|| < {VANISHING_RATIO:g}: "
+               f"{fmt_names([e[0] for e in vanishing])}" if vanishing else "")
+            + " (saturating activations in a deep stack, missing residuals/normalisation, or a tiny loss scale)",
+            "GRAD-003", {"global_norm": total, "params": [e[0] for e in vanishing],
+                         "ratios": {e[0]: e[1] / e[2] for e in vanishing[:20]}},
+        ))
+    return findings
+
+
+@check("update_ratio")
+def check_update_ratio(ctx: AuditContext) -> Iterable[Finding]:
+    """GRAD-005: one real optimizer step (undone afterwards) moves the weights far more or less than ~1e-3."""
+    if ctx.trace is None:
+        return []
+    error = ctx.trace.extras.get("update_error")
+    if error is not None:
+        raise RuntimeError(f"the trial optimizer step failed: {type(error).__name__}: {error}")
+    stats: dict[str, UpdateStats] = ctx.trace.extras.get("update") or {}
+    ratios = {n: s.ratio for n, s in stats.items() if s.ndim >= 2 and math.isfinite(s.ratio) and not is_lora_factor(n)}
+    if not ratios:
+        return []
+    median = statistics.median(ratios.values())
+    lrs = sorted({float(g["lr"]) for g in getattr(ctx.optimizer, "param_groups", []) if "lr" in g})
+    if median > UPDATE_RATIO_HIGH:
+        verdict = f"far above ~1e-3: the first steps will overwrite the initialisation (lr {lrs} too high?)"
+    elif median < UPDATE_RATIO_LOW:
+        verdict = f"far below ~1e-3: the weights will barely move (lr {lrs} too low, or gradients vanishing?)"
+    else:
+        return []
+    top = sorted(ratios.items(), key=lambda kv: kv[1], reverse=median > UPDATE_RATIO_HIGH)[:10]
+    return [Finding(
+        "update_ratio", Severity.WARN,
+        f"one optimizer step changes the weights by a median {median:.3g} of their norm, {verdict}",
+        "GRAD-005", {"median_ratio": median, "lr": lrs, "ratios": dict(top)},
+    )]

@@ -1,0 +1,60 @@
+"""``input_dependency``: does the loss depend on the input, and does each sample depend only on itself?
+
+The step records the gradient reaching the model's input (float inputs, or the embedding output for token
+ids) and, separately, the gradient of sample 0's prediction with respect to every sample's input.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import nn
+
+from guardtower.audit._registry import AuditContext, check
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__: list[str] = []
+
+
+@check("input_dependency")
+def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-001 loss independent of the input, INPUT-002 samples mixing across the batch."""
+    trace = ctx.trace
+    if trace is None or not trace.extras.get("backward"):
+        return []
+    findings = []
+    input_grads: dict[str, float | None] | None = trace.extras.get("input_grads")
+    if input_grads and trace.extras.get("input_independent"):
+        if all(not g for g in input_grads.values()):
+            findings.append(Finding(
+                "input_dependency", Severity.ERROR,
+                "the loss does not depend on the model's input: its gradient w.r.t. "
+                f"{', '.join(input_grads)} is zero or absent and replacing the input leaves the loss bitwise "
+                "unchanged (input ignored or overwritten in forward, or a cached tensor used instead)",
+                "INPUT-001", {"inputs": list(input_grads)},
+            ))
+    leaks: list[dict[str, Any]] = trace.extras.get("leak") or []
+    leaking = [entry for entry in leaks if entry["leaking_samples"]]
+    if leaking:
+        entry = leaking[0]
+        batchnorm = [n for n, m in ctx.model.named_modules()
+                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+        details = {"input": entry["input"], "leaking_samples": entry["leaking_samples"][:16],
+                   "own_grad_norm": entry["own"], "other_grad_norm": entry["other"], "batchnorm": batchnorm[:16]}
+        if batchnorm:
+            findings.append(Finding(
+                "input_dependency", Severity.INFO,
+                f"sample 0's prediction depends on other samples of the batch through {len(batchnorm)} BatchNorm "
+                "layer(s) in train mode (expected from batch statistics; use GroupNorm/LayerNorm if samples must "
+                "stay independent, e.g. per-sample gradients or contrastive losses)",
+                "INPUT-002", details,
+            ))
+        else:
+            findings.append(Finding(
+                "input_dependency", Severity.WARN,
+                f"sample 0's prediction depends on samples {entry['leaking_samples'][:8]} of the batch "
+                f"(via {entry['input']}): a view/reshape/transpose mixes the batch dimension",
+                "INPUT-002", details,
+            ))
+    return findings

@@ -1,0 +1,222 @@
+"""Loss wiring checks (``loss``, ``loss_inputs``) and the batch/label checks (``data``).
+
+The ``loss_calls`` probe wraps the ``torch.nn.functional`` losses while the step runs; ``nn.CrossEntropyLoss``,
+``nn.MSELoss`` & co. and Hugging Face's loss functions call them through the module attribute, so one patch
+sees them all. It records what went in (value range, shapes, ignored targets), never the tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from guardtower.audit._registry import AuditContext, check, probe
+from guardtower.audit._step import RootCall
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__ = ["LossCall"]
+
+_CLASSIFICATION = ("cross_entropy", "binary_cross_entropy_with_logits", "nll_loss")
+_REGRESSION = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss")
+
+
+@dataclass
+class LossCall:
+    """What one functional loss call received."""
+
+    fn: str
+    input_shape: tuple[int, ...]
+    target_shape: tuple[int, ...]
+    input_min: float | None = None
+    input_max: float | None = None
+    rows_sum_to_one: bool = False
+    all_ignored: bool = False
+
+
+def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCall | None:
+    inp = args[0] if args else kwargs.get("input")
+    target = args[1] if len(args) > 1 else kwargs.get("target")
+    if not isinstance(inp, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return None
+    call = LossCall(fn, tuple(inp.shape), tuple(target.shape))
+    if inp.numel() == 0 or not inp.is_floating_point():
+        return call
+    with torch.no_grad():
+        x = inp.detach().float()
+        call.input_min, call.input_max = float(x.min()), float(x.max())
+        if fn == "cross_entropy" and x.dim() >= 1:
+            class_dim = 1 if x.dim() >= 2 else 0
+            if x.shape[class_dim] >= 2:
+                call.rows_sum_to_one = bool((x.sum(class_dim) - 1.0).abs().max() <= 1e-3)
+        if fn in ("cross_entropy", "nll_loss") and not target.is_floating_point() and target.numel() > 0:
+            ignore = kwargs.get("ignore_index", -100)
+            call.all_ignored = bool((target == ignore).all())
+    return call
+
+
+@probe("loss_calls")
+@contextlib.contextmanager
+def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
+    calls: list[LossCall] = []
+    ctx.probes["loss_calls"] = calls
+    originals: dict[str, Callable[..., Any]] = {name: getattr(F, name) for name in _CLASSIFICATION + _REGRESSION}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                described = _describe(name, args, kwargs)
+                if described is not None:
+                    calls.append(described)
+            except Exception:  # observing must never change what the step does
+                pass
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(F, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(F, name, fn)
+
+
+@check("loss")
+def check_loss(ctx: AuditContext) -> Iterable[Finding]:
+    """LOSS-001 detached, LOSS-002 not scalar, LOSS-003 not finite."""
+    trace = ctx.trace
+    if trace is None or trace.loss is None:
+        return []
+    loss = trace.loss
+    findings = []
+    trainable = any(p.requires_grad for p in ctx.params.values())
+    if trainable and not trace.extras.get("loss_requires_grad", False) and not trace.extras.get("backward"):
+        findings.append(Finding(
+            "loss", Severity.ERROR,
+            "the loss does not require grad: it was detached (.detach(), .item(), torch.tensor(...), or computed "
+            "under torch.no_grad()), so backward() cannot reach any parameter",
+            "LOSS-001", {"dtype": str(loss.dtype)},
+        ))
+    if loss.numel() != 1:
+        findings.append(Finding(
+            "loss", Severity.ERROR,
+            f"the loss has shape {tuple(loss.shape)}, not a scalar (reduction='none' left un-reduced?); "
+            "the audit continued with its mean",
+            "LOSS-002", {"shape": list(loss.shape)},
+        ))
+    if loss.numel() > 0 and loss.is_floating_point() and not bool(torch.isfinite(loss).all()):
+        findings.append(Finding(
+            "loss", Severity.ERROR, "the loss is NaN or Inf on this batch", "LOSS-003",
+            {"value": [float(v) for v in loss.detach().float().flatten()[:8]]},
+        ))
+    return findings
+
+
+@check("loss_inputs")
+def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
+    """LOSS-004 probabilities fed to a logits loss, LOSS-005 broadcasting targets, LOSS-008 NLL on logits."""
+    calls: list[LossCall] = ctx.probes.get("loss_calls", [])
+    findings = []
+    for call in calls:
+        lo, hi = call.input_min, call.input_max
+        if lo is None or hi is None:
+            continue
+        in_unit = lo >= 0.0 and hi <= 1.0
+        if call.fn == "cross_entropy" and in_unit and call.rows_sum_to_one:
+            findings.append(Finding(
+                "loss_inputs", Severity.ERROR,
+                f"cross_entropy received probabilities (every row in [0, 1] and summing to 1, shape "
+                f"{call.input_shape}): softmax is applied twice; pass the raw logits",
+                "LOSS-004", {"fn": call.fn, "input_shape": list(call.input_shape), "min": lo, "max": hi},
+            ))
+        elif call.fn == "binary_cross_entropy_with_logits" and in_unit and _numel(call.input_shape) >= 4:
+            findings.append(Finding(
+                "loss_inputs", Severity.ERROR,
+                f"binary_cross_entropy_with_logits received values all in [0, 1] (shape {call.input_shape}): "
+                "sigmoid is applied twice; pass the raw logits",
+                "LOSS-004", {"fn": call.fn, "input_shape": list(call.input_shape), "min": lo, "max": hi},
+            ))
+        elif call.fn == "nll_loss" and hi > 0.0:
+            findings.append(Finding(
+                "loss_inputs", Severity.ERROR,
+                f"nll_loss received values up to {hi:.3g}; it expects log-probabilities (<= 0): apply "
+                "log_softmax first, or use cross_entropy on the logits",
+                "LOSS-008", {"fn": call.fn, "input_shape": list(call.input_shape), "max": hi},
+            ))
+        if call.fn in _REGRESSION and call.input_shape != call.target_shape:
+            try:
+                shape = tuple(torch.broadcast_shapes(call.input_shape, call.target_shape))
+            except RuntimeError:
+                continue
+            findings.append(Finding(
+                "loss_inputs", Severity.ERROR,
+                f"{call.fn} input {call.input_shape} and target {call.target_shape} broadcast to {shape}: every "
+                "prediction is compared with every target; make the shapes equal (squeeze/unsqueeze)",
+                "LOSS-005", {"fn": call.fn, "input_shape": list(call.input_shape),
+                             "target_shape": list(call.target_shape), "broadcast_shape": list(shape)},
+            ))
+    return findings
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _batch_mapping(ctx: AuditContext) -> Mapping[str, Any] | None:
+    """The batch as a mapping: ``inputs`` when it is one, else the keyword arguments of the model call."""
+    if isinstance(ctx.inputs, Mapping):
+        return ctx.inputs
+    calls: list[RootCall] = ctx.trace.extras.get("calls", []) if ctx.trace is not None else []
+    for call in calls:
+        if "labels" in call.kwargs:
+            return call.kwargs
+    return None
+
+
+@check("data")
+def check_data(ctx: AuditContext) -> Iterable[Finding]:
+    """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels."""
+    findings = []
+    batch = _batch_mapping(ctx)
+    labels = batch.get("labels") if batch is not None else None
+    calls: list[LossCall] = ctx.probes.get("loss_calls", [])
+    all_ignored = any(c.all_ignored for c in calls)
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.numel() > 0:
+        all_ignored = all_ignored or bool((labels == -100).all())
+    if all_ignored:
+        findings.append(Finding(
+            "data", Severity.ERROR,
+            "no position in this batch has a label (all targets equal ignore_index -100): the loss is 0/0 = NaN "
+            "or zero, and the step teaches nothing; check truncation and the completion-only masking",
+            "DATA-001", {},
+        ))
+    mask = batch.get("attention_mask") if batch is not None else None
+    if (
+        isinstance(labels, torch.Tensor)
+        and isinstance(mask, torch.Tensor)
+        and labels.shape == mask.shape
+        and not labels.is_floating_point()
+    ):
+        padded = mask == 0
+        leaked = padded & (labels != -100)
+        n = int(leaked.sum())
+        if n:
+            findings.append(Finding(
+                "data", Severity.WARN,
+                f"{n} of {int(padded.sum())} padding positions (attention_mask == 0) carry labels: the model is "
+                "trained to predict padding; set labels to -100 where attention_mask is 0",
+                "DATA-002", {"labelled_padding": n, "padding": int(padded.sum())},
+            ))
+    return findings

@@ -1,0 +1,99 @@
+"""Static optimizer checks: coverage (``optimizer_coverage``), frozen tensors (``frozen``) and
+hyper-parameters (``optimizer_hparams``). Identity, not names, decides membership."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from guardtower.audit._registry import AuditContext, check
+from guardtower.audit._util import fmt_names, optimizer_tensors
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__: list[str] = []
+
+
+@check("optimizer_coverage", static=True)
+def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
+    """OPT-001 trainable parameters the optimizer does not update, OPT-003 a stale optimizer."""
+    if ctx.optimizer is None:
+        return []
+    in_opt = optimizer_tensors(ctx.optimizer)
+    opt_ids = {id(t) for _, t in in_opt}
+    all_model = {id(p) for p in ctx.model.parameters()}
+    trainable = {n: p for n, p in ctx.params.items() if p.requires_grad}
+    missing = [n for n, p in trainable.items() if id(p) not in opt_ids]
+    foreign = [t for _, t in in_opt if id(t) not in all_model]
+    findings = []
+    stale_all = bool(trainable) and bool(in_opt) and len(missing) == len(trainable)
+    if foreign or stale_all:
+        reason = (f"{len(foreign)} of its {len(in_opt)} tensors are not parameters of this model"
+                  if foreign else "it updates none of the model's trainable parameters")
+        findings.append(Finding(
+            "optimizer_coverage", Severity.ERROR,
+            f"the optimizer is stale: {reason} (built before the model was wrapped, re-created, given a new "
+            "head, passed through get_peft_model or materialised); build it from the final model",
+            "OPT-003", {"foreign_tensors": len(foreign), "optimizer_tensors": len(in_opt),
+                        "missing_trainable": missing[:50]},
+        ))
+    if missing and not stale_all:
+        findings.append(Finding(
+            "optimizer_coverage", Severity.ERROR,
+            f"{len(missing)} trainable parameter(s) are in no optimizer param group and will never be updated: "
+            f"{fmt_names(missing)}",
+            "OPT-001", {"params": missing},
+        ))
+    return findings
+
+
+@check("frozen", static=True)
+def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
+    """OPT-002: parameters with ``requires_grad=False`` that still sit in the optimizer."""
+    if ctx.optimizer is None:
+        return []
+    names = {id(p): n for n, p in ctx.model.named_parameters()}
+    frozen = [names[id(t)] for _, t in optimizer_tensors(ctx.optimizer) if id(t) in names and not t.requires_grad]
+    if not frozen:
+        return []
+    return [Finding(
+        "frozen", Severity.WARN,
+        f"{len(frozen)} frozen parameter(s) (requires_grad=False) are in the optimizer: {fmt_names(frozen)}; "
+        "they cost optimizer memory, and unfreezing them later silently resumes stale moments",
+        "OPT-002", {"params": frozen},
+    )]
+
+
+@check("optimizer_hparams", static=True)
+def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
+    """OPT-004 learning rate zero, OPT-005 weight decay on biases and normalisation weights."""
+    if ctx.optimizer is None:
+        return []
+    names = {id(p): n for n, p in ctx.model.named_parameters()}
+    findings = []
+    for gi, group in enumerate(ctx.optimizer.param_groups):
+        params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
+        trainable = [p for p in params if p.requires_grad]
+        lr = group.get("lr")
+        lr_value = float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
+        initial = group.get("initial_lr")
+        warming_up = isinstance(initial, (int, float, torch.Tensor)) and float(initial) > 0
+        if trainable and lr_value == 0.0 and not warming_up:
+            findings.append(Finding(
+                "optimizer_hparams", Severity.WARN,
+                f"param group {gi} has lr=0 for {len(trainable)} trainable tensor(s) and no scheduler raising it: "
+                "nothing in it will train",
+                "OPT-004", {"group": gi, "params": [names.get(id(p), "?") for p in trainable][:50]},
+            ))
+        wd = group.get("weight_decay", 0.0)
+        if isinstance(wd, (int, float)) and wd > 0:
+            decayed = [names.get(id(p), "?") for p in trainable if p.dim() <= 1]
+            if decayed:
+                findings.append(Finding(
+                    "optimizer_hparams", Severity.INFO,
+                    f"param group {gi} applies weight_decay={wd:g} to {len(decayed)} bias/normalisation tensor(s): "
+                    f"{fmt_names(decayed)}; usual practice puts them in a group with weight_decay=0",
+                    "OPT-005", {"group": gi, "weight_decay": wd, "params": decayed[:50]},
+                ))
+    return findings

@@ -1,0 +1,283 @@
+"""audit()/run_static() contract: arguments, check selection, events, crashing checks, clean real models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import guardtower
+from guardtower.audit import _registry, audit, run_static
+from guardtower.bus import EventBus
+from guardtower.catalog import CATALOG
+from guardtower.errors import ConfigError, PreflightFailed
+from guardtower.events import FindingEvent, PreflightEvent
+from guardtower.report import Finding
+from guardtower.severity import Severity
+from guardtower.testing import InMemorySink, capture_events
+
+from tests._audit_core_helpers import SmallCNN, bert_mlm, gpt2, llama, mlp, regression_batch, token_batch
+
+X, Y = regression_batch()
+
+
+def _mlp_step() -> tuple[nn.Module, Any]:
+    m = mlp()
+    return m, lambda: F.mse_loss(m(X), Y)
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+def test_model_must_be_a_module() -> None:
+    with pytest.raises(ConfigError, match="model: expected a torch.nn.Module"):
+        audit(lambda x: x, lambda: torch.zeros(()))  # type: ignore[arg-type]
+
+
+def test_step_fn_must_be_callable() -> None:
+    m, step = _mlp_step()
+    with pytest.raises(ConfigError, match="step_fn") as err:
+        audit(m, step())  # called it instead of passing it
+    assert err.value.argument == "step_fn"
+
+
+def test_optimizer_must_be_an_optimizer() -> None:
+    m, step = _mlp_step()
+    with pytest.raises(ConfigError, match="optimizer"):
+        audit(m, step, optimizer=m.parameters())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checks", ["los", ["loss", "grad_norm"], ("nonsense",)])
+def test_unknown_check_names_list_the_valid_ones(checks: Any) -> None:
+    m, step = _mlp_step()
+    with pytest.raises(ConfigError) as err:
+        audit(m, step, checks=checks)
+    assert "grad_connectivity" in str(err.value) and "loss" in str(err.value)
+
+
+def test_bad_arguments_change_nothing() -> None:
+    m, step = _mlp_step()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ConfigError):
+        audit(m, step, checks="bogus")
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.parametrize("returned", [3.14, None, {"logits": torch.zeros(2)}])
+def test_step_returning_no_loss_tensor_is_a_finding(returned: Any) -> None:
+    m = mlp()
+    report = audit(m, lambda: returned)
+    (finding,) = report.by_id("LOSS-007")
+    assert finding.severity is Severity.ERROR and not report.ok
+
+
+def test_closure_raising_names_the_exception_and_location() -> None:
+    m = mlp()
+
+    def step() -> torch.Tensor:
+        return F.mse_loss(m(X[:, :5]), Y)  # wrong feature count
+
+    report = audit(m, step)
+    (finding,) = report.by_id("LOSS-006")
+    assert finding.details["exception"] == "RuntimeError" and finding.details["phase"] == "step_fn"
+    assert "mat1 and mat2" in finding.message
+    assert report.status == "FAIL"
+    with pytest.raises(PreflightFailed) as err:
+        report.raise_if_errors()
+    assert err.value.report is report
+
+
+def test_backward_raising_is_reported_as_backward_phase() -> None:
+    m = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())
+
+    def step() -> torch.Tensor:
+        h = m(X)
+        h.mul_(2)  # in-place on a tensor sigmoid saved for backward
+        return h.sum()
+
+    (finding,) = audit(m, step).by_id("LOSS-006")
+    assert finding.details["phase"] == "backward"
+
+
+# --- check selection ------------------------------------------------------------------------------------------
+def test_single_check_and_iterable_selection() -> None:
+    m, step = _mlp_step()
+    assert audit(m, step, checks="loss").checks_run == ["loss"]
+    assert audit(m, step, checks=("grad_norms", "loss", "loss")).checks_run == ["grad_norms", "loss"]
+
+
+def test_all_runs_every_registered_check() -> None:
+    m, step = _mlp_step()
+    assert audit(m, step).checks_run == list(_registry.CHECKS)
+
+
+def test_contract_check_names_are_registered() -> None:
+    core = {"loss", "input_dependency", "grad_connectivity", "optimizer_coverage", "frozen", "weight_tying",
+            "grad_norms", "nonfinite", "dead_relu", "train_mode", "device_dtype", "mixed_precision"}
+    assert core <= set(_registry.CHECKS)
+
+
+# --- crashing or misbehaving checks ---------------------------------------------------------------------------
+def test_check_emitting_an_unknown_catalog_id_becomes_audit_001(monkeypatch: pytest.MonkeyPatch) -> None:
+    def sloppy(ctx: _registry.AuditContext) -> list[Finding]:
+        return [Finding("sloppy", Severity.WARN, "made-up", "NOPE-999")]
+
+    monkeypatch.setitem(_registry.CHECKS, "sloppy", _registry.CheckSpec("sloppy", sloppy, False))
+    m, step = _mlp_step()
+    report = audit(m, step, checks=["sloppy", "loss"])
+    (finding,) = report.by_id("AUDIT-001")
+    assert finding.check == "sloppy" and "NOPE-999" in finding.message
+    assert not report.by_id("NOPE-999")
+
+
+def test_no_crash_means_no_audit_001() -> None:
+    m, step = _mlp_step()
+    assert not audit(m, step).by_id("AUDIT-001")
+
+
+# --- events ---------------------------------------------------------------------------------------------------
+def test_publishes_one_finding_event_per_finding_and_a_preflight() -> None:
+    m = SmallCNN()
+    x = torch.randn(4, 3, 8, 8)
+    m.eval()
+    with capture_events() as events:
+        report = audit(m, lambda: F.cross_entropy(m(x), torch.arange(4) % 5))
+    findings = [e for e in events if isinstance(e, FindingEvent)]
+    preflights = [e for e in events if isinstance(e, PreflightEvent)]
+    assert [(e.check, e.catalog_id) for e in findings] == [(f.check, f.catalog_id) for f in report.findings]
+    assert findings and all(e.severity == f.severity for e, f in zip(findings, report.findings))
+    (pre,) = preflights
+    assert pre.status == report.status and pre.warnings == len(report.warnings)
+    assert "MODE-001" in pre.warning_ids and pre.report == report.to_dict()
+    assert events[-1] is pre
+
+
+def test_sinks_receive_events_before_audit_returns() -> None:
+    sink = InMemorySink()
+    m = mlp()
+    report = audit(m, lambda: torch.tensor(F.mse_loss(m(X), Y).item()), sinks=[sink])
+    kinds = [e.kind for e in sink.events]
+    assert kinds.count("finding") == len(report.findings) and kinds[-1] == "preflight"
+    assert sink.of_kind("preflight")[0].error_ids == ("LOSS-001",)
+
+
+def test_a_given_bus_is_used_and_left_open() -> None:
+    sink = InMemorySink()
+    bus = EventBus([sink])
+    m, step = _mlp_step()
+    audit(m, step, bus=bus)
+    assert bus.flush(5) and not bus.stats()["closed"]
+    assert [e.kind for e in sink.events] == ["preflight"]
+    bus.close(5)
+
+
+def test_bad_bus_is_a_config_error() -> None:
+    m, step = _mlp_step()
+    with pytest.raises(ConfigError, match="bus"):
+        audit(m, step, bus="wandb")  # type: ignore[arg-type]
+
+
+# --- static runner (used by lora_summary) ---------------------------------------------------------------------
+def test_run_static_runs_static_checks_without_a_forward() -> None:
+    m = gpt2()
+    m.lm_head = nn.Linear(32, m.config.vocab_size, bias=False)
+    opt = torch.optim.Adam(m.transformer.parameters(), lr=1e-3)
+    calls = []
+    handle = m.register_forward_pre_hook(lambda *a: calls.append(1))
+    report = run_static(m, opt)
+    handle.remove()
+    assert not calls
+    assert {f.catalog_id for f in report.findings} >= {"OPT-001", "TIE-002"}
+    assert set(report.checks_run) == {n for n, s in _registry.CHECKS.items() if s.static}
+
+
+def test_run_static_rejects_dynamic_check_names() -> None:
+    with pytest.raises(ConfigError, match="static check"):
+        run_static(mlp(), checks=["grad_norms"])
+
+
+# --- clean real models: no false alarms -----------------------------------------------------------------------
+def _hf_case(build: Any) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+    m = build()
+    batch = token_batch(pad_last=3)
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    rest = [p for p in m.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=3e-4)
+    return m, lambda: m(**batch), opt
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_clean_transformers_have_no_warnings(family: str) -> None:
+    build = {"gpt2": gpt2, "llama": llama, "bert": bert_mlm}[family]
+    m, step, opt = _hf_case(build)
+    report = audit(m, step, optimizer=opt)
+    assert report.ok and not report.warnings, str(report)
+    assert {f.catalog_id for f in report.infos} <= {"TIE-001"}
+
+
+def test_clean_cnn_with_batchnorm_has_no_warnings() -> None:
+    m = SmallCNN()
+    x = torch.randn(8, 3, 8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    report = audit(m, lambda: F.cross_entropy(m(x), torch.arange(8) % 5), optimizer=opt)
+    assert report.ok and not report.warnings, str(report)
+
+
+def test_public_audit_is_callable_whichever_import_came_first() -> None:
+    import guardtower.audit as audit_package  # binds guardtower.audit to the subpackage
+
+    m, step = _mlp_step()
+    for fn in (guardtower.audit, audit_package, audit):
+        report = fn(m, step, checks="loss")
+        assert report.checks_run == ["loss"] and all(f.catalog_id in CATALOG for f in report.findings)
+
+
+def test_in_place_relu_does_not_distort_what_was_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Linear before an nn.ReLU(inplace=True) is measured before the ReLU overwrites its output."""
+    seen: dict[str, Any] = {}
+
+    def spy(ctx: _registry.AuditContext) -> list[Finding]:
+        seen["record"] = ctx.probes["activations"]
+        return []
+
+    monkeypatch.setitem(_registry.CHECKS, "spy", _registry.CheckSpec("spy", spy, False))
+    m = mlp()
+    with torch.no_grad():
+        m[0].bias.fill_(-50.0)  # every pre-activation strongly negative
+    report = audit(m, lambda: F.mse_loss(m(X), Y), checks=["spy", "dead_relu"])
+    record = seen["record"]
+    assert record.max_abs["0"] > 40.0  # the negative pre-activations, not the zeros the ReLU wrote over them
+    assert record.max_abs["1"] == 0.0
+    assert record.dead["1"] == (32, 32)
+    assert report.by_id("RELU-001")[0].details["modules"] == ["1"]
+
+
+def test_a_hanging_sink_delays_the_audit_by_the_flush_bound_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from guardtower.audit import _runner
+    from guardtower.bus import BaseSink
+
+    release = threading.Event()
+
+    class Hanging(BaseSink):
+        name = "hanging"
+        rank_zero_only = False
+
+        def handle(self, event: Any) -> None:
+            release.wait(30)
+
+    monkeypatch.setattr(_runner, "FLUSH_TIMEOUT_S", 2.0)
+    m, step = _mlp_step()
+    start = time.monotonic()
+    audit(m, step)
+    baseline = time.monotonic() - start
+    start = time.monotonic()
+    report = audit(m, step, sinks=[Hanging()])
+    added = time.monotonic() - start - baseline
+    release.set()
+    assert report.status == "PASS"
+    assert 1.5 < added < 3.0  # one bound for flush + close together, not one each

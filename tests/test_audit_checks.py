@@ -1,0 +1,616 @@
+"""Every core catalog entry: a realistic setup that triggers it and a clean counterpart that does not."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from guardtower.audit import audit
+from guardtower.catalog import _CORE
+from guardtower.severity import Severity
+
+from tests._audit_core_helpers import SmallCNN, VOCAB, gpt2, mlp, regression_batch, token_batch
+
+Case = tuple[nn.Module, Callable[[], Any], dict[str, Any]]
+CASES: dict[str, Callable[[bool], Case]] = {}
+
+
+def case(key: str) -> Callable[[Callable[[bool], Case]], Callable[[bool], Case]]:
+    def register(fn: Callable[[bool], Case]) -> Callable[[bool], Case]:
+        CASES[key] = fn
+        return fn
+
+    return register
+
+
+def _classifier(bug_softmax: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5)]
+    if bug_softmax:
+        layers.append(nn.Softmax(dim=-1))
+    return nn.Sequential(*layers)
+
+
+_X, _Y = regression_batch()
+_LABELS = torch.arange(16) % 5
+
+
+# --- loss -----------------------------------------------------------------------------------------------------
+@case("LOSS-001")
+def _loss_detached(bug: bool) -> Case:
+    m = mlp()
+
+    def step() -> torch.Tensor:
+        loss = F.mse_loss(m(_X), _Y)
+        return torch.tensor(loss.item()) if bug else loss  # "cleaned up" for logging
+
+    return m, step, {}
+
+
+@case("LOSS-002")
+def _loss_not_scalar(bug: bool) -> Case:
+    m = _classifier()
+    crit = nn.CrossEntropyLoss(reduction="none" if bug else "mean")
+    return m, lambda: crit(m(_X), _LABELS), {}
+
+
+@case("LOSS-003")
+def _loss_nan(bug: bool) -> Case:
+    m = mlp()
+    # a log-likelihood on raw outputs (no softplus) goes NaN for negative predictions
+    return m, lambda: -torch.log(m(_X) if bug else F.softplus(m(_X))).mean(), {}
+
+
+@case("LOSS-004")
+def _double_softmax(bug: bool) -> Case:
+    m = _classifier(bug_softmax=bug)
+    crit = nn.CrossEntropyLoss()
+    return m, lambda: crit(m(_X), _LABELS), {}
+
+
+@case("LOSS-004/bce")
+def _double_sigmoid(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3), *( [nn.Sigmoid()] if bug else []))
+    targets = (torch.arange(48).reshape(16, 3) % 2).float()
+    crit = nn.BCEWithLogitsLoss()
+    return m, lambda: crit(m(_X), targets), {}
+
+
+@case("LOSS-005")
+def _broadcast_target(bug: bool) -> Case:
+    m = mlp()
+    target = _Y.squeeze(-1) if bug else _Y  # (16,) from a dataset of scalars vs (16, 1) predictions
+    return m, lambda: nn.MSELoss()(m(_X), target), {}
+
+
+@case("LOSS-006")
+def _step_raises(bug: bool) -> Case:
+    m = mlp()
+    x = _X[:, :7] if bug else _X  # a feature dropped by the preprocessing
+    return m, lambda: F.mse_loss(m(x), _Y), {}
+
+
+@case("LOSS-007")
+def _hf_without_labels(bug: bool) -> Case:
+    m = gpt2()
+    batch = token_batch()
+    kwargs = {k: v for k, v in batch.items() if k != "labels"} if bug else batch
+    return m, lambda: m(**kwargs), {}
+
+
+@case("LOSS-008")
+def _nll_on_logits(bug: bool) -> Case:
+    m = _classifier()
+    return m, lambda: F.nll_loss(m(_X) if bug else F.log_softmax(m(_X), -1), _LABELS), {}
+
+
+# --- inputs ---------------------------------------------------------------------------------------------------
+class _StaleFeatures(nn.Module):
+    """A head trained on a cached tensor instead of the batch (bug) or on the batch (clean)."""
+
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug = bug
+        self.encoder = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        self.register_buffer("cached", torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = self.cached if self.bug else torch.relu(self.encoder(x))
+        return self.head(feats)
+
+
+@case("INPUT-001")
+def _input_ignored(bug: bool) -> Case:
+    m = _StaleFeatures(bug)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"checks": ["input_dependency", "loss"]}
+
+
+class _LinearProbe(nn.Module):
+    """Frozen backbone under no_grad + trained head: no input gradient, but the loss depends on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(8, 16).requires_grad_(False)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            feats = torch.relu(self.backbone(x))
+        return self.head(feats)
+
+
+def test_input_001_not_fooled_by_no_grad_backbone() -> None:
+    m = _LinearProbe()
+    report = audit(m, lambda: F.mse_loss(m(_X), _Y))
+    assert not report.by_id("INPUT-001")
+
+
+class _SeqRegressor(nn.Module):
+    """GRU over (T, B, D); the bug reorders a (B, T, D) batch with view instead of transpose."""
+
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug = bug
+        self.rnn = nn.GRU(8, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        seq = x.view(t, b, d) if self.bug else x.transpose(0, 1)
+        out, _ = self.rnn(seq)
+        return self.head(out[-1])
+
+
+@case("INPUT-002")
+def _batch_mixing(bug: bool) -> Case:
+    m = _SeqRegressor(bug)
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(3))
+    y = torch.randn(4, 1)
+    return m, lambda: F.mse_loss(m(x), y), {}
+
+
+def test_input_002_batchnorm_is_info_not_warning() -> None:
+    m = SmallCNN()
+    x = torch.randn(4, 3, 8, 8)
+    y = torch.arange(4) % 5
+    report = audit(m, lambda: F.cross_entropy(m(x), y))
+    (finding,) = report.by_id("INPUT-002")
+    assert finding.severity is Severity.INFO and finding.details["batchnorm"] == ["bn"]
+    m.eval()
+    assert not audit(m, lambda: F.cross_entropy(m(x), y)).by_id("INPUT-002")
+
+
+def test_input_002_token_models_are_independent_per_sample() -> None:
+    m = gpt2()
+    batch = token_batch(pad_last=3)
+    report = audit(m, lambda: m(**batch))
+    assert not report.by_check("input_dependency")
+
+
+# --- gradients ------------------------------------------------------------------------------------------------
+class _WithAuxHead(nn.Module):
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug = bug
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        self.aux_head = nn.Linear(16, 1)  # meant for an auxiliary loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return self.head(h) if self.bug else self.head(h) + 0.1 * self.aux_head(h)
+
+
+@case("GRAD-001")
+def _unused_param(bug: bool) -> Case:
+    m = _WithAuxHead(bug)
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+@case("GRAD-002")
+def _exploding(bug: bool) -> Case:
+    m = mlp()
+    scale = 1e4 if bug else 1.0  # raw sensor readings in the thousands, targets likewise
+    return m, lambda: F.mse_loss(m(_X * scale), _Y * scale), {}
+
+
+def _deep_sigmoid(depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(16, 16), nn.Sigmoid()]
+    return nn.Sequential(nn.Linear(8, 16), *layers, nn.Linear(16, 1))
+
+
+@case("GRAD-003")
+def _vanishing(bug: bool) -> Case:
+    m = _deep_sigmoid(40 if bug else 3)
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+def _dead_bias_mlp(bug: bool, act: nn.Module | None = None) -> nn.Sequential:
+    m = mlp(act=act)
+    if bug:
+        with torch.no_grad():
+            m[0].bias.fill_(-50.0)  # an init helper that meant +0.05
+    return m
+
+
+@case("GRAD-004")
+def _zero_grad(bug: bool) -> Case:
+    m = _dead_bias_mlp(bug)
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+@case("GRAD-005")
+def _update_too_large(bug: bool) -> Case:
+    m = mlp()
+    opt = torch.optim.Adam(m.parameters(), lr=1.0 if bug else 1e-3)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+@case("GRAD-005/low")
+def _update_too_small(bug: bool) -> Case:
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-9 if bug else 1e-2)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+# --- optimizer ------------------------------------------------------------------------------------------------
+class _BackboneHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+@case("OPT-001")
+def _head_not_in_optimizer(bug: bool) -> Case:
+    m = _BackboneHead()
+    opt = torch.optim.AdamW(m.backbone.parameters() if bug else m.parameters(), lr=1e-3, weight_decay=0.0)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+@case("OPT-002")
+def _frozen_in_optimizer(bug: bool) -> Case:
+    m = _BackboneHead()
+    if bug:
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        m.backbone.requires_grad_(False)  # frozen after the optimizer was built
+    else:
+        m.backbone.requires_grad_(False)
+        opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+@case("OPT-003")
+def _new_head_after_optimizer(bug: bool) -> Case:
+    m = _BackboneHead()
+    if bug:
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        m.head = nn.Linear(16, 1)  # fresh head for the new task, optimizer still holds the old one
+    else:
+        m.head = nn.Linear(16, 1)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+@case("OPT-003/peft")
+def _optimizer_before_get_peft_model(bug: bool) -> Case:
+    from peft import LoraConfig, get_peft_model
+
+    base = gpt2()
+    opt_before = torch.optim.AdamW(base.parameters(), lr=1e-4)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    opt = opt_before if bug else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    batch = token_batch()
+    return model, lambda: model(**batch), {"optimizer": opt}
+
+
+@case("OPT-004")
+def _lr_zero(bug: bool) -> Case:
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0 if bug else 0.01)  # lr read from an unset env var -> 0
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+def test_opt_004_warmup_scheduler_starting_at_zero_is_fine() -> None:
+    m = mlp()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: step / 100)  # linear warmup from 0
+    assert opt.param_groups[0]["lr"] == 0.0
+    assert not audit(m, lambda: F.mse_loss(m(_X), _Y), optimizer=opt).by_id("OPT-004")
+
+
+@case("OPT-005")
+def _decay_on_norms(bug: bool) -> Case:
+    m = gpt2()
+    if bug:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.1)
+    else:
+        decay = [p for p in m.parameters() if p.dim() >= 2]
+        no_decay = [p for p in m.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-4)
+    batch = token_batch()
+    return m, lambda: m(**batch), {"optimizer": opt}
+
+
+# --- numerics -------------------------------------------------------------------------------------------------
+class _PerImageStandardize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=(1, 2, 3), keepdim=True)
+        return (x - mean) / x.std(dim=(1, 2, 3), keepdim=True)  # 0/0 on a blank image
+
+
+class _StandardizedCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = _PerImageStandardize()
+        self.cnn = SmallCNN()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cnn(self.norm(x))
+
+
+@case("NAN-001")
+def _forward_nan(bug: bool) -> Case:
+    m = _StandardizedCNN()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(4))
+    if bug:
+        x[2] = 0.5  # a blank (constant) image in the batch
+    y = torch.arange(4) % 5
+    return m, lambda: F.cross_entropy(m(x), y), {}
+
+
+def test_nan_001_names_the_first_module() -> None:
+    m, step, kw = CASES["NAN-001"](True)
+    (finding,) = audit(m, step, **kw).by_id("NAN-001")
+    assert finding.details["module"] == "norm" and finding.details["input_nonfinite"] is False
+
+
+def test_nan_001_ignores_attention_masks() -> None:
+    m = gpt2()
+    batch = token_batch(pad_last=4)
+    report = audit(m, lambda: m(**batch))
+    assert not report.by_check("nonfinite")
+
+
+class _Siamese(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 16)
+        self.eps = eps
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        diff = self.proj(a) - self.proj(b)
+        return torch.sqrt((diff**2).sum(-1) + self.eps)  # d/dx sqrt(x) is inf at 0
+
+
+@case("NAN-002")
+def _grad_nan(bug: bool) -> Case:
+    m = _Siamese(eps=0.0 if bug else 1e-8)
+    a = _X.clone()
+    b = torch.randn(16, 8)
+    b[3] = a[3]  # a positive pair that is the very same sample
+    target = torch.ones(16)
+    return m, lambda: F.mse_loss(m(a, b), target), {}
+
+
+@case("NAN-003")
+def _nan_checkpoint(bug: bool) -> Case:
+    m = mlp()
+    sd = copy.deepcopy(m.state_dict())
+    if bug:
+        sd["3.bias"][0] = float("nan")  # a checkpoint saved after the run diverged
+    m.load_state_dict(sd)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"checks": ["nonfinite"]}
+
+
+@case("RELU-001")
+def _dead_relu_module(bug: bool) -> Case:
+    m = _dead_bias_mlp(bug)  # nn.ReLU(inplace=True)
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+class _FunctionalRelu(nn.Module):
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 1)
+        if bug:
+            nn.init.constant_(self.fc1.bias, -50.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+@case("RELU-001/functional")
+def _dead_relu_functional(bug: bool) -> Case:
+    m = _FunctionalRelu(bug)
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+@case("RELU-001/hf-activation")
+def _dead_relu_squared(bug: bool) -> Case:
+    from transformers.activations import ACT2FN
+
+    m = _dead_bias_mlp(bug, act=ACT2FN["relu2"])  # ReLUSquaredActivation (Primer), calls F.relu inside
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+@case("ACT-001")
+def _saturated_tanh(bug: bool) -> Case:
+    m = mlp(act=nn.Tanh())
+    scale = 100.0 if bug else 1.0  # pixel values 0..255 fed without normalisation
+    return m, lambda: F.mse_loss(m(_X * scale), _Y), {}
+
+
+# --- weights, modes ------------------------------------------------------------------------------------------
+@case("TIE-001")
+def _tied(bug: bool) -> Case:
+    m = gpt2(tie_word_embeddings=bug)
+    batch = token_batch()
+    return m, lambda: m(**batch), {}
+
+
+@case("TIE-002")
+def _untied_by_head_swap(bug: bool) -> Case:
+    m = gpt2()
+    if bug:
+        m.lm_head = nn.Linear(32, VOCAB, bias=False)  # "re-initialise the head" after construction
+    batch = token_batch()
+    return m, lambda: m(**batch), {}
+
+
+@case("MODE-001")
+def _eval_mode(bug: bool) -> Case:
+    m = mlp()
+    m.eval()  # left over from the validation loop
+    if not bug:
+        m.train()
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+@case("MODE-001/batchnorm")
+def _frozen_bn_submodule(bug: bool) -> Case:
+    m = SmallCNN()
+    if bug:
+        m.bn.eval()
+    x = torch.randn(4, 3, 8, 8)
+    return m, lambda: F.cross_entropy(m(x), torch.arange(4) % 5), {}
+
+
+# --- mixed precision, devices ---------------------------------------------------------------------------------
+@case("AMP-001")
+def _fp16_without_scaler(bug: bool) -> Case:
+    m = mlp()
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return F.mse_loss(m(_X).float(), _Y)
+
+    return m, step, {"scaler": None if bug else torch.amp.GradScaler("cpu")}
+
+
+def test_amp_001_bf16_needs_no_scaler() -> None:
+    m = mlp()
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.mse_loss(m(_X).float(), _Y)
+
+    assert not audit(m, step).by_check("mixed_precision")
+
+
+@case("AMP-002")
+def _bf16_weights(bug: bool) -> Case:
+    m = gpt2()
+    if bug:
+        m.to(torch.bfloat16)  # "pure bf16" fine-tuning without fp32 master weights
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5, weight_decay=0.0)
+    batch = token_batch()
+    return m, lambda: m(**batch), {"optimizer": opt}
+
+
+class _WideThenNorm(nn.Module):
+    """Linear -> LayerNorm: the LayerNorm hides how large the pre-norm activations are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.fc(x)))
+
+
+@case("AMP-003")
+def _fp16_headroom(bug: bool) -> Case:
+    m = _WideThenNorm()
+    scale = 1e4 if bug else 1.0  # raw counts fed without normalisation
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return F.mse_loss(m(_X * scale).float(), _Y)
+
+    return m, step, {"scaler": torch.amp.GradScaler("cpu")}
+
+
+@case("DATA-001")
+def _no_supervised_token(bug: bool) -> Case:
+    m = gpt2()
+    batch = token_batch()
+    if bug:  # the prompt filled max_length, so completion-only masking left nothing
+        batch["labels"] = torch.full_like(batch["input_ids"], -100)
+    return m, lambda: m(**batch), {"inputs": batch}
+
+
+@case("DATA-002")
+def _labelled_padding(bug: bool) -> Case:
+    m = gpt2()
+    batch = token_batch(pad_last=3)
+    if bug:
+        batch["labels"] = batch["input_ids"].clone()  # labels = input_ids with pad = eos
+    return m, lambda: m(**batch), {}
+
+
+@case("DEV-001")
+def _meta_layer(bug: bool) -> Case:
+    m = _BackboneHead()
+    if bug:
+        with torch.device("meta"):
+            m.head = nn.Linear(16, 1)  # created with init_empty_weights, never loaded
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+@case("DEV-002")
+def _float64(bug: bool) -> Case:
+    m = mlp()
+    dtype = torch.float64 if bug else torch.float32
+    m.to(dtype)
+    return m, lambda: F.mse_loss(m(_X.to(dtype)), _Y.to(dtype)), {}
+
+
+# --- the parametrised trigger / clean pairs ------------------------------------------------------------------
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_triggers(key: str) -> None:
+    catalog_id = key.split("/")[0]
+    model, step, kwargs = CASES[key](True)
+    report = audit(model, step, **kwargs)
+    assert report.by_id(catalog_id), f"{catalog_id} not emitted:\n{report}"
+    for f in report.by_id(catalog_id):
+        assert f.check in report.checks_run or f.catalog_id.startswith("LOSS-00")
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_clean_counterparts(key: str) -> None:
+    catalog_id = key.split("/")[0]
+    model, step, kwargs = CASES[key](False)
+    report = audit(model, step, **kwargs)
+    assert not report.by_id(catalog_id), f"{catalog_id} emitted on the clean setup:\n{report}"
+
+
+def test_every_core_entry_has_a_trigger_case() -> None:
+    ids = {m.id for m in _CORE}
+    covered = {key.split("/")[0] for key in CASES} | {"AUDIT-001"}  # AUDIT-001: see test_audit_api.py
+    assert ids <= covered, sorted(ids - covered)

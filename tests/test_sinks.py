@@ -1,0 +1,116 @@
+"""Local sinks: JSONL event log (per rank, fsync, torn lines) and the console."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from guardtower.bus import EventBus
+from guardtower.errors import ConfigError
+from guardtower.events import PreflightEvent, SkipEvent, SpikeEvent, SummaryEvent
+from guardtower.severity import Severity
+from guardtower.sinks import ConsoleSink, JsonlSink, read_events
+
+
+def test_jsonl_sink_writes_one_strict_json_record_per_event(tmp_path) -> None:
+    path = tmp_path / "events.jsonl"
+    bus = EventBus([JsonlSink(path)])
+    sent = [SpikeEvent(step=1, layer="h.0", ratio=float("inf"), severity=Severity.WARN), SkipEvent(step=1)]
+    for event in sent:
+        bus.publish(event)
+    bus.close(timeout=5)
+    assert [e.event_id for e in read_events(path)] == [e.event_id for e in sent]
+    assert "Infinity" not in path.read_text()
+
+
+def test_reader_tolerates_a_torn_last_line(tmp_path) -> None:
+    path = tmp_path / "events.jsonl"
+    bus = EventBus([JsonlSink(path)])
+    bus.publish(SkipEvent(step=7))
+    bus.close(timeout=5)
+    with open(path, "a") as fh:
+        fh.write('{"kind": "skip", "event_id": "ab')
+    assert [e.step for e in read_events(path)] == [7]
+
+
+def test_one_file_per_rank_when_distributed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    sink = JsonlSink(tmp_path / "events.jsonl")
+    bus = EventBus([sink])
+    bus.publish(SkipEvent(step=1))
+    bus.close(timeout=5)
+    assert (tmp_path / "events.rank1.jsonl").exists() and not (tmp_path / "events.jsonl").exists()
+
+
+def test_fsynced_events_survive_kill_9_of_the_writer(tmp_path) -> None:
+    path = tmp_path / "events.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from guardtower.bus import EventBus
+        from guardtower.events import SpikeEvent
+        from guardtower.severity import Severity
+        from guardtower.sinks import JsonlSink
+
+        bus = EventBus([JsonlSink({str(path)!r})])
+        for i in range(100):
+            bus.publish(SpikeEvent(step=i, layer="h.0", severity=Severity.WARN))
+        while bus.stats()["sinks"]["jsonl:events.jsonl"]["delivered"] < 100:
+            time.sleep(0.001)
+        print("written", flush=True)
+        for i in range(100, 100000):  # keep writing until killed
+            bus.publish(SpikeEvent(step=i, layer="h.0", severity=Severity.WARN))
+        time.sleep(60)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    steps = [e.step for e in read_events(path)]
+    assert steps[:100] == list(range(100))
+    assert steps == list(range(len(steps)))  # nothing reordered or half-parsed
+
+
+def test_bad_paths_fail_at_construction(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="path.*does not exist"):
+        JsonlSink(tmp_path / "missing" / "events.jsonl")
+    with pytest.raises(ConfigError, match="path.*not writable"):
+        JsonlSink("/proc/1/events.jsonl")  # read-only for everyone, root included
+    with pytest.raises(ConfigError, match="directory"):
+        JsonlSink(tmp_path)
+
+
+def test_console_sink_renders_the_spike_box_and_preflight_summary() -> None:
+    out = io.StringIO()
+    bus = EventBus([ConsoleSink(out)])
+    bus.publish(
+        SpikeEvent(step=40_000, layer="transformer.h.3.mlp.c_fc.weight", ratio=812.0, threshold=10.0,
+                   severity=Severity.WARN, top_layers=(("transformer.h.3.mlp.c_fc.weight", 91.0, 812.0),))
+    )
+    bus.publish(PreflightEvent(status="FAIL", errors=1, error_ids=("LORA-003",), severity=Severity.ERROR))
+    bus.publish(SummaryEvent(step=50, grad_norm=1.5))
+    bus.close(timeout=5)
+    text = out.getvalue()
+    assert "gradient spike" in text and "step 40000" in text and "ratio 812" in text
+    assert "pre-flight: FAIL" in text and "LORA-003" in text
+    assert "summary step=50" in text
+
+
+def test_console_sink_filters_by_severity() -> None:
+    out = io.StringIO()
+    bus = EventBus([ConsoleSink(out, min_severity=Severity.WARN)])
+    bus.publish(SummaryEvent(step=1))
+    bus.close(timeout=5)
+    assert out.getvalue() == ""
