@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -364,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from guardtower.testing import InMemorySink
 
     transformers.logging.set_verbosity_error()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # no database-migration chatter in the tour
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -414,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3)
     plain_run = _train(plain_model, plain, corpus, faults, label="unguarded", progress=not args.no_progress,
                        guarded=False)
-    print(_side_by_side(guarded_run.losses, plain_run.losses))
+    print(_side_by_side(guarded_run.losses, plain_run.losses, faults))
 
     trackers.log_losses(guarded_run.losses, plain_run.losses)
     bus.close(15)
@@ -454,9 +458,17 @@ def _one_line(event: Any) -> str:
     return f"  ! step {event.step}: {event.kind}"
 
 
-def _side_by_side(guarded: list[float], plain: list[float]) -> str:
+def _side_by_side(guarded: list[float], plain: list[float], faults: Faults) -> str:
+    """Losses at six evenly spaced steps, moved off the injected bad batches (whose loss is NaN by design)."""
     n = len(guarded)
-    marks = sorted({max(1, n * k // 6) for k in range(1, 7)})
+    bad = {faults.nan_step, faults.spike_step, *faults.burst}
+    marks = []
+    for k in range(1, 7):
+        step = max(1, n * k // 6)
+        while step in bad and step > 1:
+            step -= 1
+        marks.append(step)
+    marks = sorted(set(marks))
     lines = ["", f"{'step':>6}  {'guarded loss':>13}  {'unguarded loss':>15}"]
     for step in marks:
         lines.append(f"{step:>6}  {guarded[step - 1]:>13.4f}  {plain[step - 1]:>15.4f}")

@@ -137,10 +137,10 @@ def _merge(log: RunLog, events: list[Event]) -> None:
         incident = _incident(event)
         if incident is None:
             continue
-        key = (incident.run, incident.rank, incident.step, incident.kind, incident.layer)
-        if key in seen:  # the same spike from the event log and from its spike report
+        identity = (incident.run, incident.rank, incident.step, incident.kind, incident.layer)
+        if identity in seen:  # the same spike from the event log and from its spike report
             continue
-        seen.add(key)
+        seen.add(identity)
         log.incidents.append(incident)
         if isinstance(event, SpikeEvent) and step is not None:
             if event.action == "skip":

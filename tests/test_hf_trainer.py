@@ -65,9 +65,8 @@ class _SpikeAt(TrainerCallback):  # type: ignore[misc]
 
 
 def _stale_optimizer_found(found: Any) -> bool:
-    """The audit names an optimizer built before get_peft_model: LORA-003 (adapters missing) or OPT-003 (stale)."""
-    ids = {getattr(f, "catalog_id", f) for f in found}
-    return bool(ids & {"LORA-003", "OPT-003"})
+    """The audit names an optimizer built before get_peft_model: the LoRA adapters are missing from it."""
+    return "LORA-003" in {getattr(f, "catalog_id", f) for f in found}
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -163,6 +162,22 @@ def test_spike_at_step_5_is_skipped_and_training_continues(tmp_path: Path) -> No
     last = trainer.state.log_history[-2]  # the last per-step log (the final entry is the train summary)
     assert last["guardtower/skipped_steps"] == 1 and last["guardtower/spikes"] == 1
     assert any(tmp_path.joinpath("sg").glob("*.json"))
+
+
+def test_rollback_inside_the_trainer_restores_the_last_snapshot(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    recorder = _Recorder(model)
+    guard_cb = StabilityGuardCallback(nan_action="rollback", rollback_every=3, warmup_steps=2,
+                                      log_dir=str(tmp_path / "sg"), verbose=False)
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=8), train_dataset=TokenDataset(),
+                      callbacks=[_SpikeAt(model, 5), recorder, guard_cb])
+    with capture_events() as events:
+        trainer.train()
+    rollbacks = [e for e in events if e.kind == "rollback"]
+    assert [(e.step, e.to_step) for e in rollbacks] == [(5, 3)]
+    assert _same(recorder.weights[5], recorder.weights[3])  # steps 4 and 5 undone
+    assert trainer.state.global_step == 8 and not _same(recorder.weights[8], recorder.weights[5])
+    assert trainer.state.log_history[-2]["guardtower/rollbacks"] == 1
 
 
 def test_clean_steps_match_an_unguarded_trainer_including_clipping(tmp_path: Path) -> None:
