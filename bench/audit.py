@@ -155,6 +155,8 @@ def bench_monitor(kind: str, device: torch.device, repeats: int, steps: int) -> 
         for name in order:
             with variants[name]():
                 rounds[name].append(time_steps(work, steps))
+        print(f"  round {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rounds.items()),
+              file=sys.stderr)
     plain = rounds["plain"]
     result: dict[str, Any] = {"workload": work.name, "params": work.params, "device": str(device),
                               "repeats": repeats, "steps_per_round": steps,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
+import types
 import warnings
 from types import TracebackType
 from typing import Any, Iterable
@@ -184,18 +186,24 @@ class Monitor:
     # -- hooks (hot path: Python bookkeeping only) -------------------------------------------------------
     def _post(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               output: Any) -> None:
+        if not self._depth:  # outside a forward of the model: a direct submodule call, checkpoint recompute
+            return
         tracker = self._tracker
         inputs = tracker.slots(args) + tracker.slots(kwargs) if kwargs else tracker.slots(args)
         tracker.record(index, inputs, tracker.slots(output))
 
     def _inplace_pre(self, index: int, module: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> None:
+        if not self._depth:
+            return
         tracker = self._tracker
         self._inplace_inputs.setdefault(index, []).append(tracker.slots(args) + tracker.slots(kwargs))
         tracker.reduce()
 
     def _inplace_post(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
+        if not self._depth:
+            return
         stack = self._inplace_inputs.get(index)
         inputs = stack.pop() if stack else ()
         self._tracker.record(index, inputs, self._tracker.slots(output))
@@ -289,3 +297,14 @@ def _details(blame: Blame) -> dict[str, Any]:
     return {"step": blame.step, "nonfinite_modules": blame.nonfinite_modules[:20],
             "mutated_in_place": blame.mutated_in_place, "rule": "NaN or +Inf counts; -Inf is ignored (masks)"}
 
+
+class _MonitorModule(types.ModuleType):
+    """Importing the submodule ``guardtower.monitor`` rebinds the package attribute ``monitor`` from the
+    function to this module; calling the module calls the function, so ``guardtower.monitor(model)`` and
+    ``from guardtower import monitor`` work whichever import happened first."""
+
+    def __call__(self, model: nn.Module, **kwargs: Any) -> Monitor:
+        return monitor(model, **kwargs)
+
+
+sys.modules[__name__].__class__ = _MonitorModule

@@ -250,3 +250,23 @@ class _BackboneFrozen(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.backbone(x)))
+
+
+def test_optimizer_state_is_isolated_not_copied() -> None:
+    """The Adam moments (2x the trainable parameters) are never cloned: step_fn sees an empty state dict,
+    the trial update saves one tensor's state at a time, and the very same dict object comes back."""
+    model, opt, step, inputs = _prepare("mlp")
+    real_state = opt.state
+    seen: list[int] = []
+
+    def step_fn() -> torch.Tensor:
+        seen.append(len(opt.state))
+        return step()
+
+    from guardtower.audit._state import TrainingState
+
+    snapshot = TrainingState(model, opt, inputs)
+    held = [v for o in snapshot.optimizers for g, _ in o.groups for v in g.values() if isinstance(v, torch.Tensor)]
+    assert not held  # hyper-parameters only (Adam keeps its moments in opt.state)
+    audit(model, step_fn, optimizer=opt, inputs=inputs)
+    assert seen == [0] and opt.state is real_state and len(real_state) == len(list(model.parameters()))

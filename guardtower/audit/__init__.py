@@ -21,18 +21,11 @@ from guardtower.audit import numerics as _numerics  # noqa: F401
 from guardtower.audit import precision as _precision  # noqa: F401
 from guardtower.audit import modes as _modes  # noqa: F401
 from guardtower.audit import tying as _tying  # noqa: F401
-from guardtower.audit import lora as _lora  # noqa: F401
 from guardtower.audit import distributed as _distributed  # noqa: F401
+from guardtower.audit.lora import is_peft_model, lora_summary
 from guardtower.audit._runner import audit, run_static
 
 __all__ = ["audit", "run_static", "lora_summary", "is_peft_model"]
-
-
-def __getattr__(name: str) -> object:
-    # lora_summary / is_peft_model are provided by guardtower.audit.lora (the LoRA/PEFT checks)
-    if name in ("lora_summary", "is_peft_model"):
-        return getattr(_lora, name)
-    raise AttributeError(f"module 'guardtower.audit' has no attribute {name!r}")
 
 
 class _AuditModule(types.ModuleType):

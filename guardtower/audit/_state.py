@@ -8,19 +8,21 @@ Parameters and buffers are cloned once (no deep copy of the model); gradients ar
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import random
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from guardtower.audit._util import iter_tensors
 
-__all__ = ["TrainingState", "OptimizerState", "TensorFlags"]
+__all__ = ["TrainingState", "OptimizerState", "TensorFlags", "clone_value", "restore_value"]
 
 
 @dataclass
@@ -48,36 +50,45 @@ class TensorFlags:
 
 
 class OptimizerState:
-    """Per-parameter state and group hyper-parameters of one optimizer, restorable in place."""
+    """One optimizer's group hyper-parameters, and its per-parameter state kept aside while the step runs.
+
+    The state (Adam moments: twice the trainable parameters) is never copied: ``isolated()`` swaps in an
+    empty state dict while ``step_fn`` runs, so an ``optimizer.step()`` inside it cannot touch the real
+    moments, and ``restore()`` puts the very same dict back. The trial update saves one tensor's state at a
+    time (``guardtower.audit._update``).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.state = {p: {k: _clone(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+        self.state = optimizer.state
         self.groups = [
-            ({k: _clone(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in optimizer.param_groups
+            ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in optimizer.param_groups
         ]
         self.n_groups = len(optimizer.param_groups)
         self.flags = {k: v for k, v in vars(optimizer).items() if k in ("_opt_called",)}
 
+    @contextlib.contextmanager
+    def isolated(self) -> Iterator[None]:
+        try:
+            self.optimizer.state = collections.defaultdict(dict)
+        except AttributeError:  # a wrapper exposing its base's state read-only; the base is isolated instead
+            yield
+            return
+        try:
+            yield
+        finally:
+            self.optimizer.state = self.state
+
     def restore(self) -> None:
         opt = self.optimizer
-        for p in [p for p in opt.state if p not in self.state]:
-            del opt.state[p]
-        for p, saved in self.state.items():
-            current = opt.state.get(p)
-            if current is None:
-                opt.state[p] = {k: _clone(v) for k, v in saved.items()}
-                continue
-            for k in [k for k in current if k not in saved]:
-                del current[k]
-            for k, v in saved.items():
-                current[k] = _restore_value(current.get(k), v)
+        if opt.state is not self.state:
+            opt.state = self.state
         del opt.param_groups[self.n_groups:]
         for group, (hyper, params) in zip(opt.param_groups, self.groups):
             for k in [k for k in group if k != "params" and k not in hyper]:
                 del group[k]
             for k, v in hyper.items():
-                group[k] = _restore_value(group.get(k), v)
+                group[k] = restore_value(group.get(k), v)
             group["params"][:] = params
         for k in ("_opt_called",):
             if k in self.flags:
@@ -112,6 +123,14 @@ class TrainingState:
         self.py_rng = random.getstate()
         numpy = sys.modules.get("numpy")
         self.np_rng = numpy.random.get_state() if numpy is not None else None
+
+    @contextlib.contextmanager
+    def isolated_optimizers(self) -> Iterator[None]:
+        """While ``step_fn`` runs, optimizers see an empty state (see ``OptimizerState.isolated``)."""
+        with contextlib.ExitStack() as stack:
+            for opt in self.optimizers:
+                stack.enter_context(opt.isolated())
+            yield
 
     def clear_grads(self) -> None:
         """Detach the user's gradients so the audit's backward produces fresh ones (restored later)."""
@@ -190,19 +209,19 @@ def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
         )
     # wrappers sharing param_groups/state with their base need only one snapshot of that state
     unique: list[torch.optim.Optimizer] = []
-    for opt in chain:
+    for opt in reversed(chain):  # innermost first: its ``state`` is a plain, settable attribute
         if not any(opt.state is u.state for u in unique):
             unique.append(opt)
     return unique
 
 
-def _clone(value: Any) -> Any:
+def clone_value(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     return copy.deepcopy(value)
 
 
-def _restore_value(current: Any, saved: Any) -> Any:
+def restore_value(current: Any, saved: Any) -> Any:
     if isinstance(saved, torch.Tensor):
         if (
             isinstance(current, torch.Tensor)

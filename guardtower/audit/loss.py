@@ -202,7 +202,10 @@ def check_data(ctx: AuditContext) -> Iterable[Finding]:
             "or zero, and the step teaches nothing; check truncation and the completion-only masking",
             "DATA-001", {},
         ))
-    mask = batch.get("attention_mask") if batch is not None else None
+    # labels align with the decoder in encoder-decoder models, so only the decoder's mask says what is padding
+    config = getattr(ctx.model, "config", None)
+    mask_key = "decoder_attention_mask" if getattr(config, "is_encoder_decoder", False) else "attention_mask"
+    mask = batch.get(mask_key) if batch is not None else None
     if (
         isinstance(labels, torch.Tensor)
         and isinstance(mask, torch.Tensor)
