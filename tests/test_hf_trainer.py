@@ -134,6 +134,25 @@ def test_audit_runs_under_the_trainers_autocast(tmp_path: Path) -> None:
     assert dtypes and set(dtypes) == {torch.bfloat16}
 
 
+def test_an_evaluation_before_training_is_not_taken_for_the_first_batch(tmp_path: Path) -> None:
+    seen: list[torch.Tensor] = []
+
+    class Recording(GuardtowerCallback):
+        def run_audit(self, model: Any, args: Any, kwargs: Any) -> Any:
+            seen.append(kwargs["input_ids"])
+            return super().run_audit(model, args, kwargs)
+
+    eval_set = TokenDataset(n=8, seed=1)
+    eval_set.ids.fill_(63)  # evaluation batches are all token 63; training batches are random
+    callback = Recording(verbose=False)
+    args = training_args(tmp_path, max_steps=2, eval_on_start=True, eval_strategy="steps", eval_steps=100)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), eval_dataset=eval_set,
+                      callbacks=[callback])
+    trainer.train()
+    assert len(seen) == 1 and not bool((seen[0] == 63).all())
+    assert callback.report is not None and callback.report.ok
+
+
 # ------------------------------------------------------------------------------------------- the guard
 def test_spike_at_step_5_is_skipped_and_training_continues(tmp_path: Path) -> None:
     model = tiny_gpt2()
