@@ -16,7 +16,6 @@ bus's worker threads.
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import os
 from pathlib import Path
@@ -39,8 +38,6 @@ from guardtower.severity import Severity
 from guardtower.spool import _check_writable_dir
 
 __all__ = ["GuardedOptimizer"]
-
-logger = logging.getLogger("guardtower.guard")
 
 _H = len(HEADER)
 _HISTORY = 32
