@@ -216,8 +216,6 @@ def _train(model: Any, optimizer: Any, corpus: Corpus, faults: Faults, *, label:
 def _preflight(corpus: Corpus, seed: int, bus: Any) -> None:
     import torch
 
-    from guardtower.audit import audit
-
     batch = corpus.batches[0]
     try:
         from peft import LoraConfig, get_peft_model
@@ -225,26 +223,25 @@ def _preflight(corpus: Corpus, seed: int, bus: Any) -> None:
         print("peft is not installed (pip install \"guardtower[peft]\"): showing an optimizer-coverage bug instead.\n")
         model = _gpt(len(corpus.vocab), seed)
         stale = torch.optim.AdamW(model.transformer.h[0].parameters(), lr=1e-3)
-        _show_audit("planted bug: the optimizer only holds the first block", model, stale, batch, bus, audit)
+        _show_audit("planted bug: the optimizer only holds the first block", model, stale, batch, bus)
         fixed = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _show_audit("fixed: the optimizer holds every trainable parameter", model, fixed, batch, bus, audit)
+        _show_audit("fixed: the optimizer holds every trainable parameter", model, fixed, batch, bus)
         return
 
     base = _gpt(len(corpus.vocab), seed)
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3)  # the bug: built before get_peft_model
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))
-    _show_audit("planted bug: the optimizer was built before get_peft_model", model, stale, batch, bus, audit)
+    _show_audit("planted bug: the optimizer was built before get_peft_model", model, stale, batch, bus)
     fixed = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    _show_audit("fixed: the optimizer is built from the PEFT model's trainable parameters", model, fixed, batch, bus,
-                audit)
+    _show_audit("fixed: the optimizer is built from the PEFT model's trainable parameters", model, fixed, batch, bus)
 
 
-def _show_audit(title: str, model: Any, optimizer: Any, batch: Any, bus: Any, audit: Any) -> Any:
+def _show_audit(title: str, model: Any, optimizer: Any, batch: Any, bus: Any) -> None:
+    from guardtower.audit import audit
+
     print(f"-> {title}")
-    report = audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=optimizer, bus=bus)
-    print(report)
+    print(audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=optimizer, bus=bus))
     print()
-    return report
 
 
 # ------------------------------------------------------------------------------------------------ trackers
@@ -390,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in faults.describe():
         print("  - " + line)
     model = _gpt(len(corpus.vocab), args.seed)
-    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=1, log_dir=str(spike_dir),
+    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=5, log_dir=str(spike_dir),
                                         warmup_steps=10, verbose=False, bus=bus)
     if args.rollback:
         guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback", rollback_every=10)

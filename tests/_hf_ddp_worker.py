@@ -15,8 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _hf_helpers import TokenDataset, tiny_gpt2, training_args  # noqa: E402
-from test_hf_trainer import _lora, _SpikeAt  # noqa: E402
+from _hf_helpers import SpikeAt, TokenDataset, lora, tiny_gpt2, training_args  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from guardtower.errors import PreflightFailed  # noqa: E402
@@ -27,7 +26,7 @@ from guardtower.testing import capture_events  # noqa: E402
 def scenario(out: Path, mode: str) -> dict[str, object]:
     base = tiny_gpt2()
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3) if mode == "stale_optimizer" else None
-    model = _lora(base)
+    model = lora(base)
     unused = mode == "unused_param"
     if unused:  # a trainable head the forward never uses: DDP(find_unused_parameters=False) hangs on it
         base.extra_head = torch.nn.Linear(32, 2)
@@ -36,7 +35,7 @@ def scenario(out: Path, mode: str) -> dict[str, object]:
     args = training_args(out / mode, max_steps=8, per_device_train_batch_size=4, ddp_backend="gloo",
                          learning_rate=1e-2, ddp_find_unused_parameters=not unused)
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(stale, None),
-                      callbacks=[_SpikeAt(base, 5), preflight, guard])
+                      callbacks=[SpikeAt(base, 5), preflight, guard])
     result: dict[str, object] = {"world": torch.distributed.get_world_size()}
     with capture_events() as events:
         try:

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from guardtower.errors import PreflightFailed
-from _hf_helpers import TokenDataset, tiny_gpt2, training_args
+from _hf_helpers import TokenDataset, lora, stale_optimizer_found, tiny_gpt2, training_args
 
 pytest.importorskip("transformers")
 from transformers import Trainer  # noqa: E402
 
 from guardtower.integrations.huggingface import GuardtowerCallback  # noqa: E402
-from test_hf_trainer import _lora, _stale_optimizer_found  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +30,7 @@ def test_mlflow_run_carries_the_preflight_tags(tmp_path: Path) -> None:
     bridge = MLflowBridge(run_id, tracking_uri=uri, spool_path=tmp_path / "spool.jsonl")
     base = tiny_gpt2()
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3)
-    model = _lora(base)
+    model = lora(base)
     callback = GuardtowerCallback(raise_on_error=True, verbose=False, sinks=[bridge])
     trainer = Trainer(model=model, args=training_args(tmp_path), train_dataset=TokenDataset(),
                       optimizers=(stale, None), callbacks=[callback])
@@ -39,5 +38,5 @@ def test_mlflow_run_carries_the_preflight_tags(tmp_path: Path) -> None:
         trainer.train()
     tags = client.get_run(run_id).data.tags  # no close() needed: the failure was flushed before the raise
     assert tags["guardtower.preflight"] == "FAIL"
-    assert _stale_optimizer_found(tags["guardtower.preflight.errors"].split(","))
+    assert stale_optimizer_found(tags["guardtower.preflight.errors"].split(","))
     callback.close()
