@@ -1,9 +1,11 @@
 """Snapshot and exact restore of everything a training step can touch.
 
-The audit runs a real forward/backward (and one optimizer step for the update-ratio check) on the user's
-objects, so it must put back parameters, buffers, ``.grad`` tensors, optimizer state and hyper-parameters,
-RNG streams, ``training`` flags, the inputs' ``requires_grad``/``.grad`` and a ``GradScaler``'s state.
-Parameters and buffers are cloned once (no deep copy of the model); gradients are kept by reference.
+The audit runs a real forward/backward (and a trial optimizer step for the update-ratio check) on the
+user's objects, so it must put back parameters, buffers, ``.grad`` tensors, optimizer state and
+hyper-parameters, RNG streams, ``training`` flags, the inputs' ``requires_grad``/``.grad`` and a
+``GradScaler``'s state. Memory stays near one plain step: trainable parameters (and any tensor an optimizer
+holds) and buffers are cloned once, frozen parameters are only watched for in-place changes, gradients are
+kept by reference, and the optimizer state is swapped out while ``step_fn`` runs instead of being copied.
 """
 
 from __future__ import annotations
