@@ -100,7 +100,10 @@ def _draw_overview(ax: Any, log: RunLog, incidents: list[Incident]) -> None:
     xs, ys = _series(log.global_norms)
     if xs:
         ax.plot(xs, ys, color="tab:blue", lw=1.4, label="global grad norm")
-    busiest = sorted(log.layer_norms, key=lambda name: -len(log.layer_norms[name]))[:_MAX_LAYERS]
+    # whole-run layer series only: the few steps of history recorded with an incident belong to its panel
+    coverage = max(2, len(log.global_norms) // 2)
+    busiest = [name for name in sorted(log.layer_norms, key=lambda name: -len(log.layer_norms[name]))
+               if len(log.layer_norms[name]) >= coverage][:_MAX_LAYERS]
     for name in busiest:
         lx, ly = _series(log.layer_norms[name])
         if len(lx) > 1:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -214,8 +216,6 @@ def _train(model: Any, optimizer: Any, corpus: Corpus, faults: Faults, *, label:
 def _preflight(corpus: Corpus, seed: int, bus: Any) -> None:
     import torch
 
-    from guardtower.audit import audit
-
     batch = corpus.batches[0]
     try:
         from peft import LoraConfig, get_peft_model
@@ -223,26 +223,25 @@ def _preflight(corpus: Corpus, seed: int, bus: Any) -> None:
         print("peft is not installed (pip install \"guardtower[peft]\"): showing an optimizer-coverage bug instead.\n")
         model = _gpt(len(corpus.vocab), seed)
         stale = torch.optim.AdamW(model.transformer.h[0].parameters(), lr=1e-3)
-        _show_audit("planted bug: the optimizer only holds the first block", model, stale, batch, bus, audit)
+        _show_audit("planted bug: the optimizer only holds the first block", model, stale, batch, bus)
         fixed = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _show_audit("fixed: the optimizer holds every trainable parameter", model, fixed, batch, bus, audit)
+        _show_audit("fixed: the optimizer holds every trainable parameter", model, fixed, batch, bus)
         return
 
     base = _gpt(len(corpus.vocab), seed)
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3)  # the bug: built before get_peft_model
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))
-    _show_audit("planted bug: the optimizer was built before get_peft_model", model, stale, batch, bus, audit)
+    _show_audit("planted bug: the optimizer was built before get_peft_model", model, stale, batch, bus)
     fixed = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    _show_audit("fixed: the optimizer is built from the PEFT model's trainable parameters", model, fixed, batch, bus,
-                audit)
+    _show_audit("fixed: the optimizer is built from the PEFT model's trainable parameters", model, fixed, batch, bus)
 
 
-def _show_audit(title: str, model: Any, optimizer: Any, batch: Any, bus: Any, audit: Any) -> Any:
+def _show_audit(title: str, model: Any, optimizer: Any, batch: Any, bus: Any) -> None:
+    from guardtower.audit import audit
+
     print(f"-> {title}")
-    report = audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=optimizer, bus=bus)
-    print(report)
+    print(audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=optimizer, bus=bus))
     print()
-    return report
 
 
 # ------------------------------------------------------------------------------------------------ trackers
@@ -364,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from guardtower.testing import InMemorySink
 
     transformers.logging.set_verbosity_error()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # no database-migration chatter in the tour
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -386,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in faults.describe():
         print("  - " + line)
     model = _gpt(len(corpus.vocab), args.seed)
-    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=1, log_dir=str(spike_dir),
+    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=5, log_dir=str(spike_dir),
                                         warmup_steps=10, verbose=False, bus=bus)
     if args.rollback:
         guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback", rollback_every=10)
@@ -414,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3)
     plain_run = _train(plain_model, plain, corpus, faults, label="unguarded", progress=not args.no_progress,
                        guarded=False)
-    print(_side_by_side(guarded_run.losses, plain_run.losses))
+    print(_side_by_side(guarded_run.losses, plain_run.losses, faults))
 
     trackers.log_losses(guarded_run.losses, plain_run.losses)
     bus.close(15)
@@ -454,9 +455,17 @@ def _one_line(event: Any) -> str:
     return f"  ! step {event.step}: {event.kind}"
 
 
-def _side_by_side(guarded: list[float], plain: list[float]) -> str:
+def _side_by_side(guarded: list[float], plain: list[float], faults: Faults) -> str:
+    """Losses at six evenly spaced steps, moved off the injected bad batches (whose loss is NaN by design)."""
     n = len(guarded)
-    marks = sorted({max(1, n * k // 6) for k in range(1, 7)})
+    bad = {faults.nan_step, faults.spike_step, *faults.burst}
+    marks = []
+    for k in range(1, 7):
+        step = max(1, n * k // 6)
+        while step in bad and step > 1:
+            step -= 1
+        marks.append(step)
+    marks = sorted(set(marks))
     lines = ["", f"{'step':>6}  {'guarded loss':>13}  {'unguarded loss':>15}"]
     for step in marks:
         lines.append(f"{step:>6}  {guarded[step - 1]:>13.4f}  {plain[step - 1]:>15.4f}")

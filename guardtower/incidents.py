@@ -14,7 +14,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterator, Sequence
 
 from guardtower.events import (
     Event,
@@ -26,9 +26,9 @@ from guardtower.events import (
     SpikeEvent,
     SummaryEvent,
     _decode,
+    event_from_record,
 )
 from guardtower.severity import Severity
-from guardtower.sinks import read_events
 
 __all__ = ["Incident", "RunLog", "load_run_log", "format_table", "main"]
 
@@ -75,11 +75,11 @@ def load_run_log(path: str | Path) -> RunLog:
     events: list[Event] = []
     if root.is_file():
         log.files.append(root)
-        events.extend(read_events(root))
+        events.extend(_read_jsonl(root))
     else:
         for file in sorted(root.rglob("*.jsonl")):
             log.files.append(file)
-            events.extend(read_events(file))
+            events.extend(_read_jsonl(file))
         for file in sorted(root.rglob("*.json")):
             event = _spike_report_event(file)
             if event is not None:
@@ -87,6 +87,23 @@ def load_run_log(path: str | Path) -> RunLog:
                 events.append(event)
     _merge(log, events)
     return log
+
+
+def _read_jsonl(path: Path) -> Iterator[Event]:
+    """Events from a JSONL file: ``JsonlSink`` logs, and dead-letter spools (whose lines wrap an ``event``).
+
+    Lines that are not guardtower events (other tools' JSONL, a torn last line) are skipped, so pointing the
+    command at a whole log_dir never fails on a neighbour's file.
+    """
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+                if isinstance(record, dict) and "kind" not in record and isinstance(record.get("event"), dict):
+                    record = record["event"]
+                yield event_from_record(record)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
 
 
 def _spike_report_event(file: Path) -> SpikeEvent | None:
@@ -137,10 +154,10 @@ def _merge(log: RunLog, events: list[Event]) -> None:
         incident = _incident(event)
         if incident is None:
             continue
-        key = (incident.run, incident.rank, incident.step, incident.kind, incident.layer)
-        if key in seen:  # the same spike from the event log and from its spike report
+        identity = (incident.run, incident.rank, incident.step, incident.kind, incident.layer)
+        if identity in seen:  # the same spike from the event log and from its spike report
             continue
-        seen.add(key)
+        seen.add(identity)
         log.incidents.append(incident)
         if isinstance(event, SpikeEvent) and step is not None:
             if event.action == "skip":

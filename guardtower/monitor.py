@@ -184,18 +184,24 @@ class Monitor:
     # -- hooks (hot path: Python bookkeeping only) -------------------------------------------------------
     def _post(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               output: Any) -> None:
+        if not self._depth:  # outside a forward of the model: a direct submodule call, checkpoint recompute
+            return
         tracker = self._tracker
         inputs = tracker.slots(args) + tracker.slots(kwargs) if kwargs else tracker.slots(args)
         tracker.record(index, inputs, tracker.slots(output))
 
     def _inplace_pre(self, index: int, module: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> None:
+        if not self._depth:
+            return
         tracker = self._tracker
         self._inplace_inputs.setdefault(index, []).append(tracker.slots(args) + tracker.slots(kwargs))
         tracker.reduce()
 
     def _inplace_post(self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
+        if not self._depth:
+            return
         stack = self._inplace_inputs.get(index)
         inputs = stack.pop() if stack else ()
         self._tracker.record(index, inputs, self._tracker.slots(output))
@@ -288,4 +294,3 @@ def _message(blame: Blame) -> str:
 def _details(blame: Blame) -> dict[str, Any]:
     return {"step": blame.step, "nonfinite_modules": blame.nonfinite_modules[:20],
             "mutated_in_place": blame.mutated_in_place, "rule": "NaN or +Inf counts; -Inf is ignored (masks)"}
-

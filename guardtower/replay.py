@@ -137,7 +137,9 @@ def _replay_file(spool: Spool, pending: list[SpoolEntry], args: argparse.Namespa
             try:
                 deliver(entry.event)
             except Exception as exc:
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                from guardtower.alerts._secret import redact  # the message may quote a destination URL
+
+                reason = redact(str(exc)).splitlines()[0] if str(exc) else type(exc).__name__
                 print(f"guardtower replay: {kind} failed at {entry.event.kind} step {entry.event.step}: {reason}",
                       file=sys.stderr)
                 break

@@ -112,8 +112,13 @@ def refused_url() -> str:
     return f"http://127.0.0.1:{port}/hooks/T0SECRET/B0SECRET/xoxsecrettoken"
 
 
-def flaky_script(failure_rate: float = 0.3, seed: int = 0, timeout_delay: float = 0.2) -> Callable[[int], Reply]:
-    """Fail ``failure_rate`` of requests at random: half 500, 40% 429, 10% answered too late (timeouts)."""
+def flaky_script(failure_rate: float = 0.3, seed: int = 0, timeout_delay: float = 2.0) -> Callable[[int], Reply]:
+    """Fail ``failure_rate`` of requests at random: half 500, 40% 429, 10% answered too late (timeouts).
+
+    A late answer counts as not acknowledged, which holds only if the client really gave up first: the delay
+    is 40x the client's read timeout, so a client thread stalled by an overloaded machine cannot still read
+    the answer and count it as delivered.
+    """
     import random
 
     rng = random.Random(seed)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 
 class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -45,3 +46,27 @@ def training_args(out: Path, **overrides: Any) -> Any:
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def lora(model: Any) -> Any:
+    """The model with LoRA adapters on the attention projection (real peft)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
+
+
+def stale_optimizer_found(found: Any) -> bool:
+    """The audit names an optimizer built before get_peft_model: the LoRA adapters are missing from it."""
+    return "LORA-003" in {getattr(f, "catalog_id", f) for f in found}
+
+
+class SpikeAt(TrainerCallback):  # type: ignore[misc]
+    """Scales the final hidden state by 1e4 during the forward of one optimizer step: a gradient spike."""
+
+    def __init__(self, model: Any, step: int) -> None:
+        self.step = step
+        self.active = False
+        model.transformer.ln_f.register_forward_hook(lambda m, i, o: o * 1e4 if self.active else o)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.active = state.global_step + 1 == self.step

@@ -347,3 +347,16 @@ def test_redaction_survives_a_dead_twin_secret() -> None:
         import pickle
 
         pickle.dumps(second)
+
+
+def test_default_spool_path_is_created_only_when_needed(monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GUARDTOWER_SPOOL_DIR", raising=False)
+    sink = SlackAlert(URL, rate_limit=0, name="alerts")
+    assert sink.spool_path == tmp_path / "sg_logs" / "spool" / "slack-alerts.jsonl"
+    assert not (tmp_path / "sg_logs").exists()
+    monkeypatch.setenv("GUARDTOWER_SPOOL_DIR", str(tmp_path / "elsewhere"))
+    pd = PagerDutyAlert(KEY)
+    assert pd.spool_path == tmp_path / "elsewhere" / "pagerduty.jsonl"
+    pd.spool.append(spike(), "test", pd.sink_id)
+    assert pd.spool_path.is_file()

@@ -64,8 +64,8 @@ def test_429_retry_after_pauses_every_sink_of_the_destination(tmp_path) -> None:
         bus = EventBus([first])
         bus.publish(nan(1))
         deadline = time.monotonic() + 5
-        while not server.requests and time.monotonic() < deadline:
-            time.sleep(0.005)
+        while first._throttle.paused_for() == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the 429 reached the client
         other = EventBus([second])
         other.publish(nan(2, layer="lm_head"))  # same URL, other sink: must wait for the pause too
         bus.close(10)
@@ -189,11 +189,20 @@ def test_queue_overflow_is_spilled_to_the_spool(tmp_path) -> None:
         sink = webhook(server.url, tmp_path, queue_size=2)
         bus = EventBus([sink])
         events = [nan(i) for i in range(20)]
+        writers: list[str] = []
+        append_many = sink.spool.append_many
+
+        def spy(*args: object, **kwargs: object) -> None:
+            writers.append(threading.current_thread().name)
+            append_many(*args, **kwargs)  # type: ignore[arg-type]
+
+        sink.spool.append_many = spy  # type: ignore[method-assign]
         with sink._cond:  # hold the sink so the bus worker blocks in handle_batch and its queue fills up
             for event in events:
                 bus.publish(event)
             time.sleep(0.05)
         bus.close(10)
+        assert writers and threading.current_thread().name not in writers  # never the publishing thread
         acked = set(server.acknowledged_ids())
     spilled = {r["event"]["event_id"] for r in spooled(sink.spool_path) if r["reason"] == "bus queue full"}
     assert bus.stats()["sinks"]["webhook"]["spilled"] == len(spilled) > 0
@@ -231,6 +240,11 @@ def test_replay_without_destination_explains(tmp_path, capsys, monkeypatch) -> N
     assert main([str(tmp_path / "s.jsonl")]) == 2
     assert "SLACK_WEBHOOK_URL" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert main([str(tmp_path / "s.jsonl"), "--list"]) == 0
+    assert "slack:alerts\tspike\t" in capsys.readouterr().out
+    Spool(tmp_path / "o.jsonl").append(nan(1), "HTTP 500", "carrier-pigeon:x")
+    assert main([str(tmp_path / "o.jsonl")]) == 2
+    assert "no replayer for sink kind 'carrier-pigeon'" in capsys.readouterr().err
 
 
 def test_pagerduty_triggers_then_resolves_when_the_run_is_quiet(tmp_path) -> None:
@@ -378,3 +392,23 @@ def test_a_forked_child_never_sends_its_parents_pending_alerts(tmp_path) -> None
         assert server.requests == [] and not sink.spool_path.exists()  # neither sent nor spooled by the child
         bus.close(5)
     assert [r.json["event_ids"] for r in server.requests] == [[parent_event.event_id]]
+
+
+def test_close_spools_a_failing_storm_message_quickly(tmp_path) -> None:
+    """1,000 events of one grouped message, the receiver down: close() spools them all within its timeout."""
+    slow_retry = RetryPolicy(max_attempts=10, initial_backoff=20, max_backoff=20, deadline=100)
+    with ScriptedServer(lambda n: Reply(503)) as server:
+        bus = EventBus([sink := webhook(server.url, tmp_path, retry=slow_retry, grouping=GroupPolicy(group_wait=0))])
+        events = [nan(i) for i in range(1000)]
+        with sink._cond:  # all 1,000 reach the group before its first message goes out
+            for event in events:
+                bus.publish(event)
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while not server.requests and time.monotonic() < deadline:
+            time.sleep(0.005)
+        started = time.monotonic()
+        bus.close(2.0)
+        took = time.monotonic() - started
+    assert took < 2.5
+    assert len(Spool(sink.spool_path)) == 1000

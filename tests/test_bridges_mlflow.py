@@ -191,6 +191,7 @@ def test_a_hung_server_never_blocks_publish_and_events_go_to_the_spool(tmp_path:
             start = time.perf_counter()
             bus.publish(event)
             latencies.append(time.perf_counter() - start)
+        assert bridge.spool_path == tmp_path / "spool.jsonl"
         _wait_for(lambda: bridge.stats()["spooled"] == 5, 15, "the events to be spooled")
         # the user's own MLflow settings are untouched on this thread while the worker used 1 s
         assert env_vars.MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 120
@@ -203,6 +204,21 @@ def test_a_hung_server_never_blocks_publish_and_events_go_to_the_spool(tmp_path:
     assert [e.event.event_id for e in Spool(tmp_path / "spool.jsonl").entries()] == [e.event_id for e in events]
     assert all(e.sink.startswith("mlflow:" + "0" * 32 + "|guardtower|http://127.0.0.1:")
                for e in Spool(tmp_path / "spool.jsonl").entries())
+
+
+def test_credentials_in_the_tracking_uri_never_reach_logs_reprs_or_the_spool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    uri = f"http://alice:s3cret-token@127.0.0.1:{free_port()}"
+    bridge = MLflowBridge("1" * 32, tracking_uri=uri, spool_path=tmp_path / "spool.jsonl", request_retries=0,
+                          retry_interval=60)
+    with caplog.at_level("INFO", logger="guardtower"):
+        _publish_and_flush_expect_backlog(bridge, [spike_event(1)])
+    assert bridge.stats()["spooled"] == 1
+    seen = repr(bridge) + bridge.name + caplog.text + (tmp_path / "spool.jsonl").read_text()
+    assert "127.0.0.1" in seen and "s3cret" not in seen and "alice" not in seen
 
 
 @pytest.mark.slow
@@ -223,6 +239,26 @@ def test_replay_command_sends_spooled_events_once(server: MlflowServer, tmp_path
     assert cli(["replay", str(spool), "--tracking-uri", server.url]) == 0  # nothing left: sends nothing
     assert server.count_requests("/api/2.0/mlflow/runs/log-batch") - before == 3
     assert _history(server.url, run.info.run_id, f"{P}.spike_ratio") == [(5, 42.0), (6, 42.0), (7, 42.0)]
+
+
+@pytest.mark.slow
+def test_a_new_bridge_first_replays_what_a_previous_process_left_in_the_spool(server: MlflowServer,
+                                                                             tmp_path: Path) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    client = _client(server.url)
+    run_id = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
+    spool = tmp_path / "spool.jsonl"
+    crashed = MLflowBridge(run_id, tracking_uri=f"http://127.0.0.1:{free_port()}", spool_path=spool,
+                           request_retries=0, retry_interval=60)
+    _publish_and_flush_expect_backlog(crashed, [spike_event(1), spike_event(2)])
+    restarted = MLflowBridge(run_id, tracking_uri=server.url, spool_path=spool, retry_interval=0.1)
+    assert restarted.stats()["backlog"] == 1
+    _publish_and_flush(restarted, [spike_event(3)])
+    stats = restarted.stats()
+    assert stats["replayed"] >= 2 and stats["replayed"] + stats["delivered"] == 3 and stats["backlog"] == 0
+    assert [s for s, _ in _history(server.url, run_id, f"{P}.spike_ratio")] == [1, 2, 3]
+    assert client.get_run(run_id).data.tags[f"{P}.last_incident"].startswith("kind=spike step=3 ")
 
 
 def _publish_and_flush_expect_backlog(bridge: Any, events: list[Event]) -> None:
@@ -247,25 +283,24 @@ def test_without_a_run_it_warns_once_and_ignores_events(monkeypatch: pytest.Monk
     assert not bridge.active and bridge.stats()["ignored"] == 1
 
 
-def test_the_active_run_is_captured_on_the_constructing_thread(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_the_active_run_is_captured_on_the_constructing_thread(tracking: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """MLflow's active run is per thread: a bridge built on a thread without one sees no run."""
     import mlflow
 
     from guardtower.bridges import MLflowBridge
+    from guardtower.bridges import mlflow as bridge_module
 
-    uri = f"sqlite:///{tmp_path / 'x.db'}"
-    mlflow.set_tracking_uri(uri)
-    try:
-        with mlflow.start_run() as run:
-            here = MLflowBridge(spool_path=tmp_path / "a.jsonl")
-            there: list[Any] = []
-            with pytest.warns(RuntimeWarning):
-                thread = threading.Thread(target=lambda: there.append(MLflowBridge(spool_path=tmp_path / "b.jsonl")))
-                thread.start()
-                thread.join()
-    finally:
-        mlflow.set_tracking_uri("")
-    assert here.run_id == run.info.run_id
+    monkeypatch.setattr(bridge_module, "_warned_no_run", False)
+    with mlflow.start_run() as run:
+        here = MLflowBridge(spool_path=tmp_path / "a.jsonl")
+        there: list[Any] = []
+        with pytest.warns(RuntimeWarning):
+            thread = threading.Thread(target=lambda: there.append(MLflowBridge(spool_path=tmp_path / "b.jsonl")))
+            thread.start()
+            thread.join()
+    assert here.run_id == run.info.run_id and here.tracking_uri == tracking
     assert there[0].run_id is None
 
 
@@ -471,3 +506,30 @@ def test_server_outage_never_delays_training_and_every_event_arrives_exactly_onc
     batches = server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST") - batches_before
     uploads = server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True) - uploads_before
     assert (batches, uploads) == (len(published), len(spike_steps))
+
+
+def test_replay_keeps_entries_while_the_server_is_down_and_lists_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from guardtower.bridges.mlflow import sink_name
+    from guardtower.replay import main
+    from guardtower.spool import Spool
+
+    spool = Spool(tmp_path / "spool.jsonl")
+    dead = f"http://127.0.0.1:{free_port()}"
+    events = [spike_event(1), skip_event(1, total=1)]
+    for event in events:
+        spool.append(event, "undelivered", "mlflow:" + sink_name("2" * 32, "guardtower", dead))
+    spool.append(spike_event(2), "undelivered", "carrier-pigeon:coo")
+    assert main([str(spool.path), "--timeout", "1"]) == 2  # an unknown sink kind is a usage error
+    out, err = capsys.readouterr()
+    assert "sent 0, remaining 3" in out
+    assert "no replayer for sink kind 'carrier-pigeon'" in err and "mlflow failed at spike step 1" in err
+    port = dead.rsplit(":", 1)[1]
+    assert main([str(spool.path), "--tracking-uri", f"http://alice:s3cret@127.0.0.1:{port}", "--timeout", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert "mlflow failed at spike step 1" in err and "s3cret" not in out + err
+    assert main([str(spool.path), "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[1] for line in listed] == ["spike", "skip", "spike"]
+    assert len(spool) == 3

@@ -219,6 +219,7 @@ def test_importing_the_bridges_does_not_import_wandb_or_mlflow() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
+@pytest.mark.slow
 def test_end_to_end_with_audit_and_guarded_optimizer(tmp_path: Path, wandb_env: None) -> None:
     from _bridges_helpers import SPIKE_STEP, audit_then_train
 

@@ -13,7 +13,7 @@ import torch
 
 from guardtower.errors import ConfigError, PreflightFailed
 from guardtower.testing import capture_events
-from _hf_helpers import TokenDataset, snapshot, tiny_gpt2, training_args
+from _hf_helpers import SpikeAt, TokenDataset, lora, snapshot, stale_optimizer_found, tiny_gpt2, training_args
 
 transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback  # noqa: E402
@@ -32,12 +32,6 @@ def _one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-def _lora(model: Any) -> Any:
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
-
-
 class _Recorder(TrainerCallback):  # type: ignore[misc]
     """Keeps the weights after every optimizer step, keyed by the Trainer's global_step."""
 
@@ -52,24 +46,6 @@ class _Recorder(TrainerCallback):  # type: ignore[misc]
         self.weights[state.global_step] = snapshot(self.model)
 
 
-class _SpikeAt(TrainerCallback):  # type: ignore[misc]
-    """Scales the final hidden state by 1e4 during the forward of one optimizer step: a gradient spike."""
-
-    def __init__(self, model: Any, step: int) -> None:
-        self.step = step
-        self.active = False
-        model.transformer.ln_f.register_forward_hook(lambda m, i, o: o * 1e4 if self.active else o)
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.active = state.global_step + 1 == self.step
-
-
-def _stale_optimizer_found(found: Any) -> bool:
-    """The audit names an optimizer built before get_peft_model: LORA-003 (adapters missing) or OPT-003 (stale)."""
-    ids = {getattr(f, "catalog_id", f) for f in found}
-    return bool(ids & {"LORA-003", "OPT-003"})
-
-
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -78,7 +54,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_lora_optimizer_bug_stops_training_before_any_weight_changes(tmp_path: Path) -> None:
     base = tiny_gpt2()
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3)  # built before get_peft_model: adapters missing
-    model = _lora(base)
+    model = lora(base)
     before = snapshot(model)
     callback = GuardtowerCallback(raise_on_error=True, verbose=False)
     assert callback.report is None
@@ -86,7 +62,7 @@ def test_lora_optimizer_bug_stops_training_before_any_weight_changes(tmp_path: P
                       optimizers=(stale, None), callbacks=[callback])
     with capture_events() as events, pytest.raises(PreflightFailed) as failed:
         trainer.train()
-    assert _stale_optimizer_found(failed.value.report.errors)
+    assert stale_optimizer_found(failed.value.report.errors)
     assert callback.report is failed.value.report
     assert trainer.state.global_step == 0
     assert _same(before, snapshot(model))
@@ -97,13 +73,13 @@ def test_lora_optimizer_bug_stops_training_before_any_weight_changes(tmp_path: P
 
 
 def test_correct_lora_setup_passes_and_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = _lora(tiny_gpt2())
+    model = lora(tiny_gpt2())
     callback = GuardtowerCallback(raise_on_error=True)
     trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=3), train_dataset=TokenDataset(),
                       callbacks=[callback])
     trainer.train()
     assert callback.report is not None and callback.report.ok
-    assert not _stale_optimizer_found(callback.report.findings)
+    assert not stale_optimizer_found(callback.report.findings)
     assert trainer.state.global_step == 3
     assert "guardtower pre-flight: PASS" in capsys.readouterr().out
 
@@ -112,7 +88,7 @@ def test_failed_preflight_without_raise_reports_and_training_goes_on(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = tiny_gpt2()
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3)
-    model = _lora(base)
+    model = lora(base)
     callback = GuardtowerCallback()
     trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=2), train_dataset=TokenDataset(),
                       optimizers=(stale, None), callbacks=[callback])
@@ -125,7 +101,7 @@ def test_failed_preflight_without_raise_reports_and_training_goes_on(
 def test_audit_runs_under_the_trainers_autocast(tmp_path: Path) -> None:
     base = tiny_gpt2()
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3)
-    model = _lora(base)
+    model = lora(base)
     dtypes: list[torch.dtype] = []
     model.base_model.model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     trainer = Trainer(model=model, args=training_args(tmp_path, bf16=True), train_dataset=TokenDataset(),
@@ -133,6 +109,25 @@ def test_audit_runs_under_the_trainers_autocast(tmp_path: Path) -> None:
     with pytest.raises(PreflightFailed):
         trainer.train()  # only the audit's forward ran: the real step never started
     assert dtypes and set(dtypes) == {torch.bfloat16}
+
+
+def test_an_evaluation_before_training_is_not_taken_for_the_first_batch(tmp_path: Path) -> None:
+    seen: list[torch.Tensor] = []
+
+    class Recording(GuardtowerCallback):
+        def run_audit(self, model: Any, args: Any, kwargs: Any) -> Any:
+            seen.append(kwargs["input_ids"])
+            return super().run_audit(model, args, kwargs)
+
+    eval_set = TokenDataset(n=8, seed=1)
+    eval_set.ids.fill_(63)  # evaluation batches are all token 63; training batches are random
+    callback = Recording(verbose=False)
+    args = training_args(tmp_path, max_steps=2, eval_on_start=True, eval_strategy="steps", eval_steps=100)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), eval_dataset=eval_set,
+                      callbacks=[callback])
+    trainer.train()
+    assert len(seen) == 1 and not bool((seen[0] == 63).all())
+    assert callback.report is not None and callback.report.ok
 
 
 # ------------------------------------------------------------------------------------------- the guard
@@ -144,7 +139,7 @@ def test_spike_at_step_5_is_skipped_and_training_continues(tmp_path: Path) -> No
     args = training_args(tmp_path, max_steps=10)  # the Trainer's default max_grad_norm=1.0 stays on
     assert args.max_grad_norm == 1.0
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(),
-                      callbacks=[_SpikeAt(model, 5), recorder, guard_cb])
+                      callbacks=[SpikeAt(model, 5), recorder, guard_cb])
     with capture_events() as events:
         trainer.train()
     assert trainer.state.global_step == 10
@@ -165,6 +160,22 @@ def test_spike_at_step_5_is_skipped_and_training_continues(tmp_path: Path) -> No
     assert any(tmp_path.joinpath("sg").glob("*.json"))
 
 
+def test_rollback_inside_the_trainer_restores_the_last_snapshot(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    recorder = _Recorder(model)
+    guard_cb = StabilityGuardCallback(nan_action="rollback", rollback_every=3, warmup_steps=2,
+                                      log_dir=str(tmp_path / "sg"), verbose=False)
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=8), train_dataset=TokenDataset(),
+                      callbacks=[SpikeAt(model, 5), recorder, guard_cb])
+    with capture_events() as events:
+        trainer.train()
+    rollbacks = [e for e in events if e.kind == "rollback"]
+    assert [(e.step, e.to_step) for e in rollbacks] == [(5, 3)]
+    assert _same(recorder.weights[5], recorder.weights[3])  # steps 4 and 5 undone
+    assert trainer.state.global_step == 8 and not _same(recorder.weights[8], recorder.weights[5])
+    assert trainer.state.log_history[-2]["guardtower/rollbacks"] == 1
+
+
 def test_clean_steps_match_an_unguarded_trainer_including_clipping(tmp_path: Path) -> None:
     """With the guard moving the clipping behind its decision, clean runs are bit-for-bit the Trainer's own."""
     finals = []
@@ -182,7 +193,7 @@ def test_events_use_the_trainers_global_step_with_gradient_accumulation(tmp_path
     model = tiny_gpt2()
     guard_cb = StabilityGuardCallback(warmup_steps=2, log_dir=str(tmp_path / "sg"), verbose=False)
     args = training_args(tmp_path, max_steps=8, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[_SpikeAt(model, 7), guard_cb])
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[SpikeAt(model, 7), guard_cb])
     with capture_events() as events:
         trainer.train()
     assert trainer.state.global_step == 8

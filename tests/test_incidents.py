@@ -20,7 +20,7 @@ from guardtower.events import (
 )
 from guardtower.incidents import format_table, load_run_log
 from guardtower.severity import Severity
-from guardtower.sinks import JsonlSink
+from guardtower.sinks import JsonlSink, read_events
 
 
 def _write_run(path: Path) -> None:
@@ -113,6 +113,18 @@ def test_spike_reports_alone_are_enough(tmp_path: Path) -> None:
     assert spike.report_path is not None and spike.layer
     assert set(range(6, 15)) <= set(log.global_norms)  # the report's history of the steps before the spike
     assert len(log.layer_norms[spike.layer]) > 5
+
+
+def test_spools_and_foreign_jsonl_in_a_log_dir_are_read_or_skipped(tmp_path: Path) -> None:
+    from guardtower.spool import Spool
+
+    _guarded_run(tmp_path)
+    spike = next(e for e in read_events(tmp_path / "events.jsonl") if e.kind == "spike")
+    (tmp_path / "spool").mkdir()
+    Spool(tmp_path / "spool" / "mlflow-run.jsonl").append(spike, "undelivered: ConnectionError", "mlflow")
+    (tmp_path / "other-tool.jsonl").write_text('{"loss": 1.0}\n[1, 2]\nnot json\n')
+    log = load_run_log(tmp_path)
+    assert [(i.step, i.kind) for i in log.incidents] == [(15, "spike"), (20, "nonfinite")]
 
 
 def test_cli_json_output_is_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -426,3 +426,32 @@ def test_bad_arguments_raise_config_error_naming_the_argument(kwargs: dict[str, 
     assert caught.value.argument == argument
     assert "Fix:" in str(caught.value)
     assert all_hooks(model) == 0
+
+
+def test_checkpoint_recompute_and_direct_submodule_calls_are_not_held(gpt2: nn.Module) -> None:
+    if hasattr(gpt2, "activation_checkpointing_enable"):
+        gpt2.activation_checkpointing_enable({"use_reentrant": False})
+    else:  # transformers < 5
+        gpt2.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    gpt2.train()
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    gpt2.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    x = ids()
+    with monitor(gpt2) as mon:
+        gpt2(input_ids=x, labels=x).loss.backward()  # the backward re-runs each block's forward
+        with torch.no_grad():
+            gpt2.transformer.h[1].mlp(torch.randn(2, 3, 32))
+        gc.collect()
+        assert len(outputs) == 2 and outputs[1]() is None  # the recomputed activation was freed
+        assert mon.passes == 1 and mon.nonfinite_passes == 0
+
+
+def test_package_level_monitor_is_callable_whatever_was_imported_first() -> None:
+    import guardtower
+    import guardtower.monitor as submodule
+
+    model = nn.Linear(2, 2)
+    for entry in (guardtower.monitor, submodule, monitor):
+        with entry(model, on_nonfinite="warn") as mon:
+            model(torch.ones(1, 2))
+        assert mon.passes == 1

@@ -24,20 +24,19 @@ from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
 from guardtower.events import EVENT_TYPES, Event
 from guardtower.severity import Severity
-from guardtower.spool import Spool
+from guardtower.spool import Spool, default_spool_dir
 from guardtower.alerts._format import RunUrl, run_url_for
 from guardtower.alerts._secret import REDACTED, Secret, redact
 from guardtower.alerts._transport import DeliveryError, Transport, require_dependencies
 from guardtower.alerts.grouping import Grouper, Notification
 from guardtower.alerts.policy import GroupPolicy, RetryPolicy, shared_throttle
 
-__all__ = ["AlertSink", "DEFAULT_KINDS", "DEFAULT_SPOOL_DIR"]
+__all__ = ["AlertSink", "DEFAULT_KINDS"]
 
 logger = logging.getLogger("guardtower.alerts")
 
 #: what alerts by default: failed pre-flights, spikes, rollbacks, halts
 DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt")
-DEFAULT_SPOOL_DIR = "guardtower-spool"
 _IDLE_WAIT_S = 1.0
 _LOGGED_FAILURES = 10
 _PREFLIGHT_STATUS = {"PASS": Severity.INFO, "WARN": Severity.WARN, "FAIL": Severity.ERROR}
@@ -58,7 +57,7 @@ class AlertSink(BaseSink):
     - ``rate_limit``: messages per second to one destination, shared by every sink posting there
       (0: unlimited).
     - ``retry``: a ``RetryPolicy``. ``spool_path``: the dead-letter JSONL file (default
-      ``./guardtower-spool/<kind>-<name>.jsonl``; created only when something is spooled).
+      ``<GUARDTOWER_SPOOL_DIR or ./sg_logs/spool>/<kind>[-<name>].jsonl``; created only when needed).
     - ``run_url``: a URL, or a callable ``run name -> URL``, linked from messages (e.g. the W&B or
       MLflow run page a bridge knows).
     - ``send_resolved``: also send a message when an incident clears.
@@ -74,6 +73,8 @@ class AlertSink(BaseSink):
     rank_zero_only = True
     _closing: bool
     _closed: bool
+    _overflow: list[Event]
+    _overflow_lock: threading.Lock
 
     def __init__(
         self,
@@ -168,6 +169,7 @@ class AlertSink(BaseSink):
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
+        self._drain_overflow()
         rejected: list[tuple[Event, str]] = []
         with self._cond:
             for event in events:
@@ -186,14 +188,28 @@ class AlertSink(BaseSink):
             self._spool_events([event], reason)
 
     def spill(self, event: Event) -> bool:
-        """The bus queue is full: keep the event in the spool rather than dropping it."""
+        """The bus queue is full: the event goes to the spool rather than being dropped.
+
+        Runs on the publishing thread, so it only parks the event in memory; the bus worker (next batch) or
+        ``flush``/``close`` writes parked events to the spool in one go. Only when ``max_pending`` events are
+        already parked does it write synchronously.
+        """
         if not self.accepts(event):
             return True  # it would not alert anyway; nothing is lost
+        with self._overflow_lock:
+            if len(self._overflow) < self._max_pending:
+                self._overflow.append(event)
+                return True
         try:
             self._spool_events([event], "bus queue full")
         except Exception:
             return False
         return True
+
+    def _drain_overflow(self) -> None:
+        with self._overflow_lock:
+            parked, self._overflow = self._overflow, []
+        self._spool_events(parked, "bus queue full")
 
     def resolve(self, *, run: str | None = None, fingerprint: str | None = None) -> None:
         """Clear incidents now (all, one run's, or one fingerprint); PagerDuty gets a resolve."""
@@ -204,6 +220,7 @@ class AlertSink(BaseSink):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Send everything pending now (ignoring group waits); False if not done within ``timeout``."""
+        self._drain_overflow()
         with self._cond:
             if self._thread is None:
                 return self._grouper.pending_events == 0
@@ -227,8 +244,8 @@ class AlertSink(BaseSink):
             # leave a fifth of the time to spool what could not be sent
             thread.join(None if deadline is None else max(0.0, (deadline - time.monotonic()) * 0.8))
             if thread.is_alive():
-                self._stop.set()  # interrupts backoff and rate-limit waits
-                thread.join(0.05)
+                self._stop.set()  # interrupts backoff and rate-limit waits; an HTTP attempt runs to its timeout
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._cond:
             leftovers = list(self._outgoing) + self._grouper.drain()
             self._outgoing.clear()
@@ -238,8 +255,8 @@ class AlertSink(BaseSink):
             self._closed = True
             self._stop.set()
             self._cond.notify_all()
-        for note in leftovers:
-            self._spool_events(list(note.events), "sink closed with the message still pending")
+        self._spool_events([e for note in leftovers for e in note.events], "sink closed with the message still pending")
+        self._drain_overflow()
 
     # -- replay and stats ----------------------------------------------------------------------------------
 
@@ -279,6 +296,8 @@ class AlertSink(BaseSink):
                                 max_pending=self._max_pending)
         self._transport = Transport(self.retry, self._throttle, self._stop, clock=self._clock, sleep=self._sleep)
         self._outgoing: collections.deque[Notification] = collections.deque()
+        self._overflow = []
+        self._overflow_lock = threading.Lock()
         self._current: Notification | None = None
         self._current_orphaned = False
         self._thread: threading.Thread | None = None
@@ -339,8 +358,7 @@ class AlertSink(BaseSink):
             self._counters["messages"] += 1
             self._counters["delivered"] += len(note.events)
             if orphaned:  # close() spooled it meanwhile: mark it done so a replay skips it
-                for event_id in note.event_ids:
-                    self.spool.ack(event_id)
+                self.spool.ack_many(note.event_ids)
             return
         self._counters["failed_messages"] += 1
         if self._counters["failed_messages"] <= _LOGGED_FAILURES or self._counters["failed_messages"] % 100 == 0:
@@ -361,9 +379,7 @@ class AlertSink(BaseSink):
     def _spool_events(self, events: list[Event], reason: str) -> None:
         if not events:
             return
-        spool = self.spool
-        for event in events:
-            spool.append(event, reason, self.sink_id)
+        self.spool.append_many(events, reason, self.sink_id)
         with self._spool_lock:  # several threads spool: worker, sender, close() and spill()
             self._counters["spooled"] += len(events)
 
@@ -374,7 +390,7 @@ class AlertSink(BaseSink):
 
 def _spool_path(value: str | os.PathLike[str] | None, kind: str, name: str) -> Path:
     default_name = f"{kind}.jsonl" if name == kind else f"{kind}-{name}.jsonl"
-    path = (Path(DEFAULT_SPOOL_DIR) / default_name) if value is None else Path(value)
+    path = (default_spool_dir() / default_name) if value is None else Path(value)
     path = path.expanduser().absolute()
     if path.is_dir():
         raise ConfigError("spool_path", f"{str(path)!r} is a directory", "pass a file path such as alerts.jsonl")

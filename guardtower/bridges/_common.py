@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import importlib
+import re
 from types import ModuleType
 
 from guardtower.errors import ConfigError, MissingDependencyError
 from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent
 
-__all__ = ["require", "check_prefix", "incident_label", "INCIDENT_KINDS"]
+__all__ = ["require", "check_prefix", "incident_label", "safe_error", "INCIDENT_KINDS"]
 
 #: event kinds that are incidents: they update ``last_incident`` and the incident totals
 INCIDENT_KINDS = frozenset({SpikeEvent.kind, SkipEvent.kind, RollbackEvent.kind, HaltEvent.kind, "nonfinite"})
+
+
+_CREDENTIALS = re.compile(r"//[^/@\s]+@")
+
+
+def safe_error(exc: BaseException) -> str:
+    """The first line of an error, without ``user:password@`` in URLs (MLflow puts the full URL in it)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return _CREDENTIALS.sub("//", text)[:300]
 
 
 def require(package: str, extra: str) -> ModuleType:

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from guardtower.bridges._common import INCIDENT_KINDS, check_prefix, incident_label, require
+from guardtower.bridges._common import INCIDENT_KINDS, check_prefix, incident_label, require, safe_error
 from guardtower.bridges._mlflow_http import bounded_http
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
@@ -37,19 +37,14 @@ from guardtower.events import (
     SpikeEvent,
     SummaryEvent,
 )
-from guardtower.spool import Spool
+from guardtower.spool import Spool, default_spool_dir
 
-__all__ = ["MLflowBridge", "MlflowWriter", "default_spool_dir"]
+__all__ = ["MLflowBridge", "MlflowWriter", "replayer", "sink_name", "is_permanent"]
 
 logger = logging.getLogger("guardtower.bridges.mlflow")
 
 _warned_no_run = False
 _warn_lock = threading.Lock()
-
-
-def default_spool_dir() -> Path:
-    """Where undelivered events wait: ``GUARDTOWER_SPOOL_DIR`` or ``./sg_logs/spool``."""
-    return Path(os.environ.get("GUARDTOWER_SPOOL_DIR", os.path.join("sg_logs", "spool")))
 
 
 class MlflowWriter:
@@ -198,7 +193,8 @@ class MLflowBridge(BaseSink):
         self.name = f"mlflow:{sink_name(run_id, self.prefix, self.tracking_uri)}"
         self._writer = MlflowWriter(self.tracking_uri, run_id, self.prefix, request_timeout=int(request_timeout),
                                     request_retries=int(request_retries), artifacts=artifacts)
-        self._spool_path = explicit_spool.path if explicit_spool else default_spool_dir() / f"mlflow-{run_id}.jsonl"
+        self._spool_path = (explicit_spool.path if explicit_spool is not None
+                            else default_spool_dir() / f"mlflow-{run_id}.jsonl")
         if self._spool_path.exists():  # events a previous process could not deliver go first
             self._backlog = next(self._get_spool().entries(), None) is not None
             if self._backlog:
@@ -236,7 +232,7 @@ class MLflowBridge(BaseSink):
                     self._backlog = True
                     self._spool_all(events[index:], f"undelivered: {type(exc).__name__}")
                 logger.warning("guardtower: MLflow at %s is unreachable (%s); spooling events to %s",
-                               _public_uri(self.tracking_uri), _short(exc), self._spool_path)
+                               _public_uri(self.tracking_uri), safe_error(exc), self._spool_path)
                 self._start_retry_thread()
                 return
 
@@ -288,7 +284,7 @@ class MLflowBridge(BaseSink):
                 raise
             self._counts["rejected"] += 1
             if self._counts["rejected"] <= 3:
-                logger.warning("guardtower: MLflow refused a %s event: %s", event.kind, _short(exc))
+                logger.warning("guardtower: MLflow refused a %s event: %s", event.kind, safe_error(exc))
 
     def _get_spool(self) -> Spool:
         if self._spool is None:
@@ -297,20 +293,32 @@ class MLflowBridge(BaseSink):
         return self._spool
 
     def _spool_all(self, events: list[Event], reason: str) -> None:
-        spool = self._get_spool()
-        for event in events:
-            spool.append(event, reason, self.name)
+        self._get_spool().append_many(events, reason, self.name)
         self._counts["spooled"] += len(events)
 
     def _drain(self) -> bool:
-        """Replay the spool in order; leave backlog mode once it is empty. False if the server still fails."""
+        """Replay the spool in order; leave backlog mode once it is empty. False if the server still fails.
+
+        The oldest entry goes first, alone: while the server is down that probe is all it costs (no parse of
+        the whole spool on every attempt, which would compete with training for the GIL).
+        """
         with self._deliver_lock:
-            sent, remaining = self._get_spool().replay(self._send_or_reject)
+            spool = self._get_spool()
+            first = next(spool.entries(), None)
+            sent = remaining = 0
+            if first is not None:
+                try:
+                    self._send_or_reject(first.event)
+                except Exception:
+                    return False
+                spool.ack(first.event.event_id)
+                sent, remaining = spool.replay(self._send_or_reject)
+                sent += 1
         self._counts["replayed"] += sent
         if remaining:
             return False
         with self._state_lock:  # nothing can be appended while we decide
-            if next(self._get_spool().entries(), None) is None:
+            if next(spool.entries(), None) is None:
                 self._backlog = False
                 logger.info("guardtower: MLflow reachable again; %d spooled event(s) replayed", sent)
         return True
@@ -331,7 +339,7 @@ class MLflowBridge(BaseSink):
                 continue
             try:
                 ok = self._drain()
-            except Exception:
+            except Exception:  # e.g. the spool's disk is full: keep the thread alive, try again later
                 logger.debug("guardtower: spool replay failed", exc_info=True)
                 ok = False
             interval = self.retry_interval if ok else min(interval * 2, self.max_retry_interval)
@@ -355,9 +363,9 @@ def replayer(sink: str, *, tracking_uri: str | None = None, request_timeout: int
         try:
             writer.send(event)
         except Exception as exc:
-            if not is_permanent(exc):
-                raise
-            logger.warning("guardtower replay: MLflow refused a %s event (%s); dropping it", event.kind, _short(exc))
+            if not is_permanent(exc):  # MLflow's message quotes the full URL: drop credentials from it
+                raise RuntimeError(safe_error(exc)) from None
+            logger.warning("guardtower replay: MLflow refused a %s event (%s); dropping it", event.kind, safe_error(exc))
 
     return deliver
 
@@ -370,11 +378,6 @@ def _public_uri(uri: str) -> str:
         return uri.split("@")[-1]
     netloc = parts.netloc.rsplit("@", 1)[-1]
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:200]
 
 
 def _check_number(argument: str, value: object, *, minimum: float, integer: bool = False) -> None:

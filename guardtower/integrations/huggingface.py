@@ -16,7 +16,9 @@ set the callback moves the clipping behind the guard's decision (same norm, appl
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+import sys
+import types
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -30,7 +32,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess without transformers
     raise MissingDependencyError("transformers", "hf") from exc
 
-if False:  # pragma: no cover - typing only, without importing the guard at module import
+if TYPE_CHECKING:
     from guardtower.guard import GuardedOptimizer
     from guardtower.report import Report
 
@@ -38,8 +40,11 @@ __all__ = ["GuardtowerCallback", "StabilityGuardCallback"]
 
 logger = logging.getLogger("guardtower.integrations.huggingface")
 
+#: how far up the stack the first forward looks for the Trainer's DDP/FSDP wrapper
+_MAX_FRAMES = 40
 
-class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
+
+class GuardtowerCallback(TrainerCallback):
     """Run ``guardtower.audit`` on the Trainer's first real batch, before the first optimizer step.
 
     ``raise_on_error=True`` stops ``trainer.train()`` with ``PreflightFailed`` when the audit finds a FAIL;
@@ -102,7 +107,7 @@ class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
         if not module.training or not torch.is_grad_enabled():
             return None  # an evaluation before training (eval_on_start) is not the first training batch
         self._remove_hook()
-        report = self.run_audit(module, args, kwargs)
+        report = self.run_audit(_calling_wrapper(module), args, kwargs)
         if report is not None and self.raise_on_error and not report.ok:
             self._bus.flush(10.0)  # the run's trackers get the failure before train() unwinds
             raise PreflightFailed(report)
@@ -132,6 +137,24 @@ class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
         return report
 
 
+def _calling_wrapper(module: nn.Module) -> nn.Module:
+    """The DDP/FSDP/DeepSpeed wrapper whose forward is calling ``module`` right now, else ``module`` itself.
+
+    The Trainer calls its wrapped model, but callbacks only get the inner one. Auditing the wrapper lets the
+    distributed checks see the real setup (no false "model not wrapped", and DDP's unused-parameter hang is
+    caught); the wrapper is found on the call stack of this very forward, where it holds ``.module``.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, nn.Module) and candidate is not module and getattr(candidate, "module", None) is module:
+            return candidate
+        frame = frame.f_back
+    return module
+
+
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     """The user's optimizer under Accelerate's wrapper and a GuardedOptimizer (the audit must not count steps)."""
     seen: set[int] = set()
@@ -146,7 +169,7 @@ def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
-class StabilityGuardCallback(TrainerCallback):  # type: ignore[misc]
+class StabilityGuardCallback(TrainerCallback):
     """Guard every optimizer step of a ``Trainer`` with a ``GuardedOptimizer``.
 
     Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step). In ``on_train_begin``
