@@ -193,9 +193,13 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         trace.extras["backward"] = True
     elif loss.requires_grad and trace.error is None:
         target = loss if loss.numel() == 1 else loss.float().mean()
-        try:
-            if leak_analysis:  # one extra backward from sample 0's prediction; only input_dependency reads it
+        if leak_analysis:  # one extra backward from sample 0's prediction; only input_dependency reads it
+            try:
                 trace.extras["leak"] = _leak_analysis(calls, watch)
+            except RuntimeError:
+                # torch.autograd.grad is refused by reentrant checkpointing; the real backward below is not
+                trace.extras["leak"] = []
+        try:
             captured: dict[str, torch.Tensor] = {}
             handles = [
                 t.register_hook(lambda g, label=label: captured.__setitem__(label, g.detach()))
