@@ -273,10 +273,10 @@ def test_without_a_run_it_warns_once_and_ignores_events(monkeypatch: pytest.Monk
     import mlflow
 
     from guardtower.bridges import MLflowBridge
-    from guardtower.bridges import mlflow as bridge_module
+    from guardtower.bridges import _common as bridge_common
 
     assert mlflow.active_run() is None
-    monkeypatch.setattr(bridge_module, "_warned_no_run", False)
+    monkeypatch.setattr(bridge_common, "_warned", set())
     with pytest.warns(RuntimeWarning, match="no MLflow run"):
         bridge = MLflowBridge(tracking_uri=f"sqlite:///{tmp_path / 'x.db'}")
     _publish_and_flush(bridge, [spike_event(1)])
@@ -290,9 +290,9 @@ def test_the_active_run_is_captured_on_the_constructing_thread(tracking: str, tm
     import mlflow
 
     from guardtower.bridges import MLflowBridge
-    from guardtower.bridges import mlflow as bridge_module
+    from guardtower.bridges import _common as bridge_common
 
-    monkeypatch.setattr(bridge_module, "_warned_no_run", False)
+    monkeypatch.setattr(bridge_common, "_warned", set())
     with mlflow.start_run() as run:
         here = MLflowBridge(spool_path=tmp_path / "a.jsonl")
         there: list[Any] = []

@@ -151,10 +151,10 @@ def test_without_a_run_it_warns_once_and_ignores_events(monkeypatch: pytest.Monk
     import wandb
 
     from guardtower.bridges import WandBBridge
-    from guardtower.bridges import wandb as bridge_module
+    from guardtower.bridges import _common as bridge_common
 
     assert wandb.run is None
-    monkeypatch.setattr(bridge_module, "_warned_no_run", False)
+    monkeypatch.setattr(bridge_common, "_warned", set())
     with pytest.warns(RuntimeWarning, match="no W&B run"):
         bridge = WandBBridge()
     with warnings.catch_warnings():

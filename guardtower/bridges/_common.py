@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import importlib
 import re
+import threading
+import warnings
 from types import ModuleType
 
 from guardtower.errors import ConfigError, MissingDependencyError
 from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent
 
-__all__ = ["require", "check_prefix", "incident_label", "safe_error", "INCIDENT_KINDS"]
+__all__ = ["require", "check_prefix", "incident_label", "safe_error", "warn_once", "INCIDENT_KINDS"]
 
 #: event kinds that are incidents: they update ``last_incident`` and the incident totals
 INCIDENT_KINDS = frozenset({SpikeEvent.kind, SkipEvent.kind, RollbackEvent.kind, HaltEvent.kind, "nonfinite"})
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn the user (the caller of the bridge's constructor) once per process for ``key``."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 _CREDENTIALS = re.compile(r"//[^/@\s]+@")

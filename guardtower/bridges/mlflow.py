@@ -20,11 +20,17 @@ import os
 import threading
 import time
 import urllib.parse
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from guardtower.bridges._common import INCIDENT_KINDS, check_prefix, incident_label, require, safe_error
+from guardtower.bridges._common import (
+    INCIDENT_KINDS,
+    check_prefix,
+    incident_label,
+    require,
+    safe_error,
+    warn_once,
+)
 from guardtower.bridges._mlflow_http import bounded_http
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
@@ -43,8 +49,6 @@ __all__ = ["MLflowBridge", "MlflowWriter", "replayer", "sink_name", "is_permanen
 
 logger = logging.getLogger("guardtower.bridges.mlflow")
 
-_warned_no_run = False
-_warn_lock = threading.Lock()
 
 
 class MlflowWriter:
@@ -188,7 +192,8 @@ class MLflowBridge(BaseSink):
             self.name = "mlflow"
             self._writer: MlflowWriter | None = None
             self._spool_path = Path(os.devnull)
-            _warn_no_run_once()
+            warn_once("mlflow-no-run", "guardtower MLflowBridge: no MLflow run (pass run_id= or build the bridge inside mlflow.start_run()); "
+                      "guardtower events will not be sent to MLflow")
             return
         self.name = f"mlflow:{sink_name(run_id, self.prefix, self.tracking_uri)}"
         self._writer = MlflowWriter(self.tracking_uri, run_id, self.prefix, request_timeout=int(request_timeout),
@@ -385,17 +390,3 @@ def _check_number(argument: str, value: object, *, minimum: float, integer: bool
     if isinstance(value, bool) or not isinstance(value, kinds) or not value >= minimum:
         kind = "an integer" if integer else "a number"
         raise ConfigError(argument, f"{value!r} is not {kind} >= {minimum:g}", f"pass {kind} >= {minimum:g}")
-
-
-def _warn_no_run_once() -> None:
-    global _warned_no_run
-    with _warn_lock:
-        if _warned_no_run:
-            return
-        _warned_no_run = True
-    warnings.warn(
-        "guardtower MLflowBridge: no MLflow run (pass run_id= or build the bridge inside mlflow.start_run()); "
-        "guardtower events will not be sent to MLflow",
-        RuntimeWarning,
-        stacklevel=3,
-    )

@@ -11,10 +11,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import warnings
 from typing import Any, Iterable
 
-from guardtower.bridges._common import check_prefix, incident_label, require
+from guardtower.bridges._common import check_prefix, incident_label, require, warn_once
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
 from guardtower.events import Event, HaltEvent, PreflightEvent, RollbackEvent, SkipEvent, SpikeEvent, SummaryEvent
@@ -33,8 +32,6 @@ ALERT_TITLES: dict[str, str] = {
 ALERT_KINDS = frozenset(ALERT_TITLES)
 
 _FINDING_COLUMNS = ["check", "severity", "catalog_id", "message"]
-_warned_no_run = False
-_warn_lock = threading.Lock()
 
 
 class WandBBridge(BaseSink):
@@ -69,7 +66,8 @@ class WandBBridge(BaseSink):
         self._counts: collections.Counter[str] = collections.Counter()
         self._totals = {"spikes": 0, "skips": 0, "rollbacks": 0}
         if self.run is None:
-            _warn_no_run_once()
+            warn_once("wandb-no-run", "guardtower WandBBridge: no W&B run (pass run= or call wandb.init() before building the bridge); "
+                      "guardtower events will not be sent to W&B")
             return
         try:
             self.run.define_metric(f"{self.prefix}/step")
@@ -230,17 +228,3 @@ def _merge_row(rows: list[dict[str, Any]], row: dict[str, Any], step_key: str) -
         rows[-1].update(row)
     else:
         rows.append(row)
-
-
-def _warn_no_run_once() -> None:
-    global _warned_no_run
-    with _warn_lock:
-        if _warned_no_run:
-            return
-        _warned_no_run = True
-    warnings.warn(
-        "guardtower WandBBridge: no W&B run (pass run= or call wandb.init() before building the bridge); "
-        "guardtower events will not be sent to W&B",
-        RuntimeWarning,
-        stacklevel=3,
-    )
