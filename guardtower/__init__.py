@@ -64,6 +64,12 @@ if TYPE_CHECKING:
     from guardtower.testing import capture_events
 
 
+# ``audit`` and ``monitor`` name both a submodule and the function in it. Importing a submodule binds the
+# package attribute to the module, so these two are imported now: the function is bound last and stays.
+from guardtower.audit import audit  # noqa: E402
+from guardtower.monitor import monitor  # noqa: E402
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -101,6 +101,7 @@ class _SinkWorker:
         self.maxsize: int = int(getattr(sink, "queue_size", _DEFAULT_QUEUE_SIZE))
         self.counters = collections.Counter[str]()
         self._reset_runtime()
+        self._start()  # now, so the first publish does not pay for a thread start
 
     def _reset_runtime(self) -> None:
         self.queue: collections.deque[Event] = collections.deque()
@@ -110,7 +111,10 @@ class _SinkWorker:
         self.start_lock = threading.Lock()
 
     def after_fork(self) -> None:
-        """In a forked child: forget the parent's queue and thread (threads do not survive fork)."""
+        """In a forked child: forget the parent's queue and thread (threads do not survive fork).
+
+        The child's worker starts again on its first publish.
+        """
         self._reset_runtime()
         self.counters.clear()
 

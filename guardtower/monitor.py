@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import sys
-import types
 import warnings
 from types import TracebackType
 from typing import Any, Iterable
@@ -296,15 +294,3 @@ def _message(blame: Blame) -> str:
 def _details(blame: Blame) -> dict[str, Any]:
     return {"step": blame.step, "nonfinite_modules": blame.nonfinite_modules[:20],
             "mutated_in_place": blame.mutated_in_place, "rule": "NaN or +Inf counts; -Inf is ignored (masks)"}
-
-
-class _MonitorModule(types.ModuleType):
-    """Importing the submodule ``guardtower.monitor`` rebinds the package attribute ``monitor`` from the
-    function to this module; calling the module calls the function, so ``guardtower.monitor(model)`` and
-    ``from guardtower import monitor`` work whichever import happened first."""
-
-    def __call__(self, model: nn.Module, **kwargs: Any) -> Monitor:
-        return monitor(model, **kwargs)
-
-
-sys.modules[__name__].__class__ = _MonitorModule

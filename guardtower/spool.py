@@ -12,12 +12,17 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from guardtower.errors import ConfigError
 from guardtower.events import Event, event_from_record
 
-__all__ = ["Spool", "SpoolEntry"]
+__all__ = ["Spool", "SpoolEntry", "default_spool_dir"]
+
+
+def default_spool_dir() -> Path:
+    """Where sinks keep undelivered events unless told otherwise: ``GUARDTOWER_SPOOL_DIR`` or ``./sg_logs/spool``."""
+    return Path(os.environ.get("GUARDTOWER_SPOOL_DIR", os.path.join("sg_logs", "spool")))
 
 
 class SpoolEntry:
@@ -40,11 +45,20 @@ class Spool:
 
     def append(self, event: Event, reason: str, sink: str = "") -> None:
         """Write one undelivered event (thread-safe, flushed and fsynced: it is the last copy)."""
-        line = json.dumps(
-            {"reason": reason, "sink": sink, "time": time.time(), "event": event.to_record()}, allow_nan=False
+        self.append_many([event], reason, sink)
+
+    def append_many(self, events: Iterable[Event], reason: str, sink: str = "") -> None:
+        """Write several undelivered events with one fsync (a failed grouped alert can hold thousands)."""
+        now = time.time()
+        text = "".join(
+            json.dumps({"reason": reason, "sink": sink, "time": now, "event": event.to_record()}, allow_nan=False)
+            + "\n"
+            for event in events
         )
+        if not text:
+            return
         with self._lock, open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -67,8 +81,15 @@ class Spool:
         return {line.strip() for line in self.acked_path.read_text(encoding="utf-8").splitlines() if line.strip()}
 
     def ack(self, event_id: str) -> None:
+        self.ack_many([event_id])
+
+    def ack_many(self, event_ids: Iterable[str]) -> None:
+        """Mark events delivered (one fsync for all of them)."""
+        text = "".join(event_id + "\n" for event_id in event_ids)
+        if not text:
+            return
         with self._lock, open(self.acked_path, "a", encoding="utf-8") as fh:
-            fh.write(event_id + "\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
 

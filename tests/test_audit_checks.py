@@ -448,6 +448,14 @@ def _dead_relu_functional(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(_X), _Y), {}
 
 
+@case("RELU-001/hf-activation")
+def _dead_relu_squared(bug: bool) -> Case:
+    from transformers.activations import ACT2FN
+
+    m = _dead_bias_mlp(bug, act=ACT2FN["relu2"])  # ReLUSquaredActivation (Primer), calls F.relu inside
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
 @case("ACT-001")
 def _saturated_tanh(bug: bool) -> Case:
     m = mlp(act=nn.Tanh())
@@ -606,3 +614,16 @@ def test_every_core_entry_has_a_trigger_case() -> None:
     ids = {m.id for m in _CORE}
     covered = {key.split("/")[0] for key in CASES} | {"AUDIT-001"}  # AUDIT-001: see test_audit_api.py
     assert ids <= covered, sorted(ids - covered)
+
+
+def test_data_002_encoder_padding_is_not_label_padding() -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    m = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                            num_decoder_layers=1, num_heads=2, decoder_start_token_id=0,
+                                            pad_token_id=0))
+    batch = token_batch(pad_last=3)  # the encoder input is padded, the target sequence is not
+    batch["labels"] = torch.randint(1, VOCAB, batch["input_ids"].shape, generator=torch.Generator().manual_seed(5))
+    report = audit(m, lambda: m(**batch))
+    assert not report.by_id("DATA-002") and not report.errors, str(report)

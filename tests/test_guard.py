@@ -350,3 +350,25 @@ def test_base_must_be_an_optimizer(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         GuardedOptimizer(object(), log_dir=tmp_path, verbose=False)  # type: ignore[arg-type]
     assert info.value.argument == "base_optimizer"
+
+
+def test_reports_and_console_box_are_produced_off_the_training_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+
+    from guardtower.guard import reports
+
+    writers: list[str] = []
+    original = reports.write_json_atomic
+
+    def spy(path: Path, data: Any) -> None:
+        writers.append(threading.current_thread().name)
+        original(path, data)
+
+    monkeypatch.setattr(reports, "write_json_atomic", spy)
+    model, guard = make(tmp_path, verbose=True)
+    train(model, guard, 15, corrupt=lambda i, m: scale_grad("out.weight", 1e3)(m) if i == 12 else None)
+    guard.close()
+    assert writers and all(name != threading.main_thread().name for name in writers)
+    err = capsys.readouterr().err
+    assert "guardtower: gradient spike" in err and "trigger layer: out.weight" in err and "action: SKIP" in err

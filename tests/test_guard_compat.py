@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from typing import Any
 import pytest
 import torch
 
@@ -111,6 +112,30 @@ def test_grad_scaler_with_fused_optimizer_still_catches_a_real_spike(tmp_path: P
             assert same_state(before, full_state(model, guard))
     guard.flush()
     assert guard.total_spikes == 1
+
+
+def test_grad_scaler_unscale_then_clip_then_step_with_a_fused_optimizer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyNet()
+    guard = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model,
+                             log_dir=tmp_path, verbose=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    with capture_events() as events:
+        for i in range(20):
+            guard.zero_grad()
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
+            scaler.scale(((model(x) - y) ** 2).mean()).backward()
+            scaler.unscale_(guard)
+            if i == 15:
+                model.out.weight.grad.mul_(1e3)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+            scaler.step(guard)
+            scaler.update()
+        guard.flush()
+    spikes = [e for e in events if isinstance(e, SpikeEvent)]
+    assert [(e.step, e.layer) for e in spikes] == [(16, "out.weight")]
+    assert spikes[0].baseline < 10  # measured on unscaled gradients (the scale is 4096)
 
 
 def test_gradient_accumulation_is_judged_once_per_optimizer_step(tmp_path: Path) -> None:
@@ -259,4 +284,40 @@ def test_accelerate_prepares_and_steps_the_guarded_optimizer(tmp_path: Path) -> 
         prepared.step()
     guard.flush()
     assert guard.step_count == 15 and guard.total_spikes == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_hf_trainer_accepts_the_guarded_optimizer(tmp_path: Path) -> None:
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+
+    class Tokens(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    guard = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model,
+                             log_dir=tmp_path / "logs", verbose=False, warmup_steps=3)
+
+    class Corrupt(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 8:
+                model.transformer.h[0].mlp.c_fc.weight.grad.fill_(float("nan"))
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=4,
+                             report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(guard, None),
+                      callbacks=[Corrupt()])
+    trainer.train()
+    guard.flush()
+    assert guard.step_count == 12 and guard.total_skips == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())

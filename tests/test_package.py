@@ -30,6 +30,15 @@ def test_import_guardtower_imports_no_optional_integration() -> None:
     assert out.strip() == "[]"
 
 
+def test_every_public_name_resolves_without_optional_integrations() -> None:
+    out = _run(
+        "import sys, guardtower\n"
+        "missing = [n for n in guardtower.__all__ if getattr(guardtower, n, None) is None]\n"
+        f"print(missing, [m for m in {_HEAVY!r} if m in sys.modules])"
+    )
+    assert out.strip() == "[] []"
+
+
 def test_version_and_all_are_explicit() -> None:
     assert guardtower.__version__ and "__version__" in guardtower.__all__
     assert len(guardtower.__all__) == len(set(guardtower.__all__))

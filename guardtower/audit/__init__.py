@@ -8,9 +8,6 @@ imported here.
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
 
 # check modules register their checks and probes on import; the order here is the report's order
 from guardtower.audit import loss as _loss  # noqa: F401
@@ -21,27 +18,8 @@ from guardtower.audit import numerics as _numerics  # noqa: F401
 from guardtower.audit import precision as _precision  # noqa: F401
 from guardtower.audit import modes as _modes  # noqa: F401
 from guardtower.audit import tying as _tying  # noqa: F401
-from guardtower.audit import lora as _lora  # noqa: F401
 from guardtower.audit import distributed as _distributed  # noqa: F401
+from guardtower.audit.lora import is_peft_model, lora_summary
 from guardtower.audit._runner import audit, run_static
 
 __all__ = ["audit", "run_static", "lora_summary", "is_peft_model"]
-
-
-def __getattr__(name: str) -> object:
-    # lora_summary / is_peft_model are provided by guardtower.audit.lora (the LoRA/PEFT checks)
-    if name in ("lora_summary", "is_peft_model"):
-        return getattr(_lora, name)
-    raise AttributeError(f"module 'guardtower.audit' has no attribute {name!r}")
-
-
-class _AuditModule(types.ModuleType):
-    """Importing the ``guardtower.audit`` subpackage rebinds the name ``guardtower.audit`` from the function
-    to this module; calling the module runs the function, so ``guardtower.audit(model, step_fn)`` works
-    whichever import happened first."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return audit(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _AuditModule

@@ -7,6 +7,7 @@ checks (a crashing check becomes an ``AUDIT-001`` finding), restores the state, 
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any, Callable, Iterable
 
@@ -27,7 +28,7 @@ from guardtower.severity import Severity
 
 __all__ = ["audit", "run_static", "select_checks", "FLUSH_TIMEOUT_S"]
 
-#: how long ``audit()`` waits for its own bus's sinks before returning
+#: how long ``audit()`` waits (in total) for the sinks of the bus it made before returning
 FLUSH_TIMEOUT_S = 5.0
 #: checks that read the optimizer step the runner measures
 _UPDATE_CHECKS = frozenset({"update_ratio", "mixed_precision"})
@@ -111,8 +112,9 @@ def audit(
         _publish(event_bus, report)
     finally:
         if owned:
+            deadline = time.monotonic() + FLUSH_TIMEOUT_S
             event_bus.flush(FLUSH_TIMEOUT_S)
-            event_bus.close(FLUSH_TIMEOUT_S)
+            event_bus.close(max(0.0, deadline - time.monotonic()))
     return report
 
 
@@ -124,20 +126,25 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
     try:
         state.clear_grads()
         # a training step runs with autograd on, whatever context audit() was called from
-        with torch.enable_grad():
-            trace = run_step(ctx, step_fn, state.inputs)
+        with torch.enable_grad(), state.isolated_optimizers():
+            trace = run_step(ctx, step_fn, state.inputs,
+                             leak_analysis=any(s.name == "input_dependency" for s in specs))
+        state.restore_values()
         if optimizer is not None and trace.extras["backward"] and any(s.name in _UPDATE_CHECKS for s in specs):
+            for name, p in ctx.params.items():  # the trial step uses the audit's gradients
+                p.grad = trace.grads.get(name)
             try:
-                trace.extras["update"] = measure_update(ctx, {id(p): saved for p, saved in state.params})
+                trace.extras["update"] = measure_update(ctx)
             except Exception as exc:
                 trace.extras["update_error"] = exc
-        state.restore_values()
+            state.restore_values()
         grads = trace.extras.get("input_grads")
         if grads and all(not g for g in grads.values()) and isinstance(trace.loss, torch.Tensor) and any(
             s.name == "input_dependency" for s in specs
         ):
-            trace.extras["input_independent"] = confirm_input_independence(
-                model, step_fn, trace.loss, state.restore_rng)
+            with state.isolated_optimizers():
+                trace.extras["input_independent"] = confirm_input_independence(
+                    model, step_fn, trace.loss, state.restore_rng)
             state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
         report.findings.extend(_step_findings(trace))

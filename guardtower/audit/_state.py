@@ -1,25 +1,30 @@
 """Snapshot and exact restore of everything a training step can touch.
 
-The audit runs a real forward/backward (and one optimizer step for the update-ratio check) on the user's
-objects, so it must put back parameters, buffers, ``.grad`` tensors, optimizer state and hyper-parameters,
-RNG streams, ``training`` flags, the inputs' ``requires_grad``/``.grad`` and a ``GradScaler``'s state.
-Parameters and buffers are cloned once (no deep copy of the model); gradients are kept by reference.
+The audit runs a real forward/backward (and a trial optimizer step for the update-ratio check) on the
+user's objects, so it must put back parameters, buffers, ``.grad`` tensors, optimizer state and
+hyper-parameters, RNG streams, ``training`` flags, the inputs' ``requires_grad``/``.grad`` and a
+``GradScaler``'s state. Memory stays near one plain step: trainable parameters (and any tensor an optimizer
+holds) and buffers are cloned once, frozen parameters are only watched for in-place changes, gradients are
+kept by reference, and the optimizer state is swapped out while ``step_fn`` runs instead of being copied.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import random
 import sys
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from guardtower.audit._util import iter_tensors
 
-__all__ = ["TrainingState", "OptimizerState", "TensorFlags"]
+__all__ = ["TrainingState", "OptimizerState", "TensorFlags", "clone_value", "restore_value"]
 
 
 @dataclass
@@ -47,36 +52,45 @@ class TensorFlags:
 
 
 class OptimizerState:
-    """Per-parameter state and group hyper-parameters of one optimizer, restorable in place."""
+    """One optimizer's group hyper-parameters, and its per-parameter state kept aside while the step runs.
+
+    The state (Adam moments: twice the trainable parameters) is never copied: ``isolated()`` swaps in an
+    empty state dict while ``step_fn`` runs, so an ``optimizer.step()`` inside it cannot touch the real
+    moments, and ``restore()`` puts the very same dict back. The trial update saves one tensor's state at a
+    time (``guardtower.audit._update``).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.state = {p: {k: _clone(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+        self.state = optimizer.state
         self.groups = [
-            ({k: _clone(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in optimizer.param_groups
+            ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in optimizer.param_groups
         ]
         self.n_groups = len(optimizer.param_groups)
         self.flags = {k: v for k, v in vars(optimizer).items() if k in ("_opt_called",)}
 
+    @contextlib.contextmanager
+    def isolated(self) -> Iterator[None]:
+        try:
+            self.optimizer.state = collections.defaultdict(dict)
+        except AttributeError:  # a wrapper exposing its base's state read-only; the base is isolated instead
+            yield
+            return
+        try:
+            yield
+        finally:
+            self.optimizer.state = self.state
+
     def restore(self) -> None:
         opt = self.optimizer
-        for p in [p for p in opt.state if p not in self.state]:
-            del opt.state[p]
-        for p, saved in self.state.items():
-            current = opt.state.get(p)
-            if current is None:
-                opt.state[p] = {k: _clone(v) for k, v in saved.items()}
-                continue
-            for k in [k for k in current if k not in saved]:
-                del current[k]
-            for k, v in saved.items():
-                current[k] = _restore_value(current.get(k), v)
+        if opt.state is not self.state:
+            opt.state = self.state
         del opt.param_groups[self.n_groups:]
         for group, (hyper, params) in zip(opt.param_groups, self.groups):
             for k in [k for k in group if k != "params" and k not in hyper]:
                 del group[k]
             for k, v in hyper.items():
-                group[k] = _restore_value(group.get(k), v)
+                group[k] = restore_value(group.get(k), v)
             group["params"][:] = params
         for k in ("_opt_called",):
             if k in self.flags:
@@ -90,11 +104,16 @@ class TrainingState:
 
     def __init__(self, model: nn.Module, optimizer: Any = None, inputs: Any = None, scaler: Any = None) -> None:
         self.model = model
-        self.params = [(p, p.detach().clone()) for p in _unique(model.parameters())]
-        self.grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p, _ in self.params]
+        self.optimizers = [OptimizerState(o) for o in _optimizer_chain(optimizer)]
+        in_optimizer = {id(p) for o in self.optimizers for g in o.optimizer.param_groups for p in g["params"]}
+        all_params = _unique(model.parameters())
+        # only tensors an optimizer step can touch are cloned: a LoRA audit does not copy the frozen base
+        self.params = [(p, p.detach().clone()) for p in all_params if p.requires_grad or id(p) in in_optimizer]
+        cloned = {id(p) for p, _ in self.params}
+        self.frozen_versions = [(p, p._version) for p in all_params if id(p) not in cloned]
+        self.grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in all_params]
         self.buffers = [(b, b.detach().clone()) for b in _unique(model.buffers())]
         self.training = [(m, m.training) for m in model.modules()]
-        self.optimizers = [OptimizerState(o) for o in _optimizer_chain(optimizer)]
         self.inputs = TensorFlags()
         for _, t in iter_tensors(inputs, depth=6):
             self.inputs.add(t)
@@ -106,6 +125,14 @@ class TrainingState:
         self.py_rng = random.getstate()
         numpy = sys.modules.get("numpy")
         self.np_rng = numpy.random.get_state() if numpy is not None else None
+
+    @contextlib.contextmanager
+    def isolated_optimizers(self) -> Iterator[None]:
+        """While ``step_fn`` runs, optimizers see an empty state (see ``OptimizerState.isolated``)."""
+        with contextlib.ExitStack() as stack:
+            for opt in self.optimizers:
+                stack.enter_context(opt.isolated())
+            yield
 
     def clear_grads(self) -> None:
         """Detach the user's gradients so the audit's backward produces fresh ones (restored later)."""
@@ -139,6 +166,14 @@ class TrainingState:
         """Put back everything (idempotent)."""
         torch.set_grad_enabled(self.grad_enabled)
         self.restore_values()
+        touched = [p for p, version in self.frozen_versions if p._version != version]
+        if touched:
+            warnings.warn(
+                f"guardtower.audit: step_fn modified {len(touched)} frozen parameter(s) outside the optimizer "
+                "in place; the audit does not snapshot frozen parameters, so they keep the new values",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         with torch.no_grad():
             for p, grad, grad_copy in self.grads:
                 if grad is not None and grad_copy is not None:
@@ -176,19 +211,19 @@ def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
         )
     # wrappers sharing param_groups/state with their base need only one snapshot of that state
     unique: list[torch.optim.Optimizer] = []
-    for opt in chain:
+    for opt in reversed(chain):  # innermost first: its ``state`` is a plain, settable attribute
         if not any(opt.state is u.state for u in unique):
             unique.append(opt)
     return unique
 
 
-def _clone(value: Any) -> Any:
+def clone_value(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     return copy.deepcopy(value)
 
 
-def _restore_value(current: Any, saved: Any) -> Any:
+def restore_value(current: Any, saved: Any) -> Any:
     if isinstance(saved, torch.Tensor):
         if (
             isinstance(current, torch.Tensor)

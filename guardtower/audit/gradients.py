@@ -60,6 +60,7 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     zero = []
     for n in trainable:
         g = grads.get(n)
+        # LoRA factors: the random one has a zero gradient at step 1 by design; the LoRA checks judge them
         if g is not None and g.numel() > 0 and not is_lora_factor(n) and not bool(g.any()):
             zero.append(n)
     if zero:

@@ -1,1 +1,442 @@
-"""Placeholder: replaced by the lora checks."""
+"""LoRA / PEFT checks: the wiring mistakes that let a fine-tune run for hours while training nothing useful.
+
+Static checks (``lora_summary`` runs them without a forward pass) read ``requires_grad`` flags, optimizer
+membership, dtypes, adapter scaling and peft's ``modules_to_save`` wrappers. ``lora_gradient_flow`` and the
+``lora_state`` probe look at the one instrumented step: which LoRA layers ran with their adapter active and
+which factors got a gradient. Nothing here imports peft.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from guardtower.audit._checkpoint import reentrant_layers, watch_checkpointing
+from guardtower.audit._peft import (
+    AdapterPair,
+    adapter_pairs,
+    block_lists,
+    head_modules,
+    is_adapter_param,
+    is_peft_model,
+    is_saved_param,
+    lora_layers,
+    peft_config,
+    saved_wrappers,
+    storage_key,
+    unwrap_parallel,
+)
+from guardtower.audit._registry import AuditContext, check, probe
+from guardtower.errors import ConfigError
+from guardtower.report import Finding, Report
+from guardtower.severity import Severity
+
+__all__ = ["LoraStepState", "is_peft_model", "lora_summary"]
+
+TRAINABLE_PCT_HIGH = 10.0
+"""percent of all parameters above which a LoRA run is hardly parameter-efficient any more (LORA-005)"""
+SCALING_RANGE = (0.1, 8.0)
+"""alpha/r (alpha/sqrt(r) with rsLoRA) outside this range shrinks or blows up the update (LORA-011)"""
+_LIST_LIMIT = 10
+
+
+@dataclass
+class LoraStepState:
+    """What the ``lora_state`` probe saw while the user's step ran."""
+
+    zero_factors: set[str] = field(default_factory=set)
+    """factors that were all zero when the step started (lora_B / lora_embedding_A at init)"""
+    random_factors: set[str] = field(default_factory=set)
+    """the partners of those zero factors; their gradient is zero by construction at step 1"""
+    active_calls: dict[str, int] = field(default_factory=dict)
+    """LoRA layer -> forwards with an adapter active and unmerged"""
+    inactive_calls: dict[str, int] = field(default_factory=dict)
+    """LoRA layer -> forwards with adapters disabled or merged into the base weight"""
+    reentrant: list[str] = field(default_factory=list)
+    """layers holding LoRA that run reentrant gradient checkpointing"""
+    starved_checkpoints: list[str] = field(default_factory=list)
+    """those of them whose inputs would not require grad in a real step (their LoRA factors get no gradient)"""
+
+
+def _adapter_active(module: nn.Module) -> bool:
+    if bool(getattr(module, "disable_adapters", False)) or bool(getattr(module, "merged", False)):
+        return False
+    active = getattr(module, "active_adapters", None)
+    if active is None:
+        return True
+    names = [active] if isinstance(active, str) else list(active)
+    factors = getattr(module, "lora_A", None)
+    embedding = getattr(module, "lora_embedding_A", None)
+    owned = set(factors.keys()) if isinstance(factors, nn.ModuleDict) else set()
+    owned |= set(embedding.keys()) if isinstance(embedding, nn.ParameterDict) else set()
+    return any(n in owned for n in names)
+
+
+@probe("lora_state")
+@contextlib.contextmanager
+def _lora_state_probe(ctx: AuditContext) -> Iterator[LoraStepState | None]:
+    """Record which factors start at zero and whether each LoRA layer ran with its adapter active."""
+    if not is_peft_model(ctx.model):
+        yield None
+        return
+    state = LoraStepState()
+    for pair in adapter_pairs(ctx.model):
+        a_zero = not bool(pair.a.detach().count_nonzero())
+        b_zero = not bool(pair.b.detach().count_nonzero())
+        if a_zero != b_zero:
+            zero, rand = (pair.a_name, pair.b_name) if a_zero else (pair.b_name, pair.a_name)
+            state.zero_factors.add(zero)
+            state.random_factors.add(rand)
+
+    def record(name: str, module: nn.Module, args: Any) -> None:
+        calls = state.active_calls if _adapter_active(module) else state.inactive_calls
+        calls[name] = calls.get(name, 0) + 1
+
+    handles = [m.register_forward_pre_hook(functools.partial(record, n)) for n, m in lora_layers(ctx.model)]
+    checkpointed = [(n, m) for n, m in reentrant_layers(ctx.model) if any(True for _ in lora_layers(m))]
+    state.reentrant = [n for n, _ in checkpointed]
+    ctx.probes["lora_state"] = state
+    try:
+        with watch_checkpointing(ctx.model, checkpointed) as watch:
+            yield state
+        state.starved_checkpoints = list(watch.starved)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _names(items: Iterable[str]) -> list[str]:
+    return sorted(items)[:_LIST_LIMIT]
+
+
+def _active_pairs(ctx: AuditContext) -> list[AdapterPair]:
+    """Pairs of the adapters each layer has active (inactive adapters are frozen on purpose)."""
+    layers = dict(lora_layers(ctx.model))
+    pairs = []
+    for pair in adapter_pairs(ctx.model):
+        active = getattr(layers[pair.layer], "active_adapters", None)
+        names = [active] if isinstance(active, str) else list(active) if active is not None else [pair.adapter]
+        if pair.adapter in names:
+            pairs.append(pair)
+    return pairs
+
+
+@check("lora_base_frozen", static=True)
+def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-001: base weights still trainable next to the adapters."""
+    if not is_peft_model(ctx.model) or not any(True for _ in lora_layers(ctx.model)):
+        return
+    bias = str(getattr(peft_config(ctx.model), "bias", "none") or "none")
+    unfrozen = {
+        name: p
+        for name, p in ctx.params.items()
+        if p.requires_grad
+        and not is_adapter_param(name)
+        and not is_saved_param(name)
+        and "trainable_tokens" not in name
+        and not (bias != "none" and name.endswith("bias"))
+    }
+    if unfrozen:
+        numel = sum(p.numel() for p in unfrozen.values())
+        yield Finding(
+            "lora_base_frozen",
+            Severity.ERROR,
+            f"{len(unfrozen)} base parameter(s) ({numel:,} values) are trainable next to the LoRA adapters: "
+            "this is a full fine-tune, and save_pretrained() keeps only the adapter, dropping those updates",
+            "LORA-001",
+            {"params": _names(unfrozen), "count": len(unfrozen), "numel": numel},
+        )
+
+
+@check("lora_adapter", static=True)
+def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range."""
+    if not is_peft_model(ctx.model):
+        return
+    frozen = [n for pair in _active_pairs(ctx) for n, p in ((pair.a_name, pair.a), (pair.b_name, pair.b)) if not p.requires_grad]
+    if frozen:
+        inference = bool(getattr(peft_config(ctx.model), "inference_mode", False))
+        hint = " (the adapter was loaded with inference_mode=True)" if inference else ""
+        yield Finding(
+            "lora_adapter",
+            Severity.ERROR,
+            f"{len(frozen)} active LoRA factor(s) have requires_grad=False{hint}: the adapter will not train",
+            "LORA-002",
+            {"params": _names(frozen), "count": len(frozen)},
+        )
+
+    layers = dict(lora_layers(ctx.model))
+    inactive: dict[str, str] = {}
+    for name, module in layers.items():
+        if bool(getattr(module, "merged", False)):
+            inactive[name] = "merged"
+        elif bool(getattr(module, "disable_adapters", False)):
+            inactive[name] = "disabled"
+    state = ctx.probes.get("lora_state")
+    if isinstance(state, LoraStepState):
+        for name, calls in state.inactive_calls.items():
+            if calls and not state.active_calls.get(name):
+                inactive.setdefault(name, "disabled or merged during the step")
+    if inactive:
+        reasons = sorted(set(inactive.values()))
+        yield Finding(
+            "lora_adapter",
+            Severity.ERROR,
+            f"{len(inactive)} LoRA layer(s) ran without their adapter ({', '.join(reasons)}): "
+            "the forward uses only the base weights, so the adapter gets no gradient",
+            "LORA-007",
+            {"modules": _names(inactive), "count": len(inactive), "reasons": reasons},
+        )
+
+    low, high = SCALING_RANGE
+    odd: dict[tuple[Any, ...], list[str]] = {}
+    for name, module in layers.items():
+        scaling = getattr(module, "scaling", None)
+        if not isinstance(scaling, dict):
+            continue
+        ranks = getattr(module, "r", {})
+        alphas = getattr(module, "lora_alpha", {})
+        rslora = getattr(module, "use_rslora", {})
+        for adapter, value in scaling.items():
+            if isinstance(value, (int, float)) and not low <= value <= high:
+                key = (adapter, ranks.get(adapter), alphas.get(adapter), bool(rslora.get(adapter, False)), float(value))
+                odd.setdefault(key, []).append(name)
+    for (adapter, r, alpha, rslora, value), names in sorted(odd.items(), key=lambda kv: str(kv[0])):
+        formula = "alpha/sqrt(r)" if rslora else "alpha/r"
+        advice = "raise lora_alpha or use use_rslora=True" if value < low else "lower lora_alpha"
+        yield Finding(
+            "lora_adapter",
+            Severity.WARN,
+            f"adapter {adapter!r}: scaling {formula} = {alpha}/{r}{'^0.5' if rslora else ''} = {value:.3g} is outside "
+            f"[{low}, {high}] on {len(names)} layer(s): the update is {'shrunk' if value < low else 'amplified'} "
+            f"{'' if value < low else 'by '}{value:.3g}x ({advice})",
+            "LORA-011",
+            {"adapter": adapter, "r": r, "lora_alpha": alpha, "use_rslora": rslora, "scaling": value, "modules": _names(names)},
+        )
+
+
+@check("lora_optimizer", static=True)
+def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-003: trainable adapter factors the optimizer does not hold."""
+    if ctx.optimizer is None or not is_peft_model(ctx.model):
+        return
+    held = {id(p) for group in ctx.optimizer.param_groups for p in group["params"]}
+    adapters = {n: p for n, p in ctx.params.items() if p.requires_grad and is_adapter_param(n)}
+    missing = [n for n, p in adapters.items() if id(p) not in held]
+    if not missing:
+        return
+    if len(missing) == len(adapters):
+        message = (
+            f"the optimizer holds none of the {len(adapters)} trainable LoRA factor(s): it was probably built "
+            "before get_peft_model(), so optimizer.step() never updates the adapter"
+        )
+    else:
+        message = f"{len(missing)} of {len(adapters)} trainable LoRA factor(s) are missing from the optimizer"
+    yield Finding("lora_optimizer", Severity.ERROR, message, "LORA-003", {"params": _names(missing), "count": len(missing)})
+
+
+@check("lora_trainable_pct", static=True)
+def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-005: adapters plus saved modules are a large share of the model."""
+    if not is_peft_model(ctx.model):
+        return
+    total = sum(p.numel() for p in ctx.params.values())
+    extra = {n: p for n, p in ctx.params.items() if p.requires_grad and (is_adapter_param(n) or is_saved_param(n))}
+    trainable = sum(p.numel() for p in extra.values())
+    pct = 100.0 * trainable / total if total else 0.0
+    if pct > TRAINABLE_PCT_HIGH:
+        saved = sum(p.numel() for n, p in extra.items() if is_saved_param(n))
+        yield Finding(
+            "lora_trainable_pct",
+            Severity.WARN,
+            f"adapters and modules_to_save make up {pct:.1f}% of the parameters ({trainable:,} of {total:,}; "
+            f"{saved:,} in modules_to_save): memory and optimizer state approach a full fine-tune",
+            "LORA-005",
+            {"trainable": trainable, "total": total, "percent": pct, "modules_to_save_numel": saved},
+        )
+
+
+@check("lora_dtype", static=True)
+def check_dtype(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-010: trainable adapter weights stored in fp16/bf16."""
+    if not is_peft_model(ctx.model):
+        return
+    layers = dict(lora_layers(ctx.model))
+    half: dict[str, str] = {}
+    for pair in _active_pairs(ctx):
+        base = getattr(layers[pair.layer], "base_layer", None)
+        weight = getattr(base, "weight", None)
+        base_dtype = getattr(base, "compute_dtype", None) or (weight.dtype if isinstance(weight, torch.Tensor) else None)
+        for name, p in ((pair.a_name, pair.a), (pair.b_name, pair.b)):
+            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
+                half[name] = f"{p.dtype} (base layer computes in {base_dtype})"
+    if half:
+        dtypes = sorted({v.split(" ")[0] for v in half.values()})
+        yield Finding(
+            "lora_dtype",
+            Severity.WARN,
+            f"{len(half)} trainable LoRA factor(s) are stored in {'/'.join(dtypes)}: small optimizer updates round "
+            "away and the adapter barely moves; keep adapter weights in float32 and use autocast",
+            "LORA-010",
+            {"params": _names(half), "dtypes": {k: half[k] for k in _names(half)}, "count": len(half)},
+        )
+
+
+@check("lora_gradient_flow")
+def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-006 zero-init factor got no gradient (ERROR); LORA-004 random factor's zero gradient (expected)."""
+    state = ctx.probes.get("lora_state")
+    trace = ctx.trace
+    if not isinstance(state, LoraStepState):
+        return
+    # judged from the forward alone: a checkpointed block whose input would not require grad in a real step
+    blocked = [
+        pair
+        for pair in _active_pairs(ctx)
+        if any(pair.layer.startswith(f"{c}.") for c in state.starved_checkpoints) and pair.b.requires_grad
+    ]
+    starved = [p.b_name if p.b_name in state.zero_factors else p.a_name for p in blocked]
+    blocked_layers = {p.layer for p in blocked}
+    expected_zero: list[str] = []
+    step_grads = trace.grads if trace is not None and trace.error is None else {}
+    if not any(g is not None for g in step_grads.values()):
+        step_grads = {}  # no backward reached any parameter: the loss checks explain why
+    for pair in _active_pairs(ctx) if step_grads else []:
+        if pair.layer in blocked_layers or not state.active_calls.get(pair.layer):
+            continue  # judged above, or never ran with its adapter (LORA-007 / GRAD-001)
+        if not (pair.a.requires_grad and pair.b.requires_grad):
+            continue  # frozen (LORA-002)
+        grads = {pair.a_name: step_grads.get(pair.a_name), pair.b_name: step_grads.get(pair.b_name)}
+        zero_grad = {n: g is None or not bool(g.count_nonzero()) for n, g in grads.items()}
+        if pair.a_name in state.zero_factors or pair.b_name in state.zero_factors:
+            zero = pair.a_name if pair.a_name in state.zero_factors else pair.b_name
+            rand = pair.b_name if zero == pair.a_name else pair.a_name
+            if zero_grad[zero]:
+                starved.append(zero)
+            elif grads[rand] is not None and zero_grad[rand]:
+                expected_zero.append(rand)
+        elif all(g is None for g in grads.values()):
+            starved.extend(grads)
+    if starved:
+        reentrant = state.starved_checkpoints or state.reentrant
+        hint = (
+            f"; {len(reentrant)} block(s) use reentrant gradient checkpointing, which drops every gradient inside "
+            "when the block's input does not require grad (call model.enable_input_require_grads() or use "
+            "use_reentrant=False)"
+            if reentrant
+            else ""
+        )
+        yield Finding(
+            "lora_gradient_flow",
+            Severity.ERROR,
+            f"{len(starved)} zero-initialised LoRA factor(s) got no gradient although their layer ran: the adapter "
+            f"stays a no-op for the whole run{hint}",
+            "LORA-006",
+            {"params": _names(starved), "count": len(starved), "reentrant_checkpointing": _names(reentrant)},
+        )
+    if expected_zero:
+        yield Finding(
+            "lora_gradient_flow",
+            Severity.INFO,
+            f"{len(expected_zero)} LoRA factor(s) (lora_A) have an all-zero gradient at step 1; expected, their "
+            "partner lora_B starts at zero and they receive gradient once lora_B has moved",
+            "LORA-004",
+            {"params": _names(expected_zero), "count": len(expected_zero)},
+        )
+
+
+@check("lora_head", static=True)
+def check_head(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-008: the new classification head is frozen, so it stays at its random initialisation."""
+    if not is_peft_model(ctx.model):
+        return
+    frozen = [name for name, head in head_modules(ctx.model) if not any(p.requires_grad for p in head.parameters())]
+    if frozen:
+        yield Finding(
+            "lora_head",
+            Severity.ERROR,
+            f"classification head {', '.join(frozen)} is frozen: it keeps its random initialisation for the "
+            "whole run (set task_type='SEQ_CLS' or add it to modules_to_save)",
+            "LORA-008",
+            {"modules": frozen},
+        )
+
+
+@check("lora_coverage", static=True)
+def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-009: target_modules matched only some of the transformer blocks."""
+    config = peft_config(ctx.model)
+    if not is_peft_model(ctx.model) or getattr(config, "layers_to_transform", None) is not None:
+        return
+    for stack, blocks in block_lists(unwrap_parallel(ctx.model)):
+        covered = [i for i, b in enumerate(blocks) if any(True for _ in lora_layers(b))]
+        if covered and len(covered) < len(blocks):
+            missing = [i for i in range(len(blocks)) if i not in covered]
+            yield Finding(
+                "lora_coverage",
+                Severity.WARN,
+                f"LoRA adapts {len(covered)} of {len(blocks)} blocks of {stack}; blocks {missing[:_LIST_LIMIT]} have "
+                "no adapter (check the target_modules pattern, or set layers_to_transform if intended)",
+                "LORA-009",
+                {"stack": stack, "covered": covered, "missing": missing, "target_modules": getattr(config, "target_modules", None)},
+            )
+
+
+@check("lora_tied", static=True)
+def check_tied(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-012: a tied embedding / lm_head pair split by modules_to_save, so the copies drift apart."""
+    if not is_peft_model(ctx.model):
+        return
+    wrappers = list(saved_wrappers(ctx.model))
+    if not wrappers:
+        return
+    owners: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for name, p in ctx.model.named_parameters(remove_duplicate=False):
+        owners.setdefault(storage_key(p), []).append(name)
+    copy_of: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = {
+        name: tuple(storage_key(p) for p in copy.parameters()) if copy is not None else ()
+        for name, _, _, copy in wrappers
+    }
+    split: list[str] = []
+    for name, _, original, _ in wrappers:
+        for p in original.parameters():
+            for partner in owners.get(storage_key(p), []):
+                if partner.startswith(f"{name}."):
+                    continue
+                other = next((w for w in copy_of if partner.startswith(f"{w}.")), None)
+                if other is None or copy_of[other] != copy_of[name]:
+                    split.append(f"{name} / {partner.rsplit('.', 1)[0]}")
+    if split:
+        pairs = sorted(set(split))
+        yield Finding(
+            "lora_tied",
+            Severity.WARN,
+            f"modules_to_save unties tied weights ({'; '.join(pairs)}): the trainable copy moves while its tied "
+            "partner stays frozen (use ensure_weight_tying=True or save both modules)",
+            "LORA-012",
+            {"modules": pairs},
+        )
+
+
+def lora_summary(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> Report:
+    """Run every static check (no forward pass, nothing modified), typically right after ``get_peft_model``.
+
+    The report's title carries the trainable-parameter count, the number people look for first.
+    """
+    from guardtower.audit._runner import run_static  # the package imports this module: import at call time
+
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}", "pass the (peft) model")
+    return run_static(model, optimizer, title=_summary_title(dict(model.named_parameters())))
+
+
+def _summary_title(params: dict[str, nn.Parameter]) -> str:
+    total = sum(p.numel() for p in params.values())
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    pct = 100.0 * trainable / total if total else 0.0
+    return f"guardtower LoRA summary ({trainable:,} of {total:,} params trainable, {pct:.3f}%)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -38,7 +38,6 @@ class LossCall:
     input_max: float | None = None
     rows_sum_to_one: bool = False
     all_ignored: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCall | None:
@@ -203,7 +202,10 @@ def check_data(ctx: AuditContext) -> Iterable[Finding]:
             "or zero, and the step teaches nothing; check truncation and the completion-only masking",
             "DATA-001", {},
         ))
-    mask = batch.get("attention_mask") if batch is not None else None
+    # labels align with the decoder in encoder-decoder models, so only the decoder's mask says what is padding
+    config = getattr(ctx.model, "config", None)
+    mask_key = "decoder_attention_mask" if getattr(config, "is_encoder_decoder", False) else "attention_mask"
+    mask = batch.get(mask_key) if batch is not None else None
     if (
         isinstance(labels, torch.Tensor)
         and isinstance(mask, torch.Tensor)

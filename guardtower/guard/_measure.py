@@ -54,8 +54,11 @@ class GradMeter:
         ordered: list[Tensor] = [self._zero] * len(params)
         if grads:
             groups = _group_tensors_by_device_and_dtype([list(grads)], True)
-            for (device, _dtype), ((tensors,), indices) in groups.items():
-                values = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))  # type: ignore[arg-type]
+            for (device, dtype), ((tensors,), indices) in groups.items():
+                if dtype == torch.float32:
+                    values = list(torch._foreach_norm(tensors, 2))  # type: ignore[arg-type]
+                else:  # accumulate low-precision gradients in float32
+                    values = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))  # type: ignore[arg-type]
                 if device != self.device:
                     values = list(torch.stack(values).to(self.device, non_blocking=True).unbind(0))
                 for k, v in zip(indices, values):

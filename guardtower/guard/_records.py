@@ -10,15 +10,31 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["HEADER", "StepRecord", "RecordQueue"]
+__all__ = ["HEADER", "Header", "StepRecord", "RecordQueue"]
 
-#: fields at the start of every record; per-tensor norms, ratios, baselines and tripped flags follow
-HEADER = ("reject", "spike", "nonfinite", "overflow", "global_norm", "global_baseline", "global_ratio", "loss")
+class Header(NamedTuple):
+    """The fields at the start of every record; per-tensor norms, ratios, baselines, tripped flags follow.
+
+    ``reject``, ``spike`` and ``nonfinite`` are agreed across ranks; ``global_tripped`` is this rank's.
+    """
+
+    reject: float
+    spike: float
+    nonfinite: float
+    overflow: float
+    global_norm: float
+    global_baseline: float
+    global_ratio: float
+    loss: float
+    global_tripped: float
+
+
+HEADER = Header._fields
 
 
 @dataclass
@@ -30,6 +46,9 @@ class StepRecord:
     lr: float | None
     loss: float | None  # a loss given as a Python number
     loss_on_device: bool  # the loss slot of ``data`` holds the loss tensor's value
+
+    def header(self) -> Header:
+        return Header(*self.data[:len(HEADER)].tolist())
 
     def done(self) -> bool:
         return self.event is None or bool(self.event.query())

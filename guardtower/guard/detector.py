@@ -64,6 +64,7 @@ class Detector(ABC):
     threshold: float = 10.0
     _per_tensor: dict[str, float] = {}
     _scalars: dict[str, float] = {}
+    _global_slot: bool = False
 
     def __init__(self) -> None:
         self.n = 0
@@ -71,16 +72,22 @@ class Detector(ABC):
         self._state: dict[str, Tensor] = {}
 
     def resize(self, n: int, device: torch.device) -> None:
-        """Make room for ``n`` tensors on ``device``; existing baselines keep their positions."""
+        """Make room for ``n`` tensors on ``device``; existing baselines keep their positions.
+
+        With ``_global_slot`` the per-tensor arrays have one more entry, last, for the global norm.
+        """
         if n == self.n and device == self.device and self._state:
             return
+        extra = int(self._global_slot)
         new: dict[str, Tensor] = {}
         for key, init in self._per_tensor.items():
-            t = torch.full((n,), init, dtype=torch.float32, device=device)
+            t = torch.full((n + extra,), init, dtype=torch.float32, device=device)
             old = self._state.get(key)
             if old is not None:
-                keep = min(n, old.shape[0])
+                keep = min(n, old.shape[0] - extra)
                 t[:keep] = old[:keep].to(device)
+                if extra:
+                    t[-1] = old[-1].to(device)
             new[key] = t
         for key, init in self._scalars.items():
             old = self._state.get(key)
@@ -140,11 +147,13 @@ class _LogEMA(Detector):
     """Shared state of the log-domain detectors: EMA of log-norms with a running-mean start.
 
     The step size is ``max(ema_alpha, 1/(count+1))``: a plain mean over the first ``1/ema_alpha`` accepted
-    steps (so warmup ends with an unbiased baseline), then an EMA.
+    steps (so warmup ends with an unbiased baseline), then an EMA. The global norm rides along as the last
+    slot of the per-tensor arrays, so each step costs a handful of vector ops whatever the model size.
     """
 
     _per_tensor = {"log_base": 0.0, "log_var": 0.0, "count": 0.0}
-    _scalars = {"g_log_base": 0.0, "g_log_var": 0.0, "g_count": 0.0}
+    _global_slot = True
+    _track_var = True
 
     def __init__(self, threshold: float, ema_alpha: float, warmup_steps: int, floor: float) -> None:
         super().__init__()
@@ -155,37 +164,40 @@ class _LogEMA(Detector):
             raise ConfigError("norm_floor", f"must lie in [0, 1), got {floor!r}", "pass e.g. norm_floor=1e-3")
         self.floor = float(floor)
 
-    def _baselines(self, global_norm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _ratios(self, norms: Tensor, global_norm: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(x, ratios, baselines, warm) over the n tensors plus the global slot."""
         s = self._state
+        x = torch.cat([norms, global_norm.reshape(1)])
+        warm = s["count"] >= self.warmup_steps
         base = torch.exp(s["log_base"]) * (s["count"] > 0)
-        g_base = torch.exp(s["g_log_base"]) * (s["g_count"] > 0)
         # a tensor whose baseline is below floor * global baseline is judged against that floor instead
-        effective = torch.maximum(base, g_base * self.floor).clamp_min(_TINY)
-        return base, g_base, effective
+        floor = base[-1:] * self.floor
+        effective = torch.maximum(base, floor).clamp_min(_TINY)
+        effective[-1:] = base[-1:].clamp_min(_TINY)
+        return x, x / effective, base, warm
+
+    def _verdict(self, tripped: Tensor, ratios: Tensor, base: Tensor) -> Verdict:
+        return Verdict(tripped[:-1], ratios[:-1], base[:-1], tripped[-1], ratios[-1], base[-1])
 
     def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
         s = self._state
-        _ema_log(norms, _valid(norms, accept), s["log_base"], s["log_var"], s["count"], self.ema_alpha)
-        g_valid = _valid(global_norm, accept)
-        _ema_log(global_norm, g_valid, s["g_log_base"], s["g_log_var"], s["g_count"], self.ema_alpha)
-
-
-def _ema_log(x: Tensor, valid: Tensor, mean: Tensor, var: Tensor, count: Tensor, alpha: float) -> None:
-    """In-place masked EMA of log(x) and its variance."""
-    log_x = torch.log(torch.where(valid, x, torch.ones_like(x)))
-    step = torch.clamp_min(1.0 / (count + 1.0), alpha)
-    delta = log_x - mean
-    new_mean = mean + step * delta
-    new_var = (1.0 - step) * (var + step * delta * delta)
-    mean.copy_(torch.where(valid, new_mean, mean))
-    var.copy_(torch.where(valid, new_var, var))
-    count.add_(valid.to(count.dtype))
+        x = torch.cat([norms, global_norm.reshape(1)])
+        valid = accept & torch.isfinite(x) & (x > 0)
+        log_x = torch.log(torch.where(valid, x, torch.ones_like(x)))
+        step = torch.clamp_min(1.0 / (s["count"] + 1.0), self.ema_alpha)
+        delta = log_x - s["log_base"]
+        if self._track_var:
+            new_var = (1.0 - step) * (s["log_var"] + step * delta * delta)
+            s["log_var"].copy_(torch.where(valid, new_var, s["log_var"]))
+        s["log_base"].add_(torch.where(valid, step * delta, torch.zeros_like(delta)))
+        s["count"].add_(valid.to(torch.float32))
 
 
 class RatioDetector(_LogEMA):
     """Reject when a tensor's (or the global) norm exceeds ``threshold`` x its EMA baseline. The default."""
 
     name = "ratio"
+    _track_var = False
 
     def __init__(self, threshold: float = 10.0, ema_alpha: float = 0.01, warmup_steps: int = 10,
                  floor: float = 1e-3) -> None:
@@ -193,13 +205,8 @@ class RatioDetector(_LogEMA):
         super().__init__(threshold, ema_alpha, warmup_steps, floor)
 
     def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
-        s = self._state
-        base, g_base, effective = self._baselines(global_norm)
-        ratios = norms / effective
-        g_ratio = global_norm / g_base.clamp_min(_TINY)
-        tripped = _warm(s["count"], self.warmup_steps) & (ratios > self.threshold)
-        g_tripped = _warm(s["g_count"], self.warmup_steps) & (g_ratio > self.threshold)
-        return Verdict(tripped, ratios, base, g_tripped, g_ratio, g_base)
+        _, ratios, base, warm = self._ratios(norms, global_norm)
+        return self._verdict(warm & (ratios > self.threshold), ratios, base)
 
 
 class ZScoreDetector(_LogEMA):
@@ -217,15 +224,9 @@ class ZScoreDetector(_LogEMA):
         self.min_ratio = float(min_ratio)
 
     def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
-        s = self._state
-        base, g_base, effective = self._baselines(global_norm)
-        ratios = norms / effective
-        g_ratio = global_norm / g_base.clamp_min(_TINY)
-        z = torch.log(ratios.clamp_min(_TINY)) / torch.sqrt(s["log_var"]).clamp_min(1e-3)
-        g_z = torch.log(g_ratio.clamp_min(_TINY)) / torch.sqrt(s["g_log_var"]).clamp_min(1e-3)
-        tripped = _warm(s["count"], self.warmup_steps) & (z > self.threshold) & (ratios > self.min_ratio)
-        g_tripped = _warm(s["g_count"], self.warmup_steps) & (g_z > self.threshold) & (g_ratio > self.min_ratio)
-        return Verdict(tripped, ratios, base, g_tripped, g_ratio, g_base)
+        _, ratios, base, warm = self._ratios(norms, global_norm)
+        z = torch.log(ratios.clamp_min(_TINY)) / torch.sqrt(self._state["log_var"]).clamp_min(1e-3)
+        return self._verdict(warm & (z > self.threshold) & (ratios > self.min_ratio), ratios, base)
 
 
 class PreUpdateEMADetector(Detector):

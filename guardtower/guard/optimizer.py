@@ -16,7 +16,6 @@ bus's worker threads.
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import os
 from pathlib import Path
@@ -30,7 +29,7 @@ from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, GradientSpikeError
 from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, SummaryEvent
 from guardtower.guard._measure import GradMeter
-from guardtower.guard._records import HEADER, RecordQueue, StepRecord
+from guardtower.guard._records import HEADER, Header, RecordQueue, StepRecord
 from guardtower.guard.actions import ActionPolicy, device_skip, supports_device_skip
 from guardtower.guard.detector import Detector, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
@@ -39,8 +38,6 @@ from guardtower.severity import Severity
 from guardtower.spool import _check_writable_dir
 
 __all__ = ["GuardedOptimizer"]
-
-logger = logging.getLogger("guardtower.guard")
 
 _H = len(HEADER)
 _HISTORY = 32
@@ -235,8 +232,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the base optimizer; the new tensors get fresh baselines (and their own warmup)."""
-        if not hasattr(self, "_base"):  # called from Optimizer internals before __init__ finished
-            raise RuntimeError("GuardedOptimizer is not initialised")
         self._base.add_param_group(param_group)
         self._params = [p for g in self._base.param_groups for p in g["params"]]
         self._names = self._param_names(self._base, self.model)
@@ -355,7 +350,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         elif isinstance(loss, (int, float)):
             loss_value = float(loss)
         header = torch.stack([flags[0], flags[1], flags[2], overflow.to(torch.float32), global_norm,
-                              verdict.global_baseline, verdict.global_ratio, loss_slot])
+                              verdict.global_baseline, verdict.global_ratio, loss_slot,
+                              verdict.global_tripped.to(torch.float32)])
         vec = torch.cat([header, norms, verdict.ratios, verdict.baselines, verdict.tripped.to(torch.float32)])
         self._records.push(step, vec, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
         skip = (reject | overflow).to(torch.float32)
@@ -376,14 +372,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._handle(record)
 
     def _handle(self, record: StepRecord) -> None:
-        reject, _spike, _nonfinite, overflow, global_norm, global_base, global_ratio, loss_slot = (
-            record.data[:_H].tolist())
-        loss = record.loss if record.loss is not None else (loss_slot if record.loss_on_device else None)
-        self._history.append((record.step, global_norm, record.data))
-        if overflow:
+        head = record.header()
+        loss = record.loss if record.loss is not None else (head.loss if record.loss_on_device else None)
+        self._history.append((record.step, head.global_norm, record.data))
+        if head.overflow:
             self.total_overflows += 1
-        elif reject:
-            self._incident(record, global_norm, global_base, global_ratio, loss)
+        elif head.reject:
+            self._incident(record, head, loss)
         else:
             self.consecutive_rejections = 0
         if record.step % self.log_every == 0:
@@ -391,16 +386,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
             ratios = record.data[_H + n:_H + 2 * n]
             self._publish(SummaryEvent(
                 **self._run_kw,
-                step=record.step, grad_norm=global_norm, loss=loss, lr=record.lr,
+                step=record.step, grad_norm=head.global_norm, loss=loss, lr=record.lr,
                 total_spikes=self.total_spikes, total_skips=self.total_skips, total_rollbacks=self.total_rollbacks,
-                metrics={"global_baseline": global_base, "global_ratio": global_ratio,
+                metrics={"global_baseline": head.global_baseline, "global_ratio": head.global_ratio,
                          "max_layer_ratio": max(ratios.nan_to_num(0.0).tolist(), default=0.0),
                          "overflow_steps": float(self.total_overflows),
                          "consecutive_rejections": float(self.consecutive_rejections)},
             ))
 
-    def _incident(self, record: StepRecord, global_norm: float, global_base: float, global_ratio: float,
-                  loss: float | None) -> None:
+    def _incident(self, record: StepRecord, head: Header, loss: float | None) -> None:
         n = record.n
         data = record.data
         norms = data[_H:_H + n].tolist()
@@ -409,20 +403,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
         tripped = data[_H + 3 * n:_H + 4 * n].tolist()
         names = self._names
         nonfinite = [i for i in range(n) if not math.isfinite(norms[i])]
-        trigger: int | None
+        candidates = [i for i in range(n) if tripped[i]]
+        reason = "nonfinite" if head.nonfinite else "spike"
+        trigger: int | None = None
         if nonfinite:
-            reason, trigger = "nonfinite", nonfinite[0]
-        else:
-            reason = "spike"
-            candidates = [i for i in range(n) if tripped[i]]
-            trigger = max(candidates, key=lambda i: ratios[i]) if candidates else None
+            trigger = nonfinite[0]
+        elif candidates:
+            trigger = max(candidates, key=lambda i: ratios[i])
         if trigger is not None:
             layer, norm, baseline = names[trigger], norms[trigger], baselines[trigger]
-            ratio = math.inf if reason == "nonfinite" else ratios[trigger]
-        elif math.isfinite(global_ratio) and global_ratio > self.spike_threshold:
-            layer, norm, baseline, ratio = "global", global_norm, global_base, global_ratio
-        else:  # another rank rejected the step (its gradients differed from ours)
-            layer, norm, baseline, ratio = "peer-rank", global_norm, global_base, global_ratio
+            ratio = math.inf if nonfinite else ratios[trigger]
+        else:  # the global norm alone tripped, or another rank rejected the step (its gradients differed)
+            layer = "global" if head.global_tripped or not math.isfinite(head.global_norm) else "peer-rank"
+            norm, baseline, ratio = head.global_norm, head.global_baseline, head.global_ratio
         order = sorted(range(n), key=lambda i: -(math.inf if not math.isfinite(norms[i]) else ratios[i]))
         top = tuple((names[i], norms[i], ratios[i] if math.isfinite(norms[i]) else math.inf) for i in order[:_TOP])
         history = list(self._history)
@@ -440,7 +433,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._publish(SpikeEvent(
                 **self._run_kw,
             step=record.step, severity=Severity.WARN, layer=layer, module=module, reason=reason, norm=norm,
-            baseline=baseline, ratio=ratio, threshold=self.spike_threshold, global_norm=global_norm,
+            baseline=baseline, ratio=ratio, threshold=self.detector.threshold, global_norm=head.global_norm,
             action=action, loss=loss, lr=record.lr, top_layers=top,
             nonfinite_layers=tuple(names[i] for i in nonfinite), report_path=report_path,
             history_steps=steps, history_global_norms=global_hist, history_layer_norms=layer_hist,

@@ -104,7 +104,6 @@ class SpikeReportSink(BaseSink):
         self.log_dir = Path(log_dir).resolve()
         self.name = f"spike-reports:{self.log_dir.name}"
         self.closed = False
-        self.written: list[Path] = []
 
     def handle(self, event: Event) -> None:
         if self.closed or not isinstance(event, SpikeEvent) or not event.report_path:
@@ -113,7 +112,6 @@ class SpikeReportSink(BaseSink):
         if path.resolve().parent != self.log_dir:
             return  # another guard's report
         write_json_atomic(path, build_report(event))
-        self.written.append(path)
 
     def close(self, timeout: float | None = None) -> None:
         self.closed = True

@@ -1,0 +1,93 @@
+"""``guardtower demo``: a short run end to end, and the same run with every optional dependency missing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from guardtower.sinks import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def _run_demo(out: Path, *args: str, block: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import sys\n"
+        f"for name in {block!r}: sys.modules[name] = None\n"
+        "from guardtower.demo import main\n"
+        f"sys.exit(main(['--out', {str(out)!r}, '--steps', '40', *{list(args)!r}]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=out.parent, env=env, capture_output=True, text=True,
+                          timeout=360)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+def _strict(text: str) -> object:
+    def reject(token: str) -> object:
+        raise ValueError(f"non-strict JSON token {token}")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def test_demo_shows_preflight_guarded_and_unguarded_runs_and_writes_everything(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    stdout = _run_demo(out, "--rollback").stdout
+
+    # the story, in order
+    marks = ["1/3", "planted bug", "pre-flight: FAIL", "fixed", "pre-flight: PASS", "2/3", "3/3", "final loss"]
+    positions = [stdout.index(mark) for mark in marks]
+    assert positions == sorted(positions)
+    final = re.search(r"final loss: guarded (\S+) vs unguarded (\S+)", stdout)
+    assert final is not None
+    guarded_loss, unguarded_loss = float(final.group(1)), float(final.group(2))
+    assert math.isfinite(guarded_loss) and math.isnan(unguarded_loss)
+
+    # the event log: the pre-flight failed then passed, both faults were skipped, the burst was rolled back
+    events = list(read_events(out / "events.jsonl"))
+    assert [e.status for e in events if e.kind == "preflight"] == ["FAIL", "PASS"]
+    spikes = {e.step: e for e in events if e.kind == "spike"}
+    assert spikes[16].reason == "nonfinite" and spikes[16].action == "skip"
+    assert spikes[24].reason == "spike" and spikes[24].action == "skip"
+    assert {16, 24} <= {e.step for e in events if e.kind == "skip"}
+    assert [e.kind for e in events].count("rollback") == 1
+
+    reports = sorted((out / "spike_reports").glob("*.json"))
+    assert len(reports) >= 3
+    for report in reports:
+        _strict(report.read_text())
+
+    assert (out / "grad_norms.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(out.glob("wandb/offline-run-*/run-*.wandb")), "no W&B offline run"
+    assert (out / "mlflow.db").is_file()
+    assert "mlflow ui --backend-store-uri sqlite:///" in stdout and "wandb sync" in stdout
+
+
+def test_demo_degrades_gracefully_without_optional_dependencies(tmp_path: Path) -> None:
+    out = tmp_path / "bare"
+    stdout = _run_demo(out, "--no-progress", block=("mlflow", "wandb", "matplotlib", "peft")).stdout
+    assert 'pip install "guardtower[mlflow]"' in stdout
+    assert 'pip install "guardtower[wandb]"' in stdout
+    assert 'pip install "guardtower[plot]"' in stdout
+    assert "peft is not installed" in stdout and "pre-flight: FAIL" in stdout and "pre-flight: PASS" in stdout
+    assert (out / "events.jsonl").is_file()
+    assert not (out / "grad_norms.png").exists() and not (out / "mlflow.db").exists()
+    assert not (out / "wandb").exists()
+
+
+def test_demo_rejects_too_few_steps(tmp_path: Path) -> None:
+    from guardtower.demo import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path), "--steps", "5"])
+    assert exit_.value.code == 2
