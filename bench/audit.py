@@ -83,8 +83,8 @@ def gpt_workload(kind: str, device: torch.device) -> Workload:
         batch, seq = (8, 1024) if device.type == "cuda" else (2, 128)
     config.attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).to(device)
-    model.train()
+    model: nn.Module = GPT2LMHeadModel(config)
+    model.to(device).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return Workload(f"{kind} ({batch}x{seq})", model, optimizer, ids,
@@ -185,7 +185,7 @@ def load_audit() -> Callable[..., Any] | None:
         from guardtower.audit import audit
     except ImportError:
         return None
-    return audit  # type: ignore[no-any-return]
+    return audit
 
 
 def run_audit(audit: Callable[..., Any], work: Workload) -> Any:
