@@ -83,8 +83,8 @@ def gpt_workload(kind: str, device: torch.device) -> Workload:
         batch, seq = (8, 1024) if device.type == "cuda" else (2, 128)
     config.attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).to(device)
-    model.train()
+    model: nn.Module = GPT2LMHeadModel(config)
+    model.to(device).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return Workload(f"{kind} ({batch}x{seq})", model, optimizer, ids,
@@ -185,7 +185,7 @@ def load_audit() -> Callable[..., Any] | None:
         from guardtower.audit import audit
     except ImportError:
         return None
-    return audit  # type: ignore[no-any-return]
+    return audit
 
 
 def run_audit(audit: Callable[..., Any], work: Workload) -> Any:
@@ -199,20 +199,25 @@ def bench_audit_time(kind: str, device: torch.device, repeats: int) -> dict[str,
     work = build(kind, device)
     work.step()
     run_audit(audit, work)
-    plain, audited = [], []
+    wall: dict[str, list[float]] = {"plain": [], "audit": []}
+    cpu: dict[str, list[float]] = {"plain": [], "audit": []}
     for r in range(repeats):
         for name in (("plain", "audit") if r % 2 == 0 else ("audit", "plain")):
             work.sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             if name == "plain":
                 work.step()
             else:
                 run_audit(audit, work)
             work.sync()
-            (plain if name == "plain" else audited).append(time.perf_counter() - start)
-    return {"workload": work.name, "params": work.params, "plain_step_s": statistics.median(plain),
-            "audit_s": statistics.median(audited),
-            "time_ratio": statistics.median(a / p for a, p in zip(audited, plain))}
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    row = {"workload": work.name, "params": work.params, "plain_step_s": statistics.median(wall["plain"]),
+           "audit_s": statistics.median(wall["audit"]),
+           "time_ratio": statistics.median(a / p for a, p in zip(wall["audit"], wall["plain"]))}
+    if device.type == "cpu":
+        row["cpu_time_ratio"] = statistics.median(a / p for a, p in zip(cpu["audit"], cpu["plain"]))
+    return row
 
 
 def _rss_kib(field: str) -> int:
@@ -268,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round (monitor benchmark)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--skip", choices=("monitor", "audit"), action="append", default=[])
+    parser.add_argument("--audit-models", default="mlp,gpt2s", help="comma-separated: mlp, gpt2s")
+    parser.add_argument("--no-audit-memory", action="store_true", help="measure audit() time only")
     parser.add_argument("--_peak-child", nargs=3, metavar=("MODEL", "DEVICE", "ACTION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -307,14 +314,19 @@ def main(argv: list[str] | None = None) -> int:
                   "peak memory <= 1.5x):")
             print(f"  {'workload':<22}{'params':>9}{'step':>10}{'audit':>10}{'time x':>8}"
                   f"{'step peak':>12}{'audit peak':>12}{'mem x':>7}")
-            for kind in ("mlp", "gpt2s"):
+            for kind in args.audit_models.split(","):
                 reps = args.repeats if kind == "mlp" else max(3, args.repeats // 5)
                 row = bench_audit_time(kind, device, reps)
-                row.update(bench_audit_memory(kind, device, max(3, reps // 2)))
+                if args.no_audit_memory:
+                    row.update({"plain_step_peak_mib": float("nan"), "audit_peak_mib": float("nan"),
+                                "memory_ratio": float("nan")})
+                else:
+                    row.update(bench_audit_memory(kind, device, max(3, reps // 2)))
                 results["audit"].append(row)
                 print(f"  {row['workload']:<22}{row['params'] / 1e6:>8.2f}M{row['plain_step_s']:>9.3f}s"
                       f"{row['audit_s']:>9.3f}s{row['time_ratio']:>8.2f}{row['plain_step_peak_mib']:>8.0f} MiB"
-                      f"{row['audit_peak_mib']:>8.0f} MiB{row['memory_ratio']:>7.2f}")
+                      f"{row['audit_peak_mib']:>8.0f} MiB{row['memory_ratio']:>7.2f}"
+                      + (f"   (CPU-time ratio {row['cpu_time_ratio']:.2f})" if "cpu_time_ratio" in row else ""))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)
