@@ -1,4 +1,5 @@
-"""A real optimizer step on the audit's gradients, one trainable tensor at a time, measured and undone.
+"""A real optimizer step on the audit's gradients, a bounded chunk of trainable tensors at a time, measured
+and undone.
 
 Each call runs the base optimizer's own ``step`` below the hook wrapper, so optimizer step hooks (EMA
 updates, LR-scheduler bookkeeping, guards) do not fire for an update that is rolled back anyway.
@@ -17,6 +18,9 @@ from guardtower.audit._util import base_optimizer
 
 __all__ = ["UpdateStats", "measure_update"]
 
+#: elements stepped at once: a small model takes one step, a large one never copies more than this at a time
+_CHUNK_ELEMENTS = 1 << 23
+
 
 @dataclass(frozen=True)
 class UpdateStats:
@@ -31,8 +35,9 @@ class UpdateStats:
 
 
 def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
-    """Step the base optimizer one trainable tensor at a time, measure, and put that tensor and its optimizer
-    state back before the next, so the extra memory is one tensor's worth, not a copy of the optimizer."""
+    """Step the base optimizer on a chunk of trainable tensors, measure, and put those tensors and their
+    optimizer state back before the next chunk, so the extra memory is one chunk's worth, not a copy of the
+    model and optimizer."""
     opt = base_optimizer(ctx.optimizer)
     if opt is None or isinstance(opt, torch.optim.LBFGS):  # LBFGS steps need a closure re-evaluating the loss
         return {}
@@ -44,42 +49,63 @@ def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
     stats: dict[str, UpdateStats] = {}
     try:
         for gi, params in enumerate(lists):
-            for p in params:
-                if id(p) in names and p.grad is not None and p.requires_grad:
-                    for gj, group in enumerate(groups):
-                        group["params"] = [p] if gj == gi else []
-                    stats[names[id(p)]] = _step_one(opt, raw, p)
+            eligible = [p for p in params if id(p) in names and p.grad is not None and p.requires_grad]
+            for chunk in _chunks(eligible):
+                for gj, group in enumerate(groups):
+                    group["params"] = chunk if gj == gi else []
+                stats.update((names[id(p)], s) for p, s in zip(chunk, _step_chunk(opt, raw, chunk)))
     finally:
         for group, params in zip(groups, lists):
             group["params"] = params
     return stats
 
 
-def _step_one(opt: torch.optim.Optimizer, raw: Any, p: torch.Tensor) -> UpdateStats:
-    before = p.detach().clone()
-    saved = opt.state.get(p)
-    saved_copy = None if saved is None else {k: clone_value(v) for k, v in saved.items()}
+def _chunks(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    chunks: list[list[torch.Tensor]] = []
+    size = _CHUNK_ELEMENTS
+    for p in params:
+        if size + p.numel() > _CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += p.numel()
+    return chunks
+
+
+def _step_chunk(opt: torch.optim.Optimizer, raw: Any, chunk: list[torch.Tensor]) -> list[UpdateStats]:
+    befores = [p.detach().clone() for p in chunk]
+    saved = [opt.state.get(p) for p in chunk]
+    saved_copies = [None if s is None else {k: clone_value(v) for k, v in s.items()} for s in saved]
     try:
         raw(opt)
         with torch.no_grad():
-            delta = p.detach().float() - before.float()
-            p_norm = float(before.float().norm())
-            d_norm = float(delta.norm())
-            moving = p.grad != 0 if p.grad is not None else torch.zeros_like(p, dtype=torch.bool)
-            n_moving = int(moving.sum())
-            stuck = float(((delta == 0) & moving).sum()) / n_moving if n_moving else 0.0
+            return [_measure(p, before) for p, before in zip(chunk, befores)]
     finally:
-        with torch.no_grad():
-            p.copy_(before)
-        if saved is None or saved_copy is None:
-            opt.state.pop(p, None)
-        else:
-            current = opt.state.setdefault(p, saved)
-            if current is not saved:
-                opt.state[p] = saved
-            for k in [k for k in saved if k not in saved_copy]:
-                del saved[k]
-            for k, v in saved_copy.items():
-                saved[k] = restore_value(saved.get(k), v)
+        for p, before, state, state_copy in zip(chunk, befores, saved, saved_copies):
+            with torch.no_grad():
+                p.copy_(before)
+            _restore_state(opt, p, state, state_copy)
+
+
+def _measure(p: torch.Tensor, before: torch.Tensor) -> UpdateStats:
+    delta = p.detach().float() - before.float()
+    p_norm = float(before.float().norm())
+    d_norm = float(delta.norm())
+    moving = p.grad != 0 if p.grad is not None else torch.zeros_like(p, dtype=torch.bool)
+    n_moving = int(moving.sum())
+    stuck = float(((delta == 0) & moving).sum()) / n_moving if n_moving else 0.0
     ratio = d_norm / p_norm if p_norm > 0 else (float("inf") if d_norm > 0 else 0.0)
     return UpdateStats(ratio=ratio, stuck_fraction=stuck, dtype=str(p.dtype).replace("torch.", ""), ndim=p.dim())
+
+
+def _restore_state(opt: torch.optim.Optimizer, p: torch.Tensor, saved: dict[str, Any] | None,
+                   saved_copy: dict[str, Any] | None) -> None:
+    if saved is None or saved_copy is None:
+        opt.state.pop(p, None)
+        return
+    if opt.state.setdefault(p, saved) is not saved:
+        opt.state[p] = saved
+    for k in [k for k in saved if k not in saved_copy]:
+        del saved[k]
+    for k, v in saved_copy.items():
+        saved[k] = restore_value(saved.get(k), v)
