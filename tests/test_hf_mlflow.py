@@ -10,7 +10,6 @@ import torch
 from guardtower.errors import PreflightFailed
 from _hf_helpers import TokenDataset, lora, stale_optimizer_found, tiny_gpt2, training_args
 
-pytest.importorskip("transformers")
 from transformers import Trainer  # noqa: E402
 
 from guardtower.integrations.huggingface import GuardtowerCallback  # noqa: E402

@@ -15,7 +15,6 @@ from guardtower.errors import ConfigError, PreflightFailed
 from guardtower.testing import capture_events
 from _hf_helpers import SpikeAt, TokenDataset, lora, snapshot, stale_optimizer_found, tiny_gpt2, training_args
 
-transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from guardtower.integrations.huggingface import GuardtowerCallback, StabilityGuardCallback  # noqa: E402

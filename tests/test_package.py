@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import guardtower
 from guardtower.bus import EventBus
 from guardtower.cli import main
@@ -76,3 +78,11 @@ def test_cli_events_reports_bad_arguments(tmp_path, capsys) -> None:
 def test_console_script_is_installed_as_guardtower_module() -> None:
     out = _run("import runpy, sys; sys.argv = ['guardtower', 'catalog', '--json']; runpy.run_module('guardtower', run_name='__main__')")
     assert isinstance(json.loads(out), list)
+
+
+@pytest.mark.slow
+def test_the_package_is_mypy_clean() -> None:
+    from mypy import api
+
+    out, err, status = api.run(["guardtower", "--no-incremental", "--cache-dir", os.devnull])
+    assert status == 0, out + err
