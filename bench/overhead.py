@@ -7,7 +7,7 @@ at the block's end on CUDA). Reported: median step time of each, their ratio; th
 (30 interleaved pairs of ``base.step()``/``guard.step()`` on the same gradients; on a loaded machine the
 end-to-end ratio drowns in noise, this one does not) and the ratio it implies; the cost of one
 ``clip_grad_norm_(foreach=True)`` for reference, and on CUDA the host syncs per guarded step, counted with
-``torch.cuda.set_sync_debug_mode("warn")`` around ``guard.step()``.
+``torch.cuda.set_sync_debug_mode("warn")`` around ``guard.step()``, then one step under ``"error"`` mode.
 
     python bench/overhead.py                       # CPU: ~10M-parameter GPT-2, fused AdamW
     python bench/overhead.py --device cuda         # GPT-2 small (124M), bf16 autocast, fused AdamW, 8 x 1024
@@ -79,6 +79,18 @@ def count_syncs(fn: Callable[[], None]) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
+def strict_sync_check(fn: Callable[[], None]) -> str:
+    """Run ``fn`` under ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "passed (no host sync)"
+    except RuntimeError as exc:
+        return "FAILED: " + (str(exc).splitlines() or ["sync"])[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -138,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         time_block(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, foreach=True), 5, device)
         for _ in range(5))
     syncs = None
+    strict = ""
     if device.type == "cuda":
         per_step = []
         for _ in range(5):
@@ -145,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
             forward_backward()
             per_step.append(count_syncs(guard.step))
         syncs = max(per_step)
+        guard.zero_grad()
+        forward_backward()
+        strict = strict_sync_check(guard.step)
     guard.close()
 
     p, g = statistics.median(plain_times), statistics.median(guarded_times)
@@ -157,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
           f"pairs) -> estimated ratio {1 + guard_cost / p:.4f}")
     print(f"clip_grad_norm_(foreach=True) {1e3 * clip:.2f} ms = {clip / p:.4f} of a plain step (reference)")
     if syncs is not None:
-        print(f"host syncs per guarded step: {syncs}")
+        print(f"host syncs per guarded step: {syncs}; set_sync_debug_mode('error') around guard.step(): {strict}")
 
 
 if __name__ == "__main__":
