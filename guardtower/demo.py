@@ -1,27 +1,464 @@
-"""``guardtower demo``: the end-to-end tour on embedded defaults (replaced by the full demo in issue 7)."""
+"""``guardtower demo``: the whole tour on a laptop CPU, with no server and no account.
+
+1. Pre-flight: a LoRA fine-tune whose optimizer was built before ``get_peft_model`` (the adapters are not in
+   it) fails the audit; rebuilt after, it passes.
+2. A small GPT trains on synthetic text under a ``GuardedOptimizer``; a NaN batch and a gradient spike are
+   injected and skipped (``--rollback`` adds a burst of bad batches that escalates to a rollback).
+3. The same run without the guard, for comparison.
+
+Everything lands in ``--out``: the JSONL event log, the spike reports, an MLflow run in a local SQLite store
+(when mlflow is installed), a W&B offline run (when wandb is installed), and a plot (when matplotlib is).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["main"]
 
+_WORDS = {
+    "subject": ["the cat", "a dog", "the model", "my gpu", "the loss", "an optimizer", "the team", "a layer"],
+    "verb": ["sees", "wants", "eats", "trains", "guards", "skips", "finds", "keeps"],
+    "object": ["the mat", "a bug", "the batch", "some fish", "a spike", "the weights", "a gradient", "the run"],
+}
+_SEQ_LEN = 32
+_BATCH = 16
+
+
+# --------------------------------------------------------------------------------------------- data & model
+@dataclass
+class Corpus:
+    """Synthetic sentences, character-level tokens, and fixed batches so both runs see the same data."""
+
+    vocab: list[str]
+    batches: list[Any]
+
+    @classmethod
+    def make(cls, steps: int, seed: int) -> "Corpus":
+        import torch
+
+        rng = random.Random(seed)
+        text = " ".join(
+            f"{rng.choice(_WORDS['subject'])} {rng.choice(_WORDS['verb'])} {rng.choice(_WORDS['object'])}."
+            for _ in range(4000)
+        )
+        vocab = sorted(set(text))
+        ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(ids) - _SEQ_LEN - 1, (steps, _BATCH), generator=gen)
+        batches = [torch.stack([ids[s:s + _SEQ_LEN] for s in row.tolist()]) for row in starts]
+        return cls(vocab, batches)
+
+
+def _gpt(vocab_size: int, seed: int) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=_SEQ_LEN, vocab_size=vocab_size,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+# ------------------------------------------------------------------------------------------------ faults
+@dataclass
+class Faults:
+    """Steps at which the demo corrupts training, the same way in the guarded and the unguarded run."""
+
+    nan_step: int
+    spike_step: int
+    burst: tuple[int, ...] = ()
+
+    @classmethod
+    def plan(cls, steps: int, rollback: bool) -> "Faults":
+        burst = tuple(range(int(steps * 0.8), int(steps * 0.8) + 3)) if rollback else ()
+        return cls(nan_step=max(12, int(steps * 0.4)), spike_step=max(20, int(steps * 0.6)), burst=burst)
+
+    def describe(self) -> list[str]:
+        lines = [f"step {self.nan_step}: a corrupted batch turns the embeddings into NaN",
+                 f"step {self.spike_step}: a faulty activation is scaled 10,000x (a gradient spike)"]
+        if self.burst:
+            lines.append(f"steps {self.burst[0]}-{self.burst[-1]}: three bad batches in a row (escalates to a rollback)")
+        return lines
+
+    @contextlib.contextmanager
+    def inject(self, model: Any, step: int) -> Iterator[None]:
+        handles = []
+        if step == self.nan_step or step in self.burst:
+            handles.append(model.transformer.wte.register_forward_hook(lambda m, i, o: o * float("nan")))
+        if step == self.spike_step:
+            handles.append(model.transformer.ln_f.register_forward_hook(lambda m, i, o: o * 1e4))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+# ----------------------------------------------------------------------------------------------- progress
+class _Bar:
+    """A tqdm bar when tqdm is installed, else a plain ``\\r`` bar; ``write`` prints above it."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.enabled, self.n = total, label, enabled, 0
+        self._tqdm: Any = None
+        self._postfix = ""
+        self._tty = sys.stdout.isatty()
+        if enabled and self._tty:
+            try:
+                from tqdm import tqdm
+
+                self._tqdm = tqdm(total=total, desc=label, file=sys.stdout, ncols=90, leave=True)
+            except ImportError:
+                pass
+
+    def update(self, postfix: str) -> None:
+        self.n += 1
+        self._postfix = postfix
+        if not self.enabled:
+            return
+        if self._tqdm is not None:
+            self._tqdm.set_postfix_str(postfix, refresh=False)
+            self._tqdm.update(1)
+            return
+        if not self._tty:  # a log file: one line per 10% instead of carriage returns
+            if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+                print(f"{self.label} {self.n}/{self.total} {postfix}", flush=True)
+            return
+        width = 30
+        done = int(width * self.n / self.total)
+        sys.stdout.write(f"\r{self.label} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} {postfix}   ")
+        sys.stdout.flush()
+
+    def write(self, text: str) -> None:
+        if self._tqdm is not None:
+            self._tqdm.write(text, file=sys.stdout)
+        else:
+            sys.stdout.write(("\r" + " " * 100 + "\r" if self.enabled and self._tty else "") + text + "\n")
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.close()
+        elif self.enabled and self._tty:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+# -------------------------------------------------------------------------------------------------- runs
+@dataclass
+class RunResult:
+    losses: list[float]
+    global_norms: dict[int, float] = field(default_factory=dict)
+    layer_norms: dict[str, dict[int, float]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _block_norms(model: Any) -> tuple[float, dict[str, float]]:
+    """Global and per-block gradient norms, for the demo's plot (the demo may sync; the guard never does)."""
+    import torch
+
+    blocks: dict[str, list[Any]] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        parts = name.split(".")
+        key = ".".join(parts[:3]) if parts[1] == "h" else ".".join(parts[:2])
+        blocks.setdefault(key, []).append(p.grad)
+    norms = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(v))).item() for k, v in blocks.items()}
+    total = math.sqrt(sum(n * n for n in norms.values()))
+    return total, norms
+
+
+def _train(model: Any, optimizer: Any, corpus: Corpus, faults: Faults, *, label: str, progress: bool,
+           guarded: bool, on_step: Callable[[_Bar], None] | None = None) -> RunResult:
+    result = RunResult(losses=[])
+    bar = _Bar(len(corpus.batches), label, progress)
+    start = time.perf_counter()
+    model.train()
+    try:
+        for step, batch in enumerate(corpus.batches, start=1):
+            with faults.inject(model, step):
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            total, blocks = _block_norms(model)
+            result.global_norms[step] = total
+            for name, norm in blocks.items():
+                result.layer_norms.setdefault(name, {})[step] = norm
+            if guarded:
+                optimizer.step(loss=loss)
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = float(loss.detach())
+            result.losses.append(value)
+            bar.update(f"loss {value:.3f}")
+            if on_step is not None:
+                on_step(bar)
+    finally:
+        bar.close()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# ------------------------------------------------------------------------------------------- pre-flight
+def _preflight(corpus: Corpus, seed: int, bus: Any) -> None:
+    import torch
+
+    from guardtower.audit import audit
+
+    batch = corpus.batches[0]
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        print("peft is not installed (pip install \"guardtower[peft]\"): showing an optimizer-coverage bug instead.\n")
+        model = _gpt(len(corpus.vocab), seed)
+        stale = torch.optim.AdamW(model.transformer.h[0].parameters(), lr=1e-3)
+        _show_audit("planted bug: the optimizer only holds the first block", model, stale, batch, bus, audit)
+        fixed = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _show_audit("fixed: the optimizer holds every trainable parameter", model, fixed, batch, bus, audit)
+        return
+
+    base = _gpt(len(corpus.vocab), seed)
+    stale = torch.optim.AdamW(base.parameters(), lr=1e-3)  # the bug: built before get_peft_model
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))
+    _show_audit("planted bug: the optimizer was built before get_peft_model", model, stale, batch, bus, audit)
+    fixed = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    _show_audit("fixed: the optimizer is built from the PEFT model's trainable parameters", model, fixed, batch, bus,
+                audit)
+
+
+def _show_audit(title: str, model: Any, optimizer: Any, batch: Any, bus: Any, audit: Any) -> Any:
+    print(f"-> {title}")
+    report = audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=optimizer, bus=bus)
+    print(report)
+    print()
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ trackers
+class _Trackers:
+    """The optional MLflow and W&B runs the guarded run reports to; each one fails soft."""
+
+    def __init__(self, out: Path, *, use_mlflow: bool, use_wandb: bool) -> None:
+        self.out = out
+        self.sinks: list[Any] = []
+        self.notes: list[str] = []
+        self.mlflow: Any = None
+        self.wandb_run: Any = None
+        if use_mlflow:
+            self._start_mlflow()
+        if use_wandb:
+            self._start_wandb()
+
+    def _start_mlflow(self) -> None:
+        try:
+            import mlflow
+
+            from guardtower.bridges import MLflowBridge
+        except ImportError:
+            self.notes.append("MLflow: not installed (pip install \"guardtower[mlflow]\")")
+            return
+        uri = f"sqlite:///{(self.out / 'mlflow.db').resolve()}"
+        try:
+            mlflow.set_tracking_uri(uri)
+            name = "guardtower-demo"
+            if mlflow.get_experiment_by_name(name) is None:
+                mlflow.create_experiment(name, artifact_location=(self.out / "mlruns").resolve().as_uri())
+            mlflow.set_experiment(name)
+            run = mlflow.start_run(run_name="guarded")
+            self.sinks.append(MLflowBridge(run_id=run.info.run_id, tracking_uri=uri))
+            self.mlflow = mlflow
+            self.notes.append(f"MLflow: run {run.info.run_id}; open with: mlflow ui --backend-store-uri {uri}")
+        except Exception as exc:  # the demo goes on without a tracker that cannot start
+            self.notes.append(f"MLflow: could not start ({type(exc).__name__}: {exc})")
+
+    def _start_wandb(self) -> None:
+        try:
+            import wandb
+
+            from guardtower.bridges import WandBBridge
+        except ImportError:
+            self.notes.append("W&B: not installed (pip install \"guardtower[wandb]\")")
+            return
+        try:
+            os.environ.setdefault("WANDB_SILENT", "true")
+            run = wandb.init(project="guardtower-demo", name="guarded", mode="offline", dir=str(self.out),
+                             reinit="finish_previous")
+            self.wandb_run = run
+            self.sinks.append(WandBBridge(run))
+            self.notes.append(f"W&B: offline run in {Path(run.dir).parent}; upload with: wandb sync {Path(run.dir).parent}")
+        except Exception as exc:
+            self.notes.append(f"W&B: could not start ({type(exc).__name__}: {exc})")
+
+    def log_losses(self, losses: list[float], unguarded: list[float]) -> None:
+        if self.mlflow is not None:
+            try:
+                from mlflow.entities import Metric
+
+                now = int(time.time() * 1000)
+                metrics = [Metric("loss", v, now, i + 1) for i, v in enumerate(losses) if math.isfinite(v)]
+                metrics += [Metric("unguarded_loss", v, now, i + 1) for i, v in enumerate(unguarded) if math.isfinite(v)]
+                client = self.mlflow.MlflowClient()
+                run_id = self.mlflow.active_run().info.run_id
+                for i in range(0, len(metrics), 900):
+                    client.log_batch(run_id, metrics=metrics[i:i + 900])
+            except Exception as exc:
+                self.notes.append(f"MLflow: could not log the losses ({type(exc).__name__})")
+        if self.wandb_run is not None:
+            try:
+                for i, (a, b) in enumerate(zip(losses, unguarded), start=1):
+                    self.wandb_run.log({"loss": a, "unguarded_loss": b}, step=i)
+            except Exception:
+                self.notes.append("W&B: could not log the losses")
+
+    def finish(self) -> None:
+        if self.mlflow is not None:
+            with contextlib.suppress(Exception):
+                self.mlflow.end_run()
+        if self.wandb_run is not None:
+            with contextlib.suppress(Exception):
+                self.wandb_run.finish()
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def _section(title: str) -> None:
+    print()
+    print("=" * 100)
+    print(title)
+    print("=" * 100)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="guardtower demo")
-    parser.add_argument("--out", default="./guardtower-demo")
-    args = parser.parse_args(list(argv or []))
-    from guardtower.bus import EventBus
-    from guardtower.events import SpikeEvent
-    from guardtower.severity import Severity
-    from guardtower.sinks import ConsoleSink, JsonlSink
+    parser = argparse.ArgumentParser(prog="guardtower demo", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--out", default="./guardtower-demo", help="where the logs, runs and plot go")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--rollback", action="store_true", help="also show a burst of bad batches rolled back")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-mlflow", action="store_true", help="skip the MLflow run even if mlflow is installed")
+    parser.add_argument("--no-wandb", action="store_true", help="skip the W&B run even if wandb is installed")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.steps < 30:
+        parser.error("--steps must be at least 30 (the guard needs a few steps of baseline before the faults)")
 
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        print('guardtower demo needs transformers: pip install "guardtower[hf]"', file=sys.stderr)
+        return 2
+    from guardtower.bus import EventBus
+    from guardtower.guard import GuardedOptimizer
+    from guardtower.incidents import format_table, load_run_log
+    from guardtower.sinks import JsonlSink
+    from guardtower.testing import InMemorySink
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bus = EventBus([ConsoleSink(), JsonlSink(out / "events.jsonl")])
-    bus.publish(SpikeEvent(step=1, layer="demo.layer", ratio=42.0, severity=Severity.WARN, threshold=10.0))
-    bus.close(5)
-    print(f"events written to {out / 'events.jsonl'}; view them with: guardtower events {out / 'events.jsonl'}")
+    events_path = out / "events.jsonl"
+    spike_dir = out / "spike_reports"
+    for old in [events_path, *spike_dir.glob("*.json")]:
+        old.unlink(missing_ok=True)  # a second demo in the same folder starts a fresh log
+    spike_dir.mkdir(exist_ok=True)
+    corpus = Corpus.make(args.steps, args.seed)
+    faults = Faults.plan(args.steps, args.rollback)
+    started = time.perf_counter()
+
+    _section("1/3  pre-flight: one instrumented step before launch")
+    trackers = _Trackers(out, use_mlflow=not args.no_mlflow, use_wandb=not args.no_wandb)
+    live = InMemorySink()
+    bus = EventBus([JsonlSink(events_path), live, *trackers.sinks])
+    _preflight(corpus, args.seed, bus)
+
+    _section(f"2/3  guarded training: a small GPT, {args.steps} steps on synthetic text, with injected faults")
+    for line in faults.describe():
+        print("  - " + line)
+    model = _gpt(len(corpus.vocab), args.seed)
+    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=1, log_dir=str(spike_dir),
+                                        warmup_steps=10, verbose=False, bus=bus)
+    if args.rollback:
+        guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback", rollback_every=10)
+    guarded = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model, **guard_kwargs)
+    shown = 0
+
+    def show_incidents(bar: _Bar) -> None:
+        nonlocal shown
+        events = live.events
+        for event in events[shown:]:
+            if event.kind in ("spike", "rollback", "halt"):
+                bar.write(_one_line(event))
+        shown = len(events)
+
+    guarded_run = _train(model, guarded, corpus, faults, label="guarded  ", progress=not args.no_progress,
+                         guarded=True, on_step=show_incidents)
+    guarded.close()
+    bus.flush(10)
+    show_incidents(_Bar(0, "", False))
+    print(f"guard: {guarded.total_spikes} spike(s), {guarded.total_skips} skip(s), "
+          f"{guarded.total_rollbacks} rollback(s) in {guarded_run.seconds:.1f}s")
+
+    _section("3/3  the same run without the guard")
+    plain_model = _gpt(len(corpus.vocab), args.seed)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3)
+    plain_run = _train(plain_model, plain, corpus, faults, label="unguarded", progress=not args.no_progress,
+                       guarded=False)
+    print(_side_by_side(guarded_run.losses, plain_run.losses))
+
+    trackers.log_losses(guarded_run.losses, plain_run.losses)
+    bus.close(15)
+    trackers.finish()
+
+    _section("incidents (guardtower report)")
+    log = load_run_log(out)
+    print(format_table(log.incidents) if log.incidents else "no incidents")
+    notes = [f"event log: {events_path}  (guardtower events {events_path})",
+             f"spike reports: {spike_dir}  ({len(list(spike_dir.glob('*.json')))} file(s))",
+             f"incident table: guardtower report {out}"]
+    try:
+        from guardtower._plot import plot_run_log
+
+        for step, norm in guarded_run.global_norms.items():
+            log.global_norms.setdefault(step, norm)
+        for name, points in guarded_run.layer_norms.items():
+            log.layer_norms.setdefault(name, {}).update(points)
+        plot = plot_run_log(log, out / "grad_norms.png")
+        notes.append(f"plot: {plot}  (guardtower report {out} --plot incidents.png)")
+    except ImportError:
+        notes.append('plot: matplotlib is not installed (pip install "guardtower[plot]")')
+    notes += trackers.notes
+
+    _section(f"done in {time.perf_counter() - started:.0f}s — what was written")
+    for note in notes:
+        print("  " + note)
     return 0
+
+
+def _one_line(event: Any) -> str:
+    if event.kind == "spike":
+        ratio = "non-finite" if event.reason == "nonfinite" else f"ratio {event.ratio:.3g}"
+        return f"  ! step {event.step}: {event.reason} in {event.layer} ({ratio}) -> {event.action.upper()}"
+    if event.kind == "rollback":
+        return f"  ! step {event.step}: ROLLBACK to the snapshot of step {event.to_step}"
+    return f"  ! step {event.step}: {event.kind}"
+
+
+def _side_by_side(guarded: list[float], plain: list[float]) -> str:
+    n = len(guarded)
+    marks = sorted({max(1, n * k // 6) for k in range(1, 7)})
+    lines = ["", f"{'step':>6}  {'guarded loss':>13}  {'unguarded loss':>15}"]
+    for step in marks:
+        lines.append(f"{step:>6}  {guarded[step - 1]:>13.4f}  {plain[step - 1]:>15.4f}")
+    lines.append(f"final loss: guarded {guarded[-1]:.4f} vs unguarded {plain[-1]:.4f}")
+    return "\n".join(lines)

@@ -232,3 +232,52 @@ def test_public_audit_is_callable_whichever_import_came_first() -> None:
     for fn in (guardtower.audit, audit_package, audit):
         report = fn(m, step, checks="loss")
         assert report.checks_run == ["loss"] and all(f.catalog_id in CATALOG for f in report.findings)
+
+
+def test_in_place_relu_does_not_distort_what_was_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Linear before an nn.ReLU(inplace=True) is measured before the ReLU overwrites its output."""
+    seen: dict[str, Any] = {}
+
+    def spy(ctx: _registry.AuditContext) -> list[Finding]:
+        seen["record"] = ctx.probes["activations"]
+        return []
+
+    monkeypatch.setitem(_registry.CHECKS, "spy", _registry.CheckSpec("spy", spy, False))
+    m = mlp()
+    with torch.no_grad():
+        m[0].bias.fill_(-50.0)  # every pre-activation strongly negative
+    report = audit(m, lambda: F.mse_loss(m(X), Y), checks=["spy", "dead_relu"])
+    record = seen["record"]
+    assert record.max_abs["0"] > 40.0  # the negative pre-activations, not the zeros the ReLU wrote over them
+    assert record.max_abs["1"] == 0.0
+    assert record.dead["1"] == (32, 32)
+    assert report.by_id("RELU-001")[0].details["modules"] == ["1"]
+
+
+def test_a_hanging_sink_delays_the_audit_by_the_flush_bound_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from guardtower.audit import _runner
+    from guardtower.bus import BaseSink
+
+    release = threading.Event()
+
+    class Hanging(BaseSink):
+        name = "hanging"
+        rank_zero_only = False
+
+        def handle(self, event: Any) -> None:
+            release.wait(30)
+
+    monkeypatch.setattr(_runner, "FLUSH_TIMEOUT_S", 2.0)
+    m, step = _mlp_step()
+    start = time.monotonic()
+    audit(m, step)
+    baseline = time.monotonic() - start
+    start = time.monotonic()
+    report = audit(m, step, sinks=[Hanging()])
+    added = time.monotonic() - start - baseline
+    release.set()
+    assert report.status == "PASS"
+    assert 1.5 < added < 3.0  # one bound for flush + close together, not one each

@@ -448,6 +448,14 @@ def _dead_relu_functional(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(_X), _Y), {}
 
 
+@case("RELU-001/hf-activation")
+def _dead_relu_squared(bug: bool) -> Case:
+    from transformers.activations import ACT2FN
+
+    m = _dead_bias_mlp(bug, act=ACT2FN["relu2"])  # ReLUSquaredActivation (Primer), calls F.relu inside
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
 @case("ACT-001")
 def _saturated_tanh(bug: bool) -> Case:
     m = mlp(act=nn.Tanh())

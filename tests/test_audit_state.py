@@ -206,3 +206,47 @@ def test_audit_called_under_no_grad_still_audits_the_training_step() -> None:
     with torch.no_grad():
         report = audit(model, step, optimizer=opt, inputs=inputs)
     assert not report.by_id("LOSS-001") and not report.errors
+
+
+def test_lora_audit_clones_only_trainable_tensors_and_restores_exactly() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from guardtower.audit._state import TrainingState
+
+    model = get_peft_model(gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    batch = token_batch()
+    train_a_bit(model, opt, lambda: model(**batch))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = TrainingState(model, opt, batch)
+    assert {id(p) for p, _ in state.params} == {id(p) for p in trainable}
+    cloned_bytes = sum(saved.numel() * saved.element_size() for _, saved in state.params)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert cloned_bytes < 0.1 * model_bytes
+    before = fingerprint(model, opt, batch)
+    audit(model, lambda: model(**batch), optimizer=opt, inputs=batch)
+    assert fingerprint(model, opt, batch) == before
+
+
+def test_in_place_change_of_a_frozen_parameter_is_warned_about() -> None:
+    model = _BackboneFrozen()
+    x, y = regression_batch()
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            model.backbone.weight.mul_(0.5)  # e.g. a hand-rolled weight renormalisation
+        return F.mse_loss(model(x), y)
+
+    with pytest.warns(RuntimeWarning, match="frozen parameter"):
+        audit(model, step)
+
+
+class _BackboneFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(8, 16).requires_grad_(False)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.backbone(x)))

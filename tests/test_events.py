@@ -45,6 +45,8 @@ def _strategy_for(annotation: str) -> st.SearchStrategy[Any]:
         "str | None": st.none() | _text,
         "Severity": st.sampled_from(list(Severity)),
         "tuple[str, ...]": st.lists(_text, max_size=4).map(tuple),
+        "tuple[int, ...]": st.lists(st.integers(-(2**31), 2**31), max_size=4).map(tuple),
+        "tuple[float, ...]": st.lists(_floats, max_size=4).map(tuple),
         "tuple[tuple[str, float, float], ...]": st.lists(st.tuples(_text, _floats, _floats), max_size=4).map(tuple),
         "dict[str, Any]": st.dictionaries(_text, _json_value, max_size=4),
         "dict[str, float]": st.dictionaries(_text, _floats, max_size=4),

@@ -7,6 +7,7 @@ checks (a crashing check becomes an ``AUDIT-001`` finding), restores the state, 
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any, Callable, Iterable
 
@@ -27,7 +28,7 @@ from guardtower.severity import Severity
 
 __all__ = ["audit", "run_static", "select_checks", "FLUSH_TIMEOUT_S"]
 
-#: how long ``audit()`` waits for its own bus's sinks before returning
+#: how long ``audit()`` waits (in total) for the sinks of the bus it made before returning
 FLUSH_TIMEOUT_S = 5.0
 #: checks that read the optimizer step the runner measures
 _UPDATE_CHECKS = frozenset({"update_ratio", "mixed_precision"})
@@ -111,8 +112,9 @@ def audit(
         _publish(event_bus, report)
     finally:
         if owned:
+            deadline = time.monotonic() + FLUSH_TIMEOUT_S
             event_bus.flush(FLUSH_TIMEOUT_S)
-            event_bus.close(FLUSH_TIMEOUT_S)
+            event_bus.close(max(0.0, deadline - time.monotonic()))
     return report
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,11 +91,16 @@ class TrainingState:
 
     def __init__(self, model: nn.Module, optimizer: Any = None, inputs: Any = None, scaler: Any = None) -> None:
         self.model = model
-        self.params = [(p, p.detach().clone()) for p in _unique(model.parameters())]
-        self.grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p, _ in self.params]
+        self.optimizers = [OptimizerState(o) for o in _optimizer_chain(optimizer)]
+        in_optimizer = {id(p) for o in self.optimizers for g in o.optimizer.param_groups for p in g["params"]}
+        all_params = _unique(model.parameters())
+        # only tensors an optimizer step can touch are cloned: a LoRA audit does not copy the frozen base
+        self.params = [(p, p.detach().clone()) for p in all_params if p.requires_grad or id(p) in in_optimizer]
+        cloned = {id(p) for p, _ in self.params}
+        self.frozen_versions = [(p, p._version) for p in all_params if id(p) not in cloned]
+        self.grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in all_params]
         self.buffers = [(b, b.detach().clone()) for b in _unique(model.buffers())]
         self.training = [(m, m.training) for m in model.modules()]
-        self.optimizers = [OptimizerState(o) for o in _optimizer_chain(optimizer)]
         self.inputs = TensorFlags()
         for _, t in iter_tensors(inputs, depth=6):
             self.inputs.add(t)
@@ -139,6 +145,14 @@ class TrainingState:
         """Put back everything (idempotent)."""
         torch.set_grad_enabled(self.grad_enabled)
         self.restore_values()
+        touched = [p for p, version in self.frozen_versions if p._version != version]
+        if touched:
+            warnings.warn(
+                f"guardtower.audit: step_fn modified {len(touched)} frozen parameter(s) outside the optimizer "
+                "in place; the audit does not snapshot frozen parameters, so they keep the new values",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         with torch.no_grad():
             for p, grad, grad_copy in self.grads:
                 if grad is not None and grad_copy is not None:

@@ -157,7 +157,15 @@ def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[dict[str, Any]]
 
 
 def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags) -> StepTrace:
-    """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``."""
+    """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``.
+
+    ``trace.extras`` keys checks may read: ``calls`` (list of ``RootCall``), ``phase`` (``"step_fn"`` or
+    ``"backward"`` when ``trace.error`` is set), ``backward`` (True when gradients were produced, by the audit
+    or by ``step_fn`` itself), ``loss_requires_grad``, ``input_grads`` (watched input -> gradient norm or
+    None), ``leak`` (per watched input: samples whose input reaches sample 0's prediction). The runner adds
+    ``update`` (param name -> ``UpdateStats`` of the trial optimizer step), ``update_error`` and
+    ``input_independent``.
+    """
     trace = StepTrace()
     ctx.trace = trace
     calls: list[RootCall] = []

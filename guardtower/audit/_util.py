@@ -17,7 +17,6 @@ __all__ = [
     "is_lora_factor",
     "fmt_names",
     "LABEL_KEYS",
-    "as_float",
 ]
 
 #: mapping keys that hold targets rather than model inputs
@@ -88,8 +87,3 @@ def fmt_names(names: list[str], limit: int = 5) -> str:
     """``a, b, c and 4 more``."""
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
-
-
-def as_float(t: torch.Tensor) -> float:
-    """A Python float from a 0-d tensor (the audit is one step; syncing here is fine)."""
-    return float(t.detach().float().item())

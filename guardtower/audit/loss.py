@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -38,7 +38,6 @@ class LossCall:
     input_max: float | None = None
     rows_sum_to_one: bool = False
     all_ignored: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCall | None:

@@ -41,7 +41,7 @@ _MAX_MODULE_CALLS = 100_000
 class ActivationRecord:
     """What the forward pass produced, per module call site."""
 
-    order: list[str] = field(default_factory=list)
+    module_calls: int = 0
     first_nonfinite: dict[str, Any] | None = None
     first_neginf: str | None = None
     max_abs: dict[str, float] = field(default_factory=dict)
@@ -103,10 +103,10 @@ class _Recorder:
     def post(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         if self.stack and self.stack[-1][1] is module:
             self.stack.pop()
-        if len(self.record.order) >= _MAX_MODULE_CALLS:
+        if self.record.module_calls >= _MAX_MODULE_CALLS:
             return
+        self.record.module_calls += 1
         site = self.site(name or "<model>")
-        self.record.order.append(site)
         with torch.no_grad():
             for path, t in iter_tensors(output, depth=3):
                 if t.is_floating_point() and t.numel() > 0 and t.device.type != "meta":

@@ -1,0 +1,34 @@
+"""Experiment-tracker bridges: bus sinks that forward guardtower events to W&B and MLflow.
+
+Names resolve lazily, and the bridge modules import ``wandb``/``mlflow`` only when a bridge is constructed,
+so ``import guardtower.bridges`` stays cheap and works without either package installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["WandBBridge", "MLflowBridge"]
+
+_EXPORTS: dict[str, str] = {
+    "WandBBridge": "guardtower.bridges.wandb",
+    "MLflowBridge": "guardtower.bridges.mlflow",
+}
+
+if TYPE_CHECKING:
+    from guardtower.bridges.mlflow import MLflowBridge
+    from guardtower.bridges.wandb import WandBBridge
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'guardtower.bridges' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

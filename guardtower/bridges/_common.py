@@ -1,0 +1,38 @@
+"""What both tracker bridges share: lazy imports, argument checks, incident wording."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from guardtower.errors import ConfigError, MissingDependencyError
+from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent
+
+__all__ = ["require", "check_prefix", "incident_label", "INCIDENT_KINDS"]
+
+#: event kinds that are incidents: they update ``last_incident`` and the incident totals
+INCIDENT_KINDS = frozenset({SpikeEvent.kind, SkipEvent.kind, RollbackEvent.kind, HaltEvent.kind, "nonfinite"})
+
+
+def require(package: str, extra: str) -> ModuleType:
+    """Import an optional package, or raise ``MissingDependencyError`` naming the extra to install."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as exc:
+        raise MissingDependencyError(package, extra) from exc
+
+
+def check_prefix(prefix: object) -> str:
+    """The metric/tag namespace must be a plain non-empty name (it becomes a key prefix and a folder)."""
+    if not isinstance(prefix, str) or not prefix.strip() or any(c in prefix for c in " /\\"):
+        raise ConfigError("prefix", f"{prefix!r} is not a usable name", 'pass a short name such as "guardtower"')
+    return prefix
+
+
+def incident_label(event: Event) -> str:
+    """``kind=spike step=120 layer=h.0.attn.c_attn.weight``: what and where, for a tag or an alert line."""
+    parts = [f"kind={event.kind}", f"step={event.step if event.step is not None else '-'}"]
+    where = getattr(event, "layer", "") or getattr(event, "module", "")
+    if where:
+        parts.append(f"layer={where}")
+    return " ".join(parts)

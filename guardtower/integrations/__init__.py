@@ -1,0 +1,7 @@
+"""Integrations with training frameworks. Each submodule imports its framework lazily.
+
+``guardtower.integrations.huggingface``: ``GuardtowerCallback`` and ``StabilityGuardCallback`` for the
+Hugging Face ``Trainer`` (needs ``pip install "guardtower[hf]"``).
+"""
+
+__all__: list[str] = []

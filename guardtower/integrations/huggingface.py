@@ -1,0 +1,294 @@
+"""Hugging Face ``Trainer`` callbacks: a pre-flight audit on the first real batch, and a guarded optimizer.
+
+``GuardtowerCallback`` audits the model on the first training batch, before the first optimizer step, with
+the batch, precision (the Trainer's autocast) and optimizer the Trainer itself uses. A ``TrainerCallback``
+never sees the batch, so the callback hooks the model's forward once: the first training-mode forward
+carries exactly the inputs ``compute_loss`` passes. The audit leaves every tensor as it found it, so the
+real step then runs unchanged; with ``raise_on_error=True`` a failed pre-flight raises ``PreflightFailed``
+out of ``trainer.train()`` before any weight has changed.
+
+``StabilityGuardCallback`` puts a ``GuardedOptimizer`` inside the optimizer the Trainer steps (Accelerate's
+``AcceleratedOptimizer`` holds the real optimizer in ``.optimizer``), so every update goes through the guard.
+The Trainer clips gradients before it steps; clipped gradients hide a spike, so when ``max_grad_norm`` is
+set the callback moves the clipping behind the guard's decision (same norm, applied only to accepted steps).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from guardtower._dist import current_rank
+from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower.errors import ConfigError, MissingDependencyError, PreflightFailed
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess without transformers
+    raise MissingDependencyError("transformers", "hf") from exc
+
+if False:  # pragma: no cover - typing only, without importing the guard at module import
+    from guardtower.guard import GuardedOptimizer
+    from guardtower.report import Report
+
+__all__ = ["GuardtowerCallback", "StabilityGuardCallback"]
+
+logger = logging.getLogger("guardtower.integrations.huggingface")
+
+
+class GuardtowerCallback(TrainerCallback):  # type: ignore[misc]
+    """Run ``guardtower.audit`` on the Trainer's first real batch, before the first optimizer step.
+
+    ``raise_on_error=True`` stops ``trainer.train()`` with ``PreflightFailed`` when the audit finds a FAIL;
+    otherwise the report is printed (``verbose``) and training goes on. The audit publishes its ``finding``
+    and ``preflight`` events to ``sinks`` (e.g. an ``MLflowBridge`` tags the run). ``.report`` holds the
+    last report, ``None`` before the first audit.
+    """
+
+    def __init__(
+        self,
+        *,
+        raise_on_error: bool = False,
+        checks: str | Iterable[str] = "all",
+        verbose: bool = True,
+        sinks: Iterable[Sink] | None = None,
+        bus: EventBus | None = None,
+    ) -> None:
+        if not isinstance(raise_on_error, bool):
+            raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
+                              "pass raise_on_error=True to stop training on a failed pre-flight")
+        from guardtower.audit._runner import select_checks
+
+        select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
+        self.checks = checks
+        self.raise_on_error = raise_on_error
+        self.verbose = bool(verbose)
+        self._bus, self._owns_bus = resolve_bus(bus, sinks)
+        self.report: Report | None = None
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+        self._optimizer: Any = None
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        if model is None:
+            logger.warning("guardtower: the Trainer passed no model to on_train_begin; pre-flight skipped")
+            return
+        self._remove_hook()
+        self._optimizer = optimizer
+        self._handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self._remove_hook()
+        self._optimizer = None
+        self._bus.flush(5.0)
+
+    def close(self) -> None:
+        """Detach from the model and close the event bus if this callback created it."""
+        self._remove_hook()
+        if self._owns_bus:
+            self._bus.close(5.0)
+
+    def _remove_hook(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _first_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: audit with this exact call, once, on the first training-mode forward."""
+        if not module.training or not torch.is_grad_enabled():
+            return None  # an evaluation before training (eval_on_start) is not the first training batch
+        self._remove_hook()
+        report = self.run_audit(module, args, kwargs)
+        if report is not None and self.raise_on_error and not report.ok:
+            self._bus.flush(10.0)  # the run's trackers get the failure before train() unwinds
+            raise PreflightFailed(report)
+        return None
+
+    def run_audit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Report | None:
+        """Audit ``model`` on one call's inputs with the Trainer's optimizer and scaler; keep and print the report."""
+        from guardtower.audit import audit
+
+        optimizer = _innermost_optimizer(self._optimizer)
+        scaler = getattr(self._optimizer, "scaler", None)
+
+        def step_fn() -> Any:  # the loss exactly as Trainer.compute_loss gets it: model(**inputs).loss
+            return model(*args, **kwargs)
+
+        try:
+            report = audit(model, step_fn, optimizer=optimizer, inputs=kwargs or args, checks=self.checks,
+                           scaler=scaler, bus=self._bus)
+        except ConfigError:
+            raise
+        except Exception:  # a bug in a check must not stop a training run the user did not ask to stop
+            logger.warning("guardtower: the pre-flight audit itself failed; training continues", exc_info=True)
+            return None
+        self.report = report
+        if self.verbose and current_rank() == 0:
+            print(report, flush=True)
+        return report
+
+
+def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The user's optimizer under Accelerate's wrapper and a GuardedOptimizer (the audit must not count steps)."""
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "base_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+class StabilityGuardCallback(TrainerCallback):  # type: ignore[misc]
+    """Guard every optimizer step of a ``Trainer`` with a ``GuardedOptimizer``.
+
+    Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step). In ``on_train_begin``
+    the optimizer inside Accelerate's wrapper is replaced by a ``GuardedOptimizer`` around it, so the
+    Trainer's own ``optimizer.step()`` goes through the guard. Events carry the Trainer's ``global_step``;
+    ``on_log`` adds ``guardtower/spikes``, ``guardtower/skipped_steps`` and ``guardtower/rollbacks``.
+
+    With ``max_grad_norm > 0`` the Trainer would clip before the guard sees the gradients, and a clipped
+    spike looks normal. The callback therefore sets ``args.max_grad_norm = 0`` for the run (the Trainer still
+    logs the unclipped norm) and clips with the same norm right before each accepted update; the value is
+    restored at the end of training. ``clip_in_guard=False`` keeps the Trainer's clipping as it is.
+    """
+
+    def __init__(
+        self,
+        spike_threshold: float = 10.0,
+        nan_action: str = "skip",
+        *,
+        clip_in_guard: bool = True,
+        sinks: Iterable[Sink] | None = None,
+        bus: EventBus | None = None,
+        **guard_kwargs: Any,
+    ) -> None:
+        from guardtower.guard import GuardedOptimizer
+
+        for reserved in ("base_optimizer", "model"):
+            if reserved in guard_kwargs:
+                raise ConfigError(reserved, "is set by the callback from the Trainer",
+                                  f"remove {reserved}= from StabilityGuardCallback(...)")
+        self.guard_kwargs: dict[str, Any] = dict(spike_threshold=spike_threshold, nan_action=nan_action,
+                                                 **guard_kwargs)
+        # build a throwaway guard now so a bad argument fails here, not after the Trainer has started
+        probe = GuardedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), **self.guard_kwargs)
+        probe.close()
+        self.clip_in_guard = bool(clip_in_guard)
+        self._bus, self._owns_bus = resolve_bus(bus, sinks)
+        self.guard: GuardedOptimizer | None = None
+        self._holder: Any = None
+        self._clip_handle: Any = None
+        self._saved_max_grad_norm: float | None = None
+        self._args: TrainingArguments | None = None
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        from guardtower.guard import GuardedOptimizer
+
+        holder = _step_holder(optimizer)
+        if holder is None:
+            raise ConfigError(
+                "optimizer", f"the Trainer steps a {type(optimizer).__name__}, which holds no inner optimizer to guard",
+                "use the Trainer's default Accelerate setup, or wrap your optimizer in GuardedOptimizer yourself",
+            )
+        inner = holder.optimizer
+        if isinstance(inner, GuardedOptimizer):  # a second train() call: keep the guard and its baselines
+            self.guard = inner
+        else:
+            self.guard = GuardedOptimizer(inner, model, **self.guard_kwargs, bus=self._bus)
+            _swap_inner_optimizer(holder, self.guard)
+        self._holder = holder
+        self._args = args
+        if self.clip_in_guard and args.max_grad_norm and args.max_grad_norm > 0 and not _trainer_shards(args):
+            self._saved_max_grad_norm = float(args.max_grad_norm)
+            args.max_grad_norm = 0.0
+            self._clip_handle = self.guard.base_optimizer.register_step_pre_hook(
+                _clipper(self.guard.base_optimizer, self._saved_max_grad_norm))
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
+        if self.guard is not None:
+            # the guard numbers its steps from step_count; the Trainer's update is global_step + 1
+            self.guard.step_count = state.global_step
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if self.guard is None or logs is None:
+            return
+        counters = {
+            "guardtower/spikes": self.guard.total_spikes,
+            "guardtower/skipped_steps": self.guard.total_skips,
+            "guardtower/rollbacks": self.guard.total_rollbacks,
+        }
+        logs.update(counters)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step:  # Trainer.log stored a copy before on_log
+            history[-1].update(counters)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self.guard is not None:
+            self.guard.flush(10.0)
+        self._restore_clipping()
+
+    def close(self) -> None:
+        """Restore the Trainer's optimizer and clipping, close the guard and the bus if this callback made it."""
+        self._restore_clipping()
+        if self.guard is not None and self._holder is not None and self._holder.optimizer is self.guard:
+            _swap_inner_optimizer(self._holder, self.guard.base_optimizer)
+        if self.guard is not None:
+            self.guard.close()
+        if self._owns_bus:
+            self._bus.close(5.0)
+
+    def _restore_clipping(self) -> None:
+        if self._clip_handle is not None:
+            self._clip_handle.remove()
+            self._clip_handle = None
+        if self._saved_max_grad_norm is not None and self._args is not None:
+            self._args.max_grad_norm = self._saved_max_grad_norm
+            self._saved_max_grad_norm = None
+
+
+def _step_holder(optimizer: Any) -> Any:
+    """The innermost wrapper whose ``step`` calls ``self.optimizer.step`` (Accelerate's ``AcceleratedOptimizer``)."""
+    holder = None
+    current = optimizer
+    while isinstance(getattr(current, "optimizer", None), torch.optim.Optimizer):
+        holder = current
+        current = current.optimizer
+        if type(current).__name__ == "GuardedOptimizer":
+            break
+    return holder
+
+
+def _swap_inner_optimizer(holder: Any, new: torch.optim.Optimizer) -> None:
+    """Put ``new`` where ``holder`` keeps its optimizer, including Accelerate's GradScaler step patch."""
+    holder.optimizer = new
+    if getattr(holder, "scaler", None) is not None and hasattr(holder, "_optimizer_original_step_method"):
+        from accelerate.optimizer import patch_optimizer_step
+
+        holder._optimizer_original_step_method = new.step
+        holder._optimizer_patched_step_method = patch_optimizer_step(holder, new.step)
+
+
+def _trainer_shards(args: TrainingArguments) -> bool:
+    """FSDP and DeepSpeed clip sharded gradients themselves; the guard then sees clipped gradients."""
+    return bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
+
+
+def _clipper(optimizer: torch.optim.Optimizer, max_norm: float) -> Any:
+    def clip(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    return clip

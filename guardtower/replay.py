@@ -1,0 +1,146 @@
+"""``guardtower replay SPOOL...``: re-send the events a sink could not deliver.
+
+Each spool entry records its sink as ``"<kind>:<name>"`` (e.g. ``slack:alerts`` or
+``mlflow:<run_id>|guardtower|http://host``). ``REPLAYERS`` maps a kind to a factory that gets the parsed
+command line (with ``sink``, ``sink_kind`` and ``sink_name`` filled in) and returns ``deliver(event)``, which
+raises when the event could not be sent. Entries are re-sent in order and each is acknowledged in the spool
+as it succeeds, so running the command again never sends an event twice; a sink stops at its first failure.
+Destinations come from ``--url``/``--routing-key``/``--secret``/``--tracking-uri`` or the environment
+variables the sinks read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from guardtower.errors import GuardtowerError
+from guardtower.events import Event
+from guardtower.spool import Spool, SpoolEntry
+
+__all__ = ["main", "REPLAYERS", "Replayer"]
+
+Replayer = Callable[[argparse.Namespace], Callable[[Event], None]]
+
+
+def _mlflow(args: argparse.Namespace) -> Callable[[Event], None]:
+    from guardtower.bridges.mlflow import replayer
+
+    return replayer(args.sink_name, tracking_uri=args.tracking_uri, request_timeout=args.timeout)
+
+
+def _webhook(args: argparse.Namespace) -> Callable[[Event], None]:
+    from guardtower.alerts import WebhookAlert
+
+    return WebhookAlert(args.url, secret=args.secret).send_now
+
+
+def _slack(args: argparse.Namespace) -> Callable[[Event], None]:
+    from guardtower.alerts import SlackAlert
+
+    return SlackAlert(args.url).send_now
+
+
+def _discord(args: argparse.Namespace) -> Callable[[Event], None]:
+    from guardtower.alerts import DiscordAlert
+
+    return DiscordAlert(args.url).send_now
+
+
+def _teams(args: argparse.Namespace) -> Callable[[Event], None]:
+    from guardtower.alerts import TeamsAlert
+
+    return TeamsAlert(args.url).send_now
+
+
+def _pagerduty(args: argparse.Namespace) -> Callable[[Event], None]:
+    from guardtower.alerts.pagerduty import EVENTS_API_URL, PagerDutyAlert
+
+    return PagerDutyAlert(args.routing_key, url=args.url or EVENTS_API_URL).send_now
+
+
+#: sink kind (the part of a spool entry's ``sink`` before the first ``:``) -> deliver factory
+REPLAYERS: dict[str, Replayer] = {
+    "mlflow": _mlflow,
+    "webhook": _webhook,
+    "slack": _slack,
+    "discord": _discord,
+    "teams": _teams,
+    "pagerduty": _pagerduty,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="guardtower replay", description=__doc__.splitlines()[0])
+    parser.add_argument("spools", nargs="+", metavar="SPOOL", help="spool file(s) (*.jsonl) written by a sink")
+    parser.add_argument("--list", action="store_true", help="only list the pending entries, send nothing")
+    parser.add_argument("--url", help="alert destination URL (default: the sink's environment variable, "
+                                      "e.g. SLACK_WEBHOOK_URL)")
+    parser.add_argument("--routing-key", help="PagerDuty routing key (default: PAGERDUTY_ROUTING_KEY)")
+    parser.add_argument("--secret", help="webhook HMAC secret (default: GUARDTOWER_WEBHOOK_SECRET)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow tracking URI (default: the one recorded in the spool)")
+    parser.add_argument("--timeout", type=int, default=10, help="seconds per MLflow request (default: 10)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 everything sent, 1 entries remain, 2 bad usage or no destination."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    missing = [p for p in args.spools if not Path(p).is_file()]
+    if missing:
+        print(f"guardtower replay: no such spool file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    remaining = 0
+    status = 0
+    for path in args.spools:
+        spool = Spool(path)
+        pending = list(spool.entries())
+        if not pending:
+            print(f"{path}: nothing to replay")
+            continue
+        if args.list:
+            for entry in pending:
+                print(f"{entry.sink}\t{entry.event.kind}\tstep={entry.event.step}\t{entry.event.event_id}\t{entry.reason}")
+            continue
+        sent, left, usage_error = _replay_file(spool, pending, args)
+        remaining += left
+        status = max(status, 2 if usage_error else 0)
+        print(f"{path}: sent {sent}, remaining {left}")
+    return status or (1 if remaining else 0)
+
+
+def _replay_file(spool: Spool, pending: list[SpoolEntry], args: argparse.Namespace) -> tuple[int, int, bool]:
+    """Replay one spool, sink by sink; returns (sent, remaining, whether a destination was unusable)."""
+    by_sink: dict[str, list[SpoolEntry]] = {}
+    for entry in pending:
+        by_sink.setdefault(entry.sink, []).append(entry)
+    sent = 0
+    usage_error = False
+    for sink, entries in by_sink.items():
+        kind, _, name = sink.partition(":")
+        factory = REPLAYERS.get(kind)
+        if factory is None:
+            print(f"guardtower replay: no replayer for sink kind {kind!r} (known: {sorted(REPLAYERS)})",
+                  file=sys.stderr)
+            usage_error = True
+            continue
+        try:
+            deliver = factory(argparse.Namespace(**vars(args), sink=sink, sink_kind=kind, sink_name=name))
+        except GuardtowerError as exc:
+            print(f"guardtower replay: cannot replay to {kind}: {exc}", file=sys.stderr)
+            usage_error = True
+            continue
+        for entry in entries:
+            try:
+                deliver(entry.event)
+            except Exception as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                print(f"guardtower replay: {kind} failed at {entry.event.kind} step {entry.event.step}: {reason}",
+                      file=sys.stderr)
+                break
+            spool.ack(entry.event.event_id)
+            sent += 1
+    return sent, len(pending) - sent, usage_error
