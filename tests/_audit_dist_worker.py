@@ -123,6 +123,13 @@ def scenario_diverged() -> dict[str, Any]:
     return {"ids": sorted(ids(report)), "params": finding[0].details["params"] if finding else []}
 
 
+def scenario_different_models() -> dict[str, Any]:
+    model = net(spare=dist.get_rank() == 1)  # e.g. a config read from a per-node file; DDP would refuse to wrap
+    report = run_audit(model, step(model, first_batch(sharded=True)))
+    finding = report.by_id("DDP-005")
+    return {"ids": sorted(ids(report)), "counts": finding[0].details.get("param_counts") if finding else None}
+
+
 def scenario_same_batch() -> dict[str, Any]:
     model = DDP(net())
     return {"ids": sorted(ids(run_audit(model, step(model, first_batch(sharded=False)))))}

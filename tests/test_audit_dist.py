@@ -106,6 +106,8 @@ def test_ddp_005_ranks_start_from_different_weights(ranks) -> None:
         assert ddp_ids(rank["diverged"]) == {"DDP-005"}
         assert rank["diverged"]["params"] == ["module.fc2.weight"]
         assert "DDP-005" not in rank["clean"]["ids"]
+        assert ddp_ids(rank["different_models"]) == {"DDP-003", "DDP-005"}
+        assert rank["different_models"]["counts"] == [4, 6]
 
 
 def test_ddp_006_every_rank_gets_the_same_batch(ranks) -> None:

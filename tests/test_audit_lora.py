@@ -104,7 +104,7 @@ def test_lora_002_clean_when_loaded_trainable(tmp_path) -> None:
     assert not run_audit(loaded, lm_step(loaded, lm_batch())).by_id("LORA-002")
 
 
-# --- LORA-003 adapter missing from optimizer ---------------------------------------------------------------------------
+# --- LORA-003 adapter missing from optimizer ------------------------------------------------------------------------
 
 
 def test_lora_003_optimizer_built_before_get_peft_model() -> None:
@@ -130,7 +130,7 @@ def test_lora_003_clean_when_optimizer_built_after() -> None:
     assert not lora_summary(model, optimizer=trainable_optimizer(model)).by_id("LORA-003")
 
 
-# --- LORA-004 zero gradient of the random factor at init (expected) -------------------------------------------------------
+# --- LORA-004 zero gradient of the random factor at init (expected) -------------------------------------------------
 
 
 def test_lora_004_is_info_and_clean_when_b_is_not_zero() -> None:
@@ -151,7 +151,7 @@ def test_lora_004_gone_after_one_real_training_step() -> None:
     assert not report.by_id("LORA-004") and not report.by_id("LORA-006")
 
 
-# --- LORA-005 trainable share high ------------------------------------------------------------------------------------------
+# --- LORA-005 trainable share high ----------------------------------------------------------------------------------
 
 
 def test_lora_005_large_rank_on_small_model() -> None:
@@ -165,7 +165,7 @@ def test_lora_005_clean_for_small_rank() -> None:
     assert "trainable" in report.title and "3.2" in report.title
 
 
-# --- LORA-006 zero-init factor gets no gradient (reentrant checkpointing) ---------------------------------------------------
+# --- LORA-006 zero-init factor gets no gradient (reentrant checkpointing) -------------------------------------------
 
 
 def _checkpointed_llama_cls(reentrant: bool) -> tuple[nn.Module, object]:
@@ -228,7 +228,7 @@ def test_lora_006_embedding_adapter_zero_factor_is_lora_embedding_a() -> None:
     assert any("lora_embedding_B" in p for p in expected) and any("lora_A" in p for p in expected)
 
 
-# --- LORA-007 adapters merged or disabled ---------------------------------------------------------------------------------------
+# --- LORA-007 adapters merged or disabled ---------------------------------------------------------------------------
 
 
 def test_lora_007_merged_adapter_left_from_evaluation() -> None:
@@ -268,7 +268,7 @@ def test_lora_007_clean_for_dpo_style_reference_forward() -> None:
     assert not report.by_id("LORA-007") and not report.by_id("LORA-006")
 
 
-# --- LORA-008 frozen classification head -------------------------------------------------------------------------------------------
+# --- LORA-008 frozen classification head ----------------------------------------------------------------------------
 
 
 def test_lora_008_bert_classifier_frozen_without_task_type() -> None:
@@ -287,7 +287,7 @@ def test_lora_008_clean_with_seq_cls_task_type() -> None:
     assert not lora_summary(model).by_id("LORA-008")
 
 
-# --- LORA-009 partial block coverage -------------------------------------------------------------------------------------------------
+# --- LORA-009 partial block coverage --------------------------------------------------------------------------------
 
 
 def test_lora_009_regex_matches_only_first_block() -> None:
@@ -303,7 +303,7 @@ def test_lora_009_clean_for_all_blocks_or_explicit_layers_to_transform() -> None
     assert not lora_summary(deliberate).by_id("LORA-009")
 
 
-# --- LORA-010 half-precision adapters ---------------------------------------------------------------------------------------------------
+# --- LORA-010 half-precision adapters -------------------------------------------------------------------------------
 
 
 def test_lora_010_model_cast_to_bf16_after_wrapping() -> None:
@@ -318,7 +318,7 @@ def test_lora_010_clean_when_bf16_base_keeps_fp32_adapters() -> None:
     assert not lora_summary(model).by_id("LORA-010")
 
 
-# --- LORA-011 scaling out of range ------------------------------------------------------------------------------------------------------
+# --- LORA-011 scaling out of range ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("r, alpha, shrunk", [(16, 1, True), (4, 64, False)])
@@ -335,7 +335,7 @@ def test_lora_011_clean_for_usual_scaling_and_rslora() -> None:
     assert not lora_summary(gpt2_lora(r=16, lora_alpha=4, use_rslora=True)).by_id("LORA-011")
 
 
-# --- LORA-012 tied weights untied by modules_to_save ------------------------------------------------------------------------------------
+# --- LORA-012 tied weights untied by modules_to_save ----------------------------------------------------------------
 
 
 def test_lora_012_lm_head_saved_while_tied_to_embedding() -> None:
@@ -354,7 +354,7 @@ def test_lora_012_clean_with_ensure_weight_tying_or_untied_model() -> None:
     assert not lora_summary(untied).by_id("LORA-012")
 
 
-# --- is_peft_model, lora_summary, catalog ------------------------------------------------------------------------------------------------
+# --- is_peft_model, lora_summary, catalog ---------------------------------------------------------------------------
 
 
 class HandRolledLora(nn.Module):

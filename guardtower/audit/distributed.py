@@ -142,7 +142,8 @@ def _input_fingerprint(value: Any, device: torch.device) -> torch.Tensor | None:
         found = True
         x = t.detach().flatten().to(torch.float64)
         weights = torch.arange(x.numel(), device=x.device, dtype=torch.float64).remainder_(97).add_(1)
-        row = torch.stack([torch.ones((), dtype=torch.float64, device=x.device), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum(), (x * weights).sum()])
+        one = torch.ones((), dtype=torch.float64, device=x.device)
+        row = torch.stack([one, one * x.numel(), x.sum(), (x * weights).sum()])
         fp += row.to(device)
     return fp if found else None
 
@@ -273,7 +274,15 @@ def check_consistency(ctx: AuditContext) -> Iterator[Finding]:
     rows = torch.stack(gathered).cpu()
 
     counts = rows[:, 0]
-    if bool((counts == counts[0]).all()) and int(counts[0]) > 0:
+    if not bool((counts == counts[0]).all()):
+        yield Finding(
+            "dist_consistency",
+            Severity.ERROR,
+            f"the ranks hold different models: parameter counts per rank {[int(c) for c in counts.tolist()]}",
+            "DDP-005",
+            {"param_counts": [int(c) for c in counts.tolist()]},
+        )
+    elif int(counts[0]) > 0:
         both = torch.cat([stats, -stats])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         n = stats.shape[0]

@@ -51,8 +51,6 @@ class LoraStepState:
 
     zero_factors: set[str] = field(default_factory=set)
     """factors that were all zero when the step started (lora_B / lora_embedding_A at init)"""
-    random_factors: set[str] = field(default_factory=set)
-    """the partners of those zero factors; their gradient is zero by construction at step 1"""
     active_calls: dict[str, int] = field(default_factory=dict)
     """LoRA layer -> forwards with an adapter active and unmerged"""
     inactive_calls: dict[str, int] = field(default_factory=dict)
@@ -89,9 +87,7 @@ def _lora_state_probe(ctx: AuditContext) -> Iterator[LoraStepState | None]:
         a_zero = not bool(pair.a.detach().count_nonzero())
         b_zero = not bool(pair.b.detach().count_nonzero())
         if a_zero != b_zero:
-            zero, rand = (pair.a_name, pair.b_name) if a_zero else (pair.b_name, pair.a_name)
-            state.zero_factors.add(zero)
-            state.random_factors.add(rand)
+            state.zero_factors.add(pair.a_name if a_zero else pair.b_name)
 
     def record(name: str, module: nn.Module, args: Any) -> None:
         calls = state.active_calls if _adapter_active(module) else state.inactive_calls
@@ -158,7 +154,8 @@ def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range."""
     if not is_peft_model(ctx.model):
         return
-    frozen = [n for pair in _active_pairs(ctx) for n, p in ((pair.a_name, pair.a), (pair.b_name, pair.b)) if not p.requires_grad]
+    factors = [(pair.a_name, pair.a) for pair in _active_pairs(ctx)] + [(pair.b_name, pair.b) for pair in _active_pairs(ctx)]
+    frozen = [name for name, p in factors if not p.requires_grad]
     if frozen:
         inference = bool(getattr(peft_config(ctx.model), "inference_mode", False))
         hint = " (the adapter was loaded with inference_mode=True)" if inference else ""
