@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from guardtower._jsonl import read_json_lines
 from guardtower.events import (
     Event,
     HaltEvent,
@@ -95,15 +96,13 @@ def _read_jsonl(path: Path) -> Iterator[Event]:
     Lines that are not guardtower events (other tools' JSONL, a torn last line) are skipped, so pointing the
     command at a whole log_dir never fails on a neighbour's file.
     """
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line)
-                if isinstance(record, dict) and "kind" not in record and isinstance(record.get("event"), dict):
-                    record = record["event"]
-                yield event_from_record(record)
-            except (ValueError, TypeError, KeyError, AttributeError):
-                continue
+    for record in read_json_lines(path):
+        if isinstance(record, dict) and "kind" not in record and isinstance(record.get("event"), dict):
+            record = record["event"]
+        try:
+            yield event_from_record(record)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
 
 
 def _spike_report_event(file: Path) -> SpikeEvent | None:

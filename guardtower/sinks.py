@@ -9,12 +9,12 @@ import threading
 from pathlib import Path
 from typing import IO, Iterator
 
+from guardtower._jsonl import check_writable_dir, read_json_lines
 from guardtower._dist import current_rank, world_size
 from guardtower._render import box
 from guardtower.bus import BaseSink
 from guardtower.events import Event, PreflightEvent, SpikeEvent, event_from_record
 from guardtower.severity import Severity
-from guardtower.spool import _check_writable_dir, _read_json_lines
 
 __all__ = ["JsonlSink", "ConsoleSink", "read_events", "render_event"]
 
@@ -35,7 +35,7 @@ class JsonlSink(BaseSink):
             from guardtower.errors import ConfigError
 
             raise ConfigError("path", f"{str(self.path)!r} is a directory", "pass a file path such as events.jsonl")
-        _check_writable_dir(self.path.parent, "path")
+        check_writable_dir(self.path.parent, "path")
         self.name = f"jsonl:{self.path.name}"
         self.fsync_severity = fsync_severity
         self._fh: IO[str] | None = None
@@ -81,7 +81,7 @@ class JsonlSink(BaseSink):
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
     """Events from a JSONL file written by ``JsonlSink``; a torn last line (a crash mid-write) is skipped."""
-    for record in _read_json_lines(Path(path)):
+    for record in read_json_lines(Path(path)):
         yield event_from_record(record)
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from guardtower.errors import ConfigError
+from guardtower._jsonl import check_writable_dir, read_json_lines
 from guardtower.events import Event, event_from_record
 
 __all__ = ["Spool", "SpoolEntry", "default_spool_dir"]
@@ -40,7 +40,7 @@ class Spool:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.acked_path = self.path.with_name(self.path.name + ".acked")
-        _check_writable_dir(self.path.parent, "spool_path")
+        check_writable_dir(self.path.parent, "spool_path")
         self._lock = threading.Lock()
 
     def append(self, event: Event, reason: str, sink: str = "") -> None:
@@ -68,7 +68,7 @@ class Spool:
             return
         acked = self.acked_ids()
         seen: set[str] = set()
-        for record in _read_json_lines(self.path):
+        for record in read_json_lines(self.path):
             event = event_from_record(record["event"])
             if event.event_id in acked or event.event_id in seen:
                 continue
@@ -111,23 +111,3 @@ class Spool:
             self.ack(entry.event.event_id)
             sent += 1
         return sent, len(pending) - sent
-
-
-def _read_json_lines(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn line from a crash mid-write
-
-
-def _check_writable_dir(directory: Path, argument: str) -> None:
-    """Raise ConfigError now, not later on a worker thread, when ``directory`` cannot take files."""
-    if not directory.is_dir():
-        raise ConfigError(argument, f"directory {str(directory)!r} does not exist", "create it or pass another path")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(argument, f"directory {str(directory)!r} is not writable", "pass a writable path")

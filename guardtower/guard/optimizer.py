@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
+from guardtower._jsonl import check_writable_dir
 from guardtower._dist import current_rank, is_distributed, world_size
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, GradientSpikeError
@@ -35,7 +36,6 @@ from guardtower.guard.detector import Detector, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
 from guardtower.severity import Severity
-from guardtower.spool import _check_writable_dir
 
 __all__ = ["GuardedOptimizer"]
 
@@ -136,7 +136,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         except OSError as exc:
             raise ConfigError("log_dir", f"cannot create {str(log_path)!r} ({exc.strerror})",
                               "pass a writable directory") from None
-        _check_writable_dir(log_path, "log_dir")
+        check_writable_dir(log_path, "log_dir")
 
         # --- the Optimizer machinery, without Optimizer.__init__ (which would copy the param groups) ---
         self._base = base_optimizer
@@ -164,6 +164,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._names = names
         self._params = params
         self._device = params[0].device if params else torch.device("cpu")
+        # constants the step reuses instead of allocating them every step
+        self._nan = torch.full((), math.nan, device=self._device)
+        self._false = torch.zeros((), dtype=torch.bool, device=self._device)
         self._meter = GradMeter(self._device, process_group)
         self.detector.resize(len(params), self._device)
         self._records = RecordQueue()
@@ -335,7 +338,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(()) > 0
             flags = flags * (~overflow).to(torch.float32)  # an overflow step is the scaler's, not a spike
         else:
-            overflow = torch.zeros((), dtype=torch.bool, device=device)
+            overflow = self._false
         if self._distributed():
             import torch.distributed as dist
 
@@ -344,7 +347,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.detector.update(norms, global_norm, ~reject & ~overflow)
 
         loss_value: float | None = None
-        loss_slot = torch.full((), math.nan, device=device)
+        loss_slot = self._nan
         if isinstance(loss, Tensor):
             loss_slot = loss.detach().to(device, torch.float32, non_blocking=True).mean()
         elif isinstance(loss, (int, float)):
