@@ -49,6 +49,8 @@ class AuditContext:
     trace: StepTrace | None = None
     """None for static audits (``lora_summary``)"""
     probes: dict[str, Any] = field(default_factory=dict)
+    memo: dict[str, Any] = field(default_factory=dict)
+    """facts several checks derive from the model, computed once per audit"""
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def _adapter_active(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def _lora_state_probe(ctx: AuditContext) -> Iterator[LoraStepState | None]:
     """Record which factors start at zero and whether each LoRA layer ran with its adapter active."""
-    if not is_peft_model(ctx.model):
+    if not _is_peft(ctx):
         yield None
         return
     state = LoraStepState()
@@ -122,10 +122,17 @@ def _active_pairs(ctx: AuditContext) -> list[AdapterPair]:
     return pairs
 
 
+def _is_peft(ctx: AuditContext) -> bool:
+    """``is_peft_model`` walks the parameters; the LoRA checks ask once per audit."""
+    if "is_peft" not in ctx.memo:
+        ctx.memo["is_peft"] = is_peft_model(ctx.model)
+    return bool(ctx.memo["is_peft"])
+
+
 @check("lora_base_frozen", static=True)
 def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-001: base weights still trainable next to the adapters."""
-    if not is_peft_model(ctx.model) or not any(True for _ in lora_layers(ctx.model)):
+    if not _is_peft(ctx) or not any(True for _ in lora_layers(ctx.model)):
         return
     bias = str(getattr(peft_config(ctx.model), "bias", "none") or "none")
     unfrozen = {
@@ -152,7 +159,7 @@ def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
 @check("lora_adapter", static=True)
 def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range."""
-    if not is_peft_model(ctx.model):
+    if not _is_peft(ctx):
         return
     factors = [(pair.a_name, pair.a) for pair in _active_pairs(ctx)] + [(pair.b_name, pair.b) for pair in _active_pairs(ctx)]
     frozen = [name for name, p in factors if not p.requires_grad]
@@ -220,7 +227,7 @@ def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
 @check("lora_optimizer", static=True)
 def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-003: trainable adapter factors the optimizer does not hold."""
-    if ctx.optimizer is None or not is_peft_model(ctx.model):
+    if ctx.optimizer is None or not _is_peft(ctx):
         return
     held = {id(p) for group in ctx.optimizer.param_groups for p in group["params"]}
     adapters = {n: p for n, p in ctx.params.items() if p.requires_grad and is_adapter_param(n)}
@@ -240,7 +247,7 @@ def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
 @check("lora_trainable_pct", static=True)
 def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-005: adapters plus saved modules are a large share of the model."""
-    if not is_peft_model(ctx.model):
+    if not _is_peft(ctx):
         return
     total = sum(p.numel() for p in ctx.params.values())
     extra = {n: p for n, p in ctx.params.items() if p.requires_grad and (is_adapter_param(n) or is_saved_param(n))}
@@ -261,7 +268,7 @@ def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
 @check("lora_dtype", static=True)
 def check_dtype(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-010: trainable adapter weights stored in fp16/bf16."""
-    if not is_peft_model(ctx.model):
+    if not _is_peft(ctx):
         return
     layers = dict(lora_layers(ctx.model))
     half: dict[str, str] = {}
@@ -350,7 +357,7 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
 @check("lora_head", static=True)
 def check_head(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-008: the new classification head is frozen, so it stays at its random initialisation."""
-    if not is_peft_model(ctx.model):
+    if not _is_peft(ctx):
         return
     frozen = [name for name, head in head_modules(ctx.model) if not any(p.requires_grad for p in head.parameters())]
     if frozen:
@@ -368,7 +375,7 @@ def check_head(ctx: AuditContext) -> Iterator[Finding]:
 def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-009: target_modules matched only some of the transformer blocks."""
     config = peft_config(ctx.model)
-    if not is_peft_model(ctx.model) or getattr(config, "layers_to_transform", None) is not None:
+    if not _is_peft(ctx) or getattr(config, "layers_to_transform", None) is not None:
         return
     for stack, blocks in block_lists(unwrap_parallel(ctx.model)):
         covered = [i for i, b in enumerate(blocks) if any(True for _ in lora_layers(b))]
@@ -387,7 +394,7 @@ def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
 @check("lora_tied", static=True)
 def check_tied(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-012: a tied embedding / lm_head pair split by modules_to_save, so the copies drift apart."""
-    if not is_peft_model(ctx.model):
+    if not _is_peft(ctx):
         return
     wrappers = list(saved_wrappers(ctx.model))
     if not wrappers:
