@@ -1,4 +1,8 @@
-"""Per-tensor gradient norms in one multi-tensor pass per (device, dtype), kept on the device."""
+"""Per-tensor gradient norms in one multi-tensor pass per (device, dtype), kept on the device.
+
+The same grouping scales the gradients for ``nan_action="clip"``: one multi-tensor multiply per group,
+with the factor as a device tensor, so neither measuring nor clipping reads anything on the host.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 __all__ = ["GradMeter"]
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
 
 def _dtensor_type() -> Any:
     try:
@@ -20,11 +26,12 @@ def _dtensor_type() -> Any:
 
 
 class GradMeter:
-    """Measure ``||p.grad||_2`` for every parameter, in float32, on ``device``, without a host sync.
+    """Measure ``||p.grad||_2`` for every parameter, as float32 on ``device``, without a host sync.
 
-    A parameter without a gradient measures 0. Gradients that are FSDP2 shards (DTensors with a ``Shard``
-    placement) are measured locally and their squares summed across ``process_group``, so every rank sees
-    the full norms.
+    A parameter without a gradient measures 0. Half-precision gradients are accumulated in float32;
+    float64 and complex ones are measured in their own precision (a complex norm is the norm of the
+    magnitudes) and then cast. Gradients that are FSDP2 shards (DTensors with a ``Shard`` placement) are
+    measured locally and their squares summed across ``process_group``, so every rank sees the full norms.
     """
 
     def __init__(self, device: torch.device, process_group: Any = None) -> None:
@@ -34,11 +41,16 @@ class GradMeter:
         self._dtensor = _dtensor_type()
         self._mask_key: tuple[int, ...] = ()
         self._mask: Tensor | None = None
+        # the gradients of the last ``norms`` call, grouped, for ``scale``: (tensors, positions, device)
+        self._groups: list[tuple[list[Tensor], list[int], torch.device]] = []
+        self._sparse: list[tuple[Tensor, int]] = []
+        self._index: dict[tuple[int, ...], Tensor] = {}
 
     def norms(self, params: list[Tensor]) -> Tensor:
         grads: list[Tensor] = []
         positions: list[int] = []
         sharded: list[int] = []
+        self._sparse = []
         for i, p in enumerate(params):
             g = p.grad
             if g is None:
@@ -47,26 +59,63 @@ class GradMeter:
                 if any(placement.is_shard() for placement in g.placements):
                     sharded.append(i)
                 g = g.to_local()
-            if g.is_sparse:
-                g = g.coalesce()._values()
-            grads.append(g.detach())
+            if g.is_sparse:  # rare (sparse embeddings): measured and scaled on its own
+                self._sparse.append((g, i))
+                continue
+            grads.append(g)  # under no_grad: a gradient is never part of a graph, no detach needed
             positions.append(i)
         ordered: list[Tensor] = [self._zero] * len(params)
+        self._groups = []
         if grads:
-            groups = _group_tensors_by_device_and_dtype([list(grads)], True)
+            groups = _group_tensors_by_device_and_dtype([grads], True)
             for (device, dtype), ((tensors,), indices) in groups.items():
-                if dtype == torch.float32:
-                    values = list(torch._foreach_norm(tensors, 2))  # type: ignore[arg-type]
-                else:  # accumulate low-precision gradients in float32
-                    values = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))  # type: ignore[arg-type]
+                at = [positions[k] for k in indices]
+                self._groups.append((tensors, at, device))  # type: ignore[arg-type]
+                values = self._group_norms(tensors, dtype)  # type: ignore[arg-type]
                 if device != self.device:
                     values = list(torch.stack(values).to(self.device, non_blocking=True).unbind(0))
-                for k, v in zip(indices, values):
-                    ordered[positions[k]] = v
+                for k, v in zip(at, values):
+                    ordered[k] = v
+        for g, i in self._sparse:
+            value = self._group_norms([g.coalesce()._values()], g.dtype)[0]
+            ordered[i] = value.to(self.device, non_blocking=True)
         norms = torch.stack(ordered) if ordered else torch.zeros(0, device=self.device)
+        if norms.dtype != torch.float32:
+            norms = norms.to(torch.float32)
         if sharded:
             norms = self._reduce_shards(norms, tuple(sharded))
         return norms
+
+    @staticmethod
+    def _group_norms(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+        if dtype in _LOW_PRECISION:
+            return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        values = list(torch._foreach_norm(tensors, 2))
+        if dtype == torch.float32 or dtype == torch.complex64:
+            return values
+        return list(torch.stack(values).to(torch.float32).unbind(0))  # float64/complex128: one cast per group
+
+    @torch.no_grad()
+    def scale(self, factor: Tensor) -> None:
+        """Multiply the gradients measured last by ``factor``: a 0-d tensor, or one entry per parameter."""
+        per_tensor = factor.dim() == 1
+        for tensors, at, device in self._groups:
+            if per_tensor:
+                local = factor if device == self.device else factor.to(device, non_blocking=True)
+                if len(at) != local.shape[0] or at != list(range(len(at))):
+                    local = local.index_select(0, self._positions(tuple(at), device))
+                torch._foreach_mul_(tensors, list(local.unbind(0)))
+            else:
+                local = factor if device == self.device else factor.to(device, non_blocking=True)
+                torch._foreach_mul_(tensors, local)
+        for g, i in self._sparse:
+            g.mul_(factor[i] if per_tensor else factor)
+
+    def _positions(self, at: tuple[int, ...], device: torch.device) -> Tensor:
+        index = self._index.get(at)
+        if index is None or index.device != device:
+            index = self._index[at] = torch.tensor(at, dtype=torch.long, device=device)
+        return index
 
     def _reduce_shards(self, norms: Tensor, sharded: tuple[int, ...]) -> Tensor:
         import torch.distributed as dist

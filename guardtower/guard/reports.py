@@ -12,7 +12,7 @@ Report format (``"format": "guardtower.spike-report/1"``)::
       "event_id": str, "fingerprint": str, "run": str, "rank": int, "time": float (unix seconds),
       "step": int,               # the guard's step counter (1 = first optimizer step)
       "reason": "spike" | "nonfinite",
-      "action": "skip" | "rollback" | "raise",
+      "action": "skip" | "clip" | "rollback" | "raise",
       "trigger": {"layer": str, "module": str, "norm": float, "baseline": float, "ratio": float},
       "threshold": float,
       "global_norm": float,
@@ -111,6 +111,7 @@ class SpikeReportSink(BaseSink):
         path = Path(event.report_path)
         if path.resolve().parent != self.log_dir:
             return  # another guard's report
+        self.log_dir.mkdir(parents=True, exist_ok=True)  # created with the first report, not before
         write_json_atomic(path, build_report(event))
 
     def close(self, timeout: float | None = None) -> None:
