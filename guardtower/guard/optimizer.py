@@ -331,7 +331,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
             norms = norms / grad_scale.to(device, torch.float32, non_blocking=True).reshape(())
         global_norm = torch.linalg.vector_norm(norms)
         nonfinite = ~torch.isfinite(norms).all() | ~torch.isfinite(global_norm)
-        verdict = self.detector.judge(norms, global_norm)
+        loss_value: float | None = None
+        loss_slot = self._nan
+        if isinstance(loss, Tensor):
+            loss_slot = loss.detach().to(device, torch.float32, non_blocking=True).mean()
+        elif isinstance(loss, (int, float)):
+            loss_value = float(loss)
+            loss_slot = torch.full((), loss_value, dtype=torch.float32, device=device)
+        verdict = self.detector.judge(norms, global_norm, loss_slot)
         spike = verdict.spike
         flags = torch.stack([spike | nonfinite, spike, nonfinite]).to(torch.float32)
         if scaler_found_inf is not None:
@@ -344,14 +351,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         reject = flags[0] > 0
-        self.detector.update(norms, global_norm, ~reject & ~overflow)
+        self.detector.update(norms, global_norm, loss_slot, ~reject & ~overflow)
 
-        loss_value: float | None = None
-        loss_slot = self._nan
-        if isinstance(loss, Tensor):
-            loss_slot = loss.detach().to(device, torch.float32, non_blocking=True).mean()
-        elif isinstance(loss, (int, float)):
-            loss_value = float(loss)
         header = torch.stack([flags[0], flags[1], flags[2], overflow.to(torch.float32), global_norm,
                               verdict.global_baseline, verdict.global_ratio, loss_slot,
                               verdict.global_tripped.to(torch.float32)])
