@@ -15,9 +15,10 @@ from guardtower.guard.detector import Detector
 def feed(detector: Detector, norms: torch.Tensor) -> tuple[bool, torch.Tensor]:
     """One guarded step as the optimizer does it: judge, then update only when accepted."""
     global_norm = torch.linalg.vector_norm(norms)
-    verdict = detector.judge(norms, global_norm)
+    loss = torch.tensor(math.nan)
+    verdict = detector.judge(norms, global_norm, loss)
     spike = verdict.spike
-    detector.update(norms, global_norm, ~spike)
+    detector.update(norms, global_norm, loss, ~spike)
     return bool(spike), verdict.ratios
 
 
@@ -78,7 +79,7 @@ def test_a_non_finite_norm_never_enters_a_baseline() -> None:
         feed(detector, noisy(4, s))
     bad = noisy(4, 10)
     bad[1] = math.nan
-    detector.update(bad, torch.linalg.vector_norm(bad), torch.tensor(True))
+    detector.update(bad, torch.linalg.vector_norm(bad), torch.tensor(math.nan), torch.tensor(True))
     assert all(torch.isfinite(v).all() for v in detector.state_dict()["state"].values())
 
 
@@ -114,3 +115,31 @@ def test_rolling_sigma_window_forgets_old_steps() -> None:
     for s in range(20):
         feed(detector, torch.tensor([1.0 + 0.01 * (s % 3)]))
     assert feed(detector, torch.tensor([5.0]))[0]
+
+
+@pytest.mark.parametrize("factory", ALL)
+def test_limits_are_the_largest_norms_that_pass(factory: object) -> None:
+    detector = factory()  # type: ignore[operator]
+    detector.resize(4, torch.device("cpu"))
+    for s in range(60):
+        feed(detector, noisy(4, s))
+    norms = noisy(4, 60)
+    nan = torch.tensor(math.nan)
+    limits = detector.judge(norms, torch.linalg.vector_norm(norms), nan).limits
+    assert torch.isfinite(limits).all()
+    for i in range(4):
+        for factor, trips in ((0.98, False), (1.02, True)):
+            probe = norms.clone()
+            probe[i] = limits[i] * factor
+            # the global norm is held at its healthy value so only tensor i is judged against its limit
+            assert bool(detector.judge(probe, torch.linalg.vector_norm(norms), nan).tripped[i]) is trips
+
+
+@pytest.mark.parametrize("factory", ALL)
+def test_limits_are_infinite_before_warmup(factory: object) -> None:
+    detector = factory()  # type: ignore[operator]
+    detector.resize(4, torch.device("cpu"))
+    norms = noisy(4, 0)
+    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(math.nan))
+    assert torch.isinf(verdict.limits).all() and torch.isinf(verdict.global_limit)
+    assert not bool(verdict.loss_tripped) and not bool(verdict.absorbed)

@@ -47,10 +47,14 @@ class Verdict(NamedTuple):
     global_tripped: Tensor  # bool 0-d
     global_ratio: Tensor  # float32 0-d
     global_baseline: Tensor  # float32 0-d
+    limits: Tensor  # float32 [n]: the largest norm this tensor could have had and been accepted (inf: cannot trip)
+    global_limit: Tensor  # float32 0-d: the same for the global norm (what nan_action="clip" scales down to)
+    loss_tripped: Tensor  # bool 0-d: the loss alone would reject the step (False when the loss is NaN/absent)
+    absorbed: Tensor  # bool 0-d: would have tripped, but accepted as a sustained level shift (re-baselined)
 
     @property
     def spike(self) -> Tensor:
-        return self.tripped.any() | self.global_tripped
+        return self.tripped.any() | self.global_tripped | self.loss_tripped
 
 
 class Detector(ABC):
@@ -97,11 +101,11 @@ class Detector(ABC):
         self.device = device
 
     @abstractmethod
-    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
-        """Compare this step's norms with the baselines; must not change any state."""
+    def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
+        """Compare this step's norms (and loss, float32 0-d, NaN when absent) with the baselines; no state change."""
 
     @abstractmethod
-    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
         """Fold the step into the baselines where ``accept`` (bool 0-d) holds; a no-op otherwise."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -127,6 +131,18 @@ class Detector(ABC):
 
 def _warm(count: Tensor, warmup: int) -> Tensor:
     return count >= warmup
+
+
+def _limit(warm: Tensor, limit: Tensor) -> Tensor:
+    """The accepted-norm ceiling where the detector can trip, ``inf`` where it cannot (still warming up)."""
+    return torch.where(warm, limit, torch.full_like(limit, math.inf))
+
+
+def _norm_verdict(tripped: Tensor, ratios: Tensor, baselines: Tensor, limits: Tensor, g_tripped: Tensor,
+                  g_ratio: Tensor, g_baseline: Tensor, g_limit: Tensor) -> Verdict:
+    """A verdict of a detector that judges the norms only: the loss never trips, nothing is absorbed."""
+    false = torch.zeros((), dtype=torch.bool, device=tripped.device)
+    return Verdict(tripped, ratios, baselines, g_tripped, g_ratio, g_baseline, limits, g_limit, false, false)
 
 
 def _valid(norms: Tensor, accept: Tensor) -> Tensor:
@@ -164,22 +180,24 @@ class _LogEMA(Detector):
             raise ConfigError("norm_floor", f"must lie in [0, 1), got {floor!r}", "pass e.g. norm_floor=1e-3")
         self.floor = float(floor)
 
-    def _ratios(self, norms: Tensor, global_norm: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(x, ratios, baselines, warm) over the n tensors plus the global slot."""
+    def _ratios(self, norms: Tensor, global_norm: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(x, ratios, baselines, effective baselines, warm) over the n tensors plus the global slot."""
         s = self._state
         x = torch.cat([norms, global_norm.reshape(1)])
-        warm = s["count"] >= self.warmup_steps
+        warm = (s["count"] >= self.warmup_steps) & (s["count"] > 0)
         base = torch.exp(s["log_base"]) * (s["count"] > 0)
         # a tensor whose baseline is below floor * global baseline is judged against that floor instead
         floor = base[-1:] * self.floor
         effective = torch.maximum(base, floor).clamp_min(_TINY)
         effective[-1:] = base[-1:].clamp_min(_TINY)
-        return x, x / effective, base, warm
+        return x, x / effective, base, effective, warm
 
-    def _verdict(self, tripped: Tensor, ratios: Tensor, base: Tensor) -> Verdict:
-        return Verdict(tripped[:-1], ratios[:-1], base[:-1], tripped[-1], ratios[-1], base[-1])
+    @staticmethod
+    def _verdict(tripped: Tensor, ratios: Tensor, base: Tensor, limits: Tensor) -> Verdict:
+        return _norm_verdict(tripped[:-1], ratios[:-1], base[:-1], limits[:-1], tripped[-1], ratios[-1], base[-1],
+                             limits[-1])
 
-    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
         s = self._state
         x = torch.cat([norms, global_norm.reshape(1)])
         valid = accept & torch.isfinite(x) & (x > 0)
@@ -204,9 +222,9 @@ class RatioDetector(_LogEMA):
         _check_common(threshold, ema_alpha, warmup_steps, "spike_threshold")
         super().__init__(threshold, ema_alpha, warmup_steps, floor)
 
-    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
-        _, ratios, base, warm = self._ratios(norms, global_norm)
-        return self._verdict(warm & (ratios > self.threshold), ratios, base)
+    def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
+        _, ratios, base, effective, warm = self._ratios(norms, global_norm)
+        return self._verdict(warm & (ratios > self.threshold), ratios, base, _limit(warm, effective * self.threshold))
 
 
 class ZScoreDetector(_LogEMA):
@@ -223,10 +241,14 @@ class ZScoreDetector(_LogEMA):
         super().__init__(z_threshold, ema_alpha, warmup_steps, floor)
         self.min_ratio = float(min_ratio)
 
-    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
-        _, ratios, base, warm = self._ratios(norms, global_norm)
-        z = torch.log(ratios.clamp_min(_TINY)) / torch.sqrt(self._state["log_var"]).clamp_min(1e-3)
-        return self._verdict(warm & (z > self.threshold) & (ratios > self.min_ratio), ratios, base)
+    def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
+        _, ratios, base, effective, warm = self._ratios(norms, global_norm)
+        std = torch.sqrt(self._state["log_var"]).clamp_min(1e-3)
+        z = torch.log(ratios.clamp_min(_TINY)) / std
+        # tripping needs both z > threshold and ratio > min_ratio: the ceiling is the larger of the two bounds
+        ceiling = effective * torch.maximum(torch.exp(self.threshold * std), torch.full_like(std, self.min_ratio))
+        return self._verdict(warm & (z > self.threshold) & (ratios > self.min_ratio), ratios, base,
+                             _limit(warm, ceiling))
 
 
 class PreUpdateEMADetector(Detector):
@@ -247,22 +269,36 @@ class PreUpdateEMADetector(Detector):
         self.ema_alpha = float(ema_alpha)
         self.warmup_steps = warmup_steps
 
-    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
-        s = self._state
-        for x, ema, count in ((norms, s["ema"], s["count"]), (global_norm, s["g_ema"], s["g_count"])):
-            finite = torch.isfinite(x)
-            first = count == 0
-            new = torch.where(first, x, (1 - self.ema_alpha) * ema + self.ema_alpha * x)
-            ema.copy_(torch.where(finite, new, ema))
-            count.add_(finite.to(count.dtype))
-        ratios = norms / s["ema"].clamp_min(_TINY)
-        g_ratio = global_norm / s["g_ema"].clamp_min(_TINY)
-        tripped = _warm(s["count"], self.warmup_steps) & (ratios > self.threshold)
-        g_tripped = _warm(s["g_count"], self.warmup_steps) & (g_ratio > self.threshold)
-        return Verdict(tripped, ratios, s["ema"].clone(), g_tripped, g_ratio, s["g_ema"].clone())
+    def _folded(self, x: Tensor, ema: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+        """(EMA, count) with ``x`` folded in wherever it is finite, whether the step is accepted or not."""
+        finite = torch.isfinite(x)
+        new = torch.where(count == 0, x, (1 - self.ema_alpha) * ema + self.ema_alpha * x)
+        return torch.where(finite, new, ema), count + finite.to(count.dtype)
 
-    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
-        return None  # already folded in by judge(): that is the flaw this detector demonstrates
+    def _ceiling(self, ema: Tensor, count: Tensor) -> Tensor:
+        """Solve x = threshold * ((1 - alpha) * ema + alpha * x) for x: the largest norm that passes."""
+        gain = 1.0 - self.threshold * self.ema_alpha
+        ceiling = self.threshold * (1.0 - self.ema_alpha) * ema / gain if gain > 0 else torch.full_like(ema, math.inf)
+        return _limit(_warm(count + 1, self.warmup_steps) & (count > 0), ceiling)
+
+    def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
+        s = self._state
+        ema, count = self._folded(norms, s["ema"], s["count"])
+        g_ema, g_count = self._folded(global_norm, s["g_ema"], s["g_count"])
+        ratios = norms / ema.clamp_min(_TINY)
+        g_ratio = global_norm / g_ema.clamp_min(_TINY)
+        tripped = _warm(count, self.warmup_steps) & (ratios > self.threshold)
+        g_tripped = _warm(g_count, self.warmup_steps) & (g_ratio > self.threshold)
+        return _norm_verdict(tripped, ratios, ema, self._ceiling(s["ema"], s["count"]), g_tripped, g_ratio, g_ema,
+                             self._ceiling(s["g_ema"], s["g_count"]))
+
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+        """Folds in every finite step, ``accept`` or not: that is the flaw this detector demonstrates."""
+        s = self._state
+        for x, ema_key, count_key in ((norms, "ema", "count"), (global_norm, "g_ema", "g_count")):
+            ema, count = self._folded(x, s[ema_key], s[count_key])
+            s[ema_key].copy_(ema)
+            s[count_key].copy_(count)
 
 
 class RollingSigmaDetector(Detector):
@@ -303,17 +339,18 @@ class RollingSigmaDetector(Detector):
         var = (torch.where(filled, ring - mean, torch.zeros_like(ring)) ** 2).sum(0) / count
         return mean, torch.sqrt(var)
 
-    def judge(self, norms: Tensor, global_norm: Tensor) -> Verdict:
+    def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
         s = self._state
         mean, std = self._stats(self._ring)
         g_mean, g_std = self._stats(self._g_ring.unsqueeze(1))
         g_mean, g_std = g_mean[0], g_std[0]
-        tripped = _warm(s["count"], self.warmup_steps) & (norms > mean + self.threshold * std)
-        g_tripped = _warm(s["g_count"], self.warmup_steps) & (global_norm > g_mean + self.threshold * g_std)
-        return Verdict(tripped, norms / mean.clamp_min(_TINY), mean, g_tripped, global_norm / g_mean.clamp_min(_TINY),
-                       g_mean)
+        warm, g_warm = _warm(s["count"], self.warmup_steps), _warm(s["g_count"], self.warmup_steps)
+        limit, g_limit = mean + self.threshold * std, g_mean + self.threshold * g_std
+        return _norm_verdict(warm & (norms > limit), norms / mean.clamp_min(_TINY), mean, _limit(warm, limit),
+                             g_warm & (global_norm > g_limit), global_norm / g_mean.clamp_min(_TINY), g_mean,
+                             _limit(g_warm, g_limit))
 
-    def update(self, norms: Tensor, global_norm: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
         s = self._state
         valid = _valid(norms, accept)
         g_valid = _valid(global_norm, accept)

@@ -45,7 +45,7 @@ from guardtower.severity import Severity
 __all__ = ["GuardedOptimizer"]
 
 _H = len(HEADER)
-_FLAGS = 4  # reject, skip, grad_spike, nonfinite: the part of a record every rank agrees on
+_FLAGS = 7  # reject, skip, grad_spike, nonfinite, global/loss tripped, absorbed: agreed across ranks (any rank)
 _HISTORY = 32
 _TOP = 10
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -427,10 +427,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         out: Any = None
         if self._host_decides:
-            reject, skip = flags[:2].tolist()  # the one host sync of non-fused optimizers / raise / rollback
-            if reject:
+            # the one host sync of non-fused optimizers / raise / rollback (skip == reject unless clipping)
+            if bool(flags[1]):
                 self._drain(block=True)  # publishes this step's events; rolls back or raises
-            if not skip:
+            else:
                 out = self._base_step(found_inf, grad_scale, base_closure)
         else:
             out = self._base_step(found_inf, grad_scale, base_closure)
@@ -447,14 +447,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
                scaler_found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
         """Measure, decide and act on the device; queue the step's record.
 
-        Returns ``[reject, skip]`` (float 0/1, agreed across ranks) and the optimizer's ``found_inf``.
+        Returns the flags (bool, agreed across ranks: reject, skip, ...) and the optimizer's ``found_inf`` (float 0/1).
+        The op count of this method does not depend on the number of parameters (bench/overhead.py counts it).
         """
         device = self._device
         norms = self._meter.norms(self._params)
         if grad_scale is not None:  # GradScaler handed us still-scaled gradients
             norms = norms / grad_scale.to(device, torch.float32, non_blocking=True).reshape(())
         global_norm = torch.linalg.vector_norm(norms)
-        nonfinite = ~torch.isfinite(global_norm)  # any non-finite norm makes the global one non-finite
+        nonfinite = (global_norm * 0.0) != 0.0  # NaN or Inf: any non-finite norm makes the global one so
         loss_value, loss_t = self._loss_tensor(loss)
         verdict = self.detector.judge(norms, global_norm, loss_t)
         grad_spike = verdict.tripped.any() | verdict.global_tripped
@@ -462,29 +463,30 @@ class GuardedOptimizer(torch.optim.Optimizer):
         clipping = self.policy.nan_action == "clip"
         # clip applies a finite gradient spike scaled down; NaN/Inf and a loss-only spike are skipped
         skip = (nonfinite | (verdict.loss_tripped & ~grad_spike)) if clipping else reject
-        flags = torch.stack([reject, skip, grad_spike, nonfinite]).to(torch.float32)
+        flags = torch.stack([reject, skip, grad_spike, nonfinite, verdict.global_tripped, verdict.loss_tripped,
+                             verdict.absorbed])
         scale = clip_factor(self.clip, norms, global_norm, verdict) if clipping else self._one
-        if scaler_found_inf is not None:
+        overflow = self._zero
+        if scaler_found_inf is not None:  # an overflow step is the scaler's, not a spike
             overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(())
-            flags = flags * (1.0 - overflow)  # an overflow step is the scaler's, not a spike
-        else:
-            overflow = self._zero
+            flags = flags & (overflow == 0)
         if self._distributed():
             flags, scale = self._agree(flags, scale, clipping)
-        accept = flags[0] + overflow == 0
-        self.detector.update(norms, global_norm, loss_t, accept)
+        if scaler_found_inf is not None or self._distributed():
+            reject = flags[0] | (overflow > 0)  # "not folded into the baselines" from here on
+        self.detector.update(norms, global_norm, loss_t, ~reject)
         if self._buffers:
-            self._buffers.settle(~accept)
+            self._buffers.settle(reject)
         if clipping:
-            self._meter.scale(torch.where(flags[1] > 0, self._one, scale))
+            self._meter.scale(torch.where(flags[1], self._one, scale))
 
-        marks = torch.stack([verdict.global_tripped, verdict.loss_tripped, verdict.absorbed]).to(torch.float32)
         values = torch.stack([overflow, global_norm, verdict.global_baseline, verdict.global_ratio, loss_t,
                               scale.amin() if scale.dim() else scale])
-        vec = torch.cat([flags, marks, values, norms, verdict.ratios, verdict.baselines,
-                         verdict.tripped.to(torch.float32)])
+        vec = torch.cat([flags, values, norms, verdict.ratios, verdict.baselines,
+                         verdict.tripped])  # cat promotes the bool flags to float32
         self._records.push(step, vec, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
-        return flags, flags[1] + overflow
+        found_inf = flags[1].to(torch.float32) if scaler_found_inf is None else flags[1] + overflow
+        return flags, found_inf
 
     def _loss_tensor(self, loss: Any) -> tuple[float | None, Tensor]:
         """(the loss as a Python number if it was one, the loss as float32 0-d on the device, NaN if absent)."""
@@ -502,11 +504,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         import torch.distributed as dist
 
         if not clipping:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-            return flags, scale
-        packed = torch.cat([flags, -scale.reshape(-1)])
+            agreed = flags.to(torch.float32)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+            return agreed > 0, scale
+        packed = torch.cat([flags, -scale.reshape(-1)])  # bool flags promote to float
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
-        return packed[:_FLAGS], (-packed[_FLAGS:]).reshape(scale.shape)
+        return packed[:_FLAGS] > 0, (-packed[_FLAGS:]).reshape(scale.shape)
 
     def _distributed(self) -> bool:
         return self.process_group is not None or (is_distributed() and world_size() > 1)
