@@ -26,10 +26,53 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from guardtower.guard import GuardedOptimizer  # noqa: E402
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every tensor op dispatched while active (what a step launches, before any kernel fusion)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
+def added_ops(n_tensors: int, steps: int = 12, **guard_kwargs: Any) -> int:
+    """Tensor ops a guard adds to one fused-AdamW step (guarded step minus plain step, same gradients).
+
+    The model is ``n_tensors // 2`` tiny linear layers, so the count shows what grows with the number of
+    parameter tensors and nothing else. ``steps`` warm the guard up first (its baselines are then seeded).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_tensors // 2)])
+    base = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard_kwargs.setdefault("log_dir", tempfile.mkdtemp(prefix="gt-ops-"))
+    guard = GuardedOptimizer(base, model, verbose=False, log_every=10**9, **guard_kwargs)
+    x = torch.randn(2, 4)
+    for _ in range(steps):
+        guard.zero_grad()
+        model(x).sum().backward()
+        guard.step()
+    guard.zero_grad()
+    model(x).sum().backward()
+    plain = count_ops(base.step)
+    guarded = count_ops(guard.step)
+    guard.close()
+    return guarded - plain
 
 MODELS: dict[str, dict[str, Any]] = {
     # name: GPT2Config overrides, batch, sequence length

@@ -15,7 +15,8 @@ from guardtower.errors import ConfigError, GradientSpikeError
 from guardtower.events import HaltEvent, SkipEvent, SpikeEvent, SummaryEvent
 from guardtower.guard import GuardedOptimizer, RatioDetector, read_report
 from guardtower.testing import InMemorySink, capture_events
-from tests._guard_helpers import OPTIMIZERS, TinyNet, backward, full_state, make, same_state, scale_grad, train
+from tests._guard_helpers import (OPTIMIZERS, SyncCounter, TinyNet, backward, full_state, make, same_state, scale_grad,
+                                  train)
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
@@ -201,34 +202,13 @@ def test_events_reach_the_bus_within_two_steps_with_a_fused_optimizer(tmp_path: 
     assert any(isinstance(e, SpikeEvent) and e.step == 16 for e in events)
 
 
-class _SyncCounter:
-    """Counts host reads of tensor values (``bool``, ``item``, ``float``, ``int``) while active."""
-
-    NAMES = ("__bool__", "item", "__float__", "__int__")
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        self.active = False
-        for name in self.NAMES:
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(original))
-
-    def _wrap(self, original: Any) -> Any:
-        def wrapper(t: torch.Tensor, *args: Any) -> Any:
-            if self.active:
-                self.calls += 1
-            return original(t, *args)
-
-        return wrapper
-
-
 @pytest.mark.parametrize(("opt", "expected"), [("adamw_fused", 0), ("sgd_fused", 0), ("adamw_foreach", 1),
                                                ("sgd_momentum", 1)])
 def test_host_reads_per_step_zero_for_fused_one_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           opt: str, expected: int) -> None:
     model, guard = make(tmp_path, opt, log_every=1000)
     train(model, guard, 12)
-    counter = _SyncCounter(monkeypatch)
+    counter = SyncCounter(monkeypatch)
     base_step = guard.base_optimizer.step
 
     def uncounted_base_step(*args: Any, **kwargs: Any) -> Any:  # the base optimizer's own reads are not ours

@@ -67,7 +67,7 @@ class GradMeter:
         ordered: list[Tensor] = [self._zero] * len(params)
         self._groups = []
         if grads:
-            groups = _group_tensors_by_device_and_dtype([grads], True)
+            groups = _group_tensors_by_device_and_dtype([list[Tensor | None](grads)], True)
             for (device, dtype), ((tensors,), indices) in groups.items():
                 at = [positions[k] for k in indices]
                 self._groups.append((tensors, at, device))  # type: ignore[arg-type]

@@ -51,11 +51,15 @@ class ActionPolicy:
         self.escalate_to: Action = escalate_to  # type: ignore[assignment]
 
     def action(self, consecutive_rejections: int) -> Action:
-        """The action for a rejected step that is the ``consecutive_rejections``-th in a row (1-based)."""
-        if (self.nan_action in ("skip", "clip") and self.max_consecutive_skips is not None
-                and consecutive_rejections > self.max_consecutive_skips):
+        """The action for a step that was not applied, the ``consecutive_rejections``-th in a row (1-based).
+
+        Under ``"clip"`` these are the steps that cannot be clipped (NaN/Inf, a loss-only spike): skipped.
+        """
+        if self.nan_action not in ("skip", "clip"):
+            return self.nan_action
+        if self.max_consecutive_skips is not None and consecutive_rejections > self.max_consecutive_skips:
             return self.escalate_to
-        return self.nan_action
+        return "skip"
 
     @property
     def may_rollback(self) -> bool:

@@ -500,16 +500,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return None, self._nan
 
     def _agree(self, flags: Tensor, scale: Tensor, clipping: bool) -> tuple[Tensor, Tensor]:
-        """One all-reduce: every rank rejects, skips and clips (by the smallest factor) together."""
+        """One all-reduce: every rank rejects, skips and clips (by the smallest factor) together.
+
+        A clip needs the same gradients on every rank; when only some ranks' gradients tripped (a rank-local
+        corruption), the step is skipped everywhere instead.
+        """
         import torch.distributed as dist
 
         if not clipping:
             agreed = flags.to(torch.float32)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
             return agreed > 0, scale
-        packed = torch.cat([flags, -scale.reshape(-1)])  # bool flags promote to float
+        packed = torch.cat([flags, ~flags[2:3], -scale.reshape(-1)])  # bool flags promote to float
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
-        return packed[:_FLAGS] > 0, (-packed[_FLAGS:]).reshape(scale.shape)
+        agreed = packed[:_FLAGS] > 0
+        agreed[1] |= agreed[2] & (packed[_FLAGS] > 0)  # some ranks tripped, others did not: skip
+        return agreed, (-packed[_FLAGS + 1:]).reshape(scale.shape)
 
     def _distributed(self) -> bool:
         return self.process_group is not None or (is_distributed() and world_size() > 1)
