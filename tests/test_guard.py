@@ -123,7 +123,7 @@ def test_spike_report_is_strict_json_with_the_documented_fields(tmp_path: Path) 
     spike = next(e for e in events if isinstance(e, SpikeEvent))
     path = Path(spike.report_path or "")
     assert path.parent == (tmp_path / "logs").resolve()
-    assert path.name.startswith("spike-step00000041-rank0-") and path.suffix == ".json"
+    assert path.name.startswith("spike_step00000041-rank0-") and path.suffix == ".json"
     text = path.read_text()
 
     def refuse(token: str) -> Any:
@@ -147,7 +147,7 @@ def test_nonfinite_report_encodes_nan_without_nan_tokens(tmp_path: Path) -> None
     model, guard = make(tmp_path)
     train(model, guard, 5, corrupt=lambda i, m: m.inp.weight.grad.fill_(float("nan")) if i == 4 else None)
     guard.flush()
-    (path,) = (tmp_path / "logs").glob("spike-*.json")
+    (path,) = (tmp_path / "logs").glob("spike_step*.json")
     text = path.read_text()
     assert "NaN" not in text and "Infinity" not in text
     report = read_report(path)
@@ -159,7 +159,7 @@ def test_report_names_never_collide_for_the_same_step(tmp_path: Path) -> None:
         model, guard = make(tmp_path)
         train(model, guard, 5, corrupt=lambda i, m: m.inp.weight.grad.fill_(float("inf")) if i == 2 else None)
         guard.close()
-    assert len(list((tmp_path / "logs").glob("spike-step00000003-rank0-*.json"))) == 2
+    assert len(list((tmp_path / "logs").glob("spike_step00000003-rank0-*.json"))) == 2
 
 
 def test_raise_stops_before_the_update_and_publishes_a_halt(tmp_path: Path) -> None:
@@ -178,7 +178,7 @@ def test_raise_stops_before_the_update_and_publishes_a_halt(tmp_path: Path) -> N
     assert kinds.index("spike") < kinds.index("halt")
     halt = next(e for e in events if isinstance(e, HaltEvent))
     assert halt.layer == "out.weight" and "step 13" in halt.message
-    assert list((tmp_path / "logs").glob("spike-step00000013-*.json"))  # written before the raise returned
+    assert list((tmp_path / "logs").glob("spike_step00000013-*.json"))  # written before the raise returned
 
 
 def test_summary_every_log_every_steps_with_loss_and_counters(tmp_path: Path) -> None:

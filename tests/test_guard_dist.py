@@ -51,7 +51,7 @@ def test_ddp_ranks_skip_together_and_stay_identical(tmp_path: Path) -> None:
     assert r0["params"].keys() == r1["params"].keys()
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
     assert all(torch.isfinite(v).all() for v in r0["params"].values())
-    reports = sorted(p.name for p in (tmp_path / "logs").glob("spike-*.json"))
+    reports = sorted(p.name for p in (tmp_path / "logs").glob("spike_step*.json"))
     assert sum("-rank0-" in n for n in reports) == 3 and sum("-rank1-" in n for n in reports) == 3
 
 

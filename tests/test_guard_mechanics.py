@@ -273,7 +273,7 @@ def test_construction_creates_no_directory_thread_or_sink(tmp_path: Path) -> Non
     assert not log_dir.exists()  # created with the first spike report only
     train(model, guard, 12, start=1, corrupt=lambda i, m: scale_grad("inp.weight", 1e4)(m) if i == 12 else None)
     guard.flush()
-    assert len(list(log_dir.glob("spike-*.json"))) == 1
+    assert len(list(log_dir.glob("spike_step*.json"))) == 1
     guard.close()
 
 

@@ -50,6 +50,7 @@ _HISTORY = 32
 _TOP = 10
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _RAISE_FLUSH_S = 5.0
+_REPORT_WAIT_S = 2.0
 
 
 def _clean_name(name: str, wrapped: bool) -> str:
@@ -208,6 +209,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._started = False
         self._pending_loss: Tensor | None = None
+        self._last_report: str | None = None
 
         # the bus exists now (no thread until a sink is added); sinks are attached by the first step
         self._user_bus = bus
@@ -430,6 +432,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             # the one host sync of non-fused optimizers / raise / rollback (skip == reject unless clipping)
             if bool(flags[1]):
                 self._drain(block=True)  # publishes this step's events; rolls back or raises
+                if self._report_sink is not None and self._last_report is not None:
+                    self._report_sink.wait_written(self._last_report, _REPORT_WAIT_S)  # on disk on return
             else:
                 out = self._base_step(found_inf, grad_scale, base_closure)
         else:
@@ -598,7 +602,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.consecutive_rejections = 0
             action = "clip"
         rank = current_rank()
-        report_path = str(self.log_dir / report_filename(record.step, rank))
+        report_path = self._last_report = str(self.log_dir / report_filename(record.step, rank))
         module = layer.rsplit(".", 1)[0] if "." in layer else ""
         self._publish(SpikeEvent(
             **self._run_kw,
@@ -619,8 +623,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._rollback(record.step, layer, reason)
         else:
             escalated = self.policy.nan_action != "raise"
-            message = (f"gradient {reason} at step {record.step} in {layer} (ratio {ratio:.3g}, threshold "
-                       f"{self.detector.threshold:g})"
+            what = ("NaN/Inf in the gradient" if reason == "nonfinite"
+                    else f"ratio {ratio:.3g}, threshold {self.detector.threshold:g}")
+            message = (f"gradient spike at step {record.step} in {layer} ({what})"
                        + (f" after {self.consecutive_rejections} rejected steps in a row" if escalated else ""))
             self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, ratio=ratio, message=message))
