@@ -21,9 +21,9 @@ __all__ = ["HEADER", "Header", "StepRecord", "RecordQueue"]
 class Header(NamedTuple):
     """The fields at the start of every record; per-tensor norms, ratios, baselines, tripped flags follow.
 
-    The first seven are agreed across ranks (set if set on any rank): ``reject`` (spike or non-finite),
-    ``skip`` (the update was not applied), ``grad_spike`` (the gradients, not only the loss, tripped),
-    ``nonfinite``, and the detector's ``global_tripped``/``loss_tripped``/``absorbed``.
+    The first four are agreed across ranks (set if set on any rank): ``reject`` (spike or non-finite),
+    ``skip`` (the update was not applied), ``grad_spike`` (the gradients, not only the loss, tripped) and
+    ``nonfinite``; the detector's ``global_tripped``/``loss_tripped``/``absorbed`` are this rank's.
     ``scale`` is the factor ``nan_action="clip"`` multiplied the gradients by (the smallest one per tensor).
     """
 

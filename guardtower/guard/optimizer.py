@@ -45,7 +45,7 @@ from guardtower.severity import Severity
 __all__ = ["GuardedOptimizer"]
 
 _H = len(HEADER)
-_FLAGS = 7  # reject, skip, grad_spike, nonfinite, global/loss tripped, absorbed: agreed across ranks (any rank)
+_AGREED = 4  # reject, skip, grad_spike, nonfinite: the flags every rank agrees on (set on any rank)
 _HISTORY = 32
 _TOP = 10
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -506,20 +506,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _agree(self, flags: Tensor, scale: Tensor, clipping: bool) -> tuple[Tensor, Tensor]:
         """One all-reduce: every rank rejects, skips and clips (by the smallest factor) together.
 
+        The first ``_AGREED`` flags are combined (set on any rank); the detector's own marks stay this rank's.
         A clip needs the same gradients on every rank; when only some ranks' gradients tripped (a rank-local
         corruption), the step is skipped everywhere instead.
         """
         import torch.distributed as dist
 
-        if not clipping:
-            agreed = flags.to(torch.float32)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
-            return agreed > 0, scale
-        packed = torch.cat([flags, ~flags[2:3], -scale.reshape(-1)])  # bool flags promote to float
+        parts = [flags[:_AGREED]]
+        if clipping:
+            parts += [~flags[2:3], -scale.reshape(-1)]
+        packed = torch.cat(parts).to(torch.float32)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
-        agreed = packed[:_FLAGS] > 0
-        agreed[1] |= agreed[2] & (packed[_FLAGS] > 0)  # some ranks tripped, others did not: skip
-        return agreed, (-packed[_FLAGS + 1:]).reshape(scale.shape)
+        agreed = torch.cat([packed[:_AGREED] > 0, flags[_AGREED:]])
+        if clipping:
+            agreed[1] |= agreed[2] & (packed[_AGREED] > 0)  # some ranks tripped, others did not: skip
+            scale = (-packed[_AGREED + 1:]).reshape(scale.shape)
+        return agreed, scale
 
     def _distributed(self) -> bool:
         return self.process_group is not None or (is_distributed() and world_size() > 1)
