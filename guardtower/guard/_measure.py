@@ -45,14 +45,41 @@ class GradMeter:
         self._groups: list[tuple[list[Tensor], list[int], torch.device]] = []
         self._sparse: list[tuple[Tensor, int]] = []
         self._index: dict[tuple[int, ...], Tensor] = {}
+        self._layout_key: tuple[int, int, int] = (-1, 0, 0)
+        self._plain = False
 
     def norms(self, params: list[Tensor]) -> Tensor:
+        grads = [p.grad for p in params]
+        if self._plain_layout(params) and all(g is not None for g in grads):
+            # every parameter has a dense gradient of one device and dtype: one multi-tensor pass, no regrouping
+            tensors: list[Tensor] = grads  # type: ignore[assignment]
+            device, dtype = tensors[0].device, tensors[0].dtype
+            self._groups = [(tensors, list(range(len(tensors))), device)]
+            self._sparse = []
+            values = self._group_norms(tensors, dtype)
+            norms = torch.stack(values)
+            if device != self.device:
+                norms = norms.to(self.device, non_blocking=True)
+            return norms if norms.dtype == torch.float32 else norms.to(torch.float32)
+        return self._norms_general(params, grads)
+
+    def _plain_layout(self, params: list[Tensor]) -> bool:
+        """All parameters dense, of one device and dtype, not DTensors (checked once per parameter list)."""
+        key = (len(params), id(params[0]) if params else 0, id(params[-1]) if params else 0)
+        if key != self._layout_key:
+            self._layout_key = key
+            first = params[0] if params else None
+            self._plain = first is not None and all(
+                p.device == first.device and p.dtype == first.dtype and p.layout == torch.strided
+                and not (self._dtensor is not None and isinstance(p, self._dtensor)) for p in params)
+        return self._plain
+
+    def _norms_general(self, params: list[Tensor], all_grads: list[Tensor | None]) -> Tensor:
         grads: list[Tensor] = []
         positions: list[int] = []
         sharded: list[int] = []
         self._sparse = []
-        for i, p in enumerate(params):
-            g = p.grad
+        for i, g in enumerate(all_grads):
             if g is None:
                 continue
             if self._dtensor is not None and isinstance(g, self._dtensor):
@@ -90,10 +117,7 @@ class GradMeter:
     def _group_norms(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
         if dtype in _LOW_PRECISION:
             return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-        values = list(torch._foreach_norm(tensors, 2))
-        if dtype == torch.float32 or dtype == torch.complex64:
-            return values
-        return list(torch.stack(values).to(torch.float32).unbind(0))  # float64/complex128: one cast per group
+        return list(torch._foreach_norm(tensors, 2))  # float32; float64/complex128 are cast once, after stacking
 
     @torch.no_grad()
     def scale(self, factor: Tensor) -> None:
