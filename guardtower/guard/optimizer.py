@@ -81,8 +81,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``total_spikes`` (rejected steps), ``total_skips``, ``total_rollbacks``; they reflect events already
     handed to the host (at most two steps behind with fused optimizers; ``flush()`` brings them up to date).
 
-    Arguments beyond the contract: ``detector`` (``"ratio"``, ``"zscore"`` or a ``Detector``), ``norm_floor``
-    (a tensor whose norm is below this fraction of the global-norm baseline cannot trigger),
+    Arguments beyond the contract: ``detector`` (``"auto"``, ``"ratio"``, ``"zscore"`` or a ``Detector``),
+    ``norm_floor`` (a tensor whose share of the gradient norm is below this fraction cannot trigger),
     ``max_consecutive_skips``/``escalate_to`` (a run that keeps failing stops or rolls back instead of
     skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
     to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``.
@@ -102,7 +102,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         verbose: bool = True,
         sinks: Iterable[Sink] | None = None,
         bus: EventBus | None = None,
-        detector: str | Detector = "ratio",
+        detector: str | Detector = "auto",
         norm_floor: float = 1e-3,
         max_consecutive_skips: int | None = 20,
         escalate_to: str = "raise",
