@@ -69,10 +69,11 @@ def test_baseline_is_compared_before_update_and_never_absorbs_rejected_steps(tmp
         train(model, guard, 1, start=30, corrupt=lambda i, m: scale_grad("out.weight", 1e4)(m))
         guard.flush()
     after = guard.detector.state_dict()["state"]
-    assert all(torch.equal(baseline[k], after[k]) for k in baseline)
+    # only the count of consecutive trips ("run*", which lets a sustained shift be absorbed) may move
+    assert all(torch.equal(baseline[k], after[k]) for k in baseline if not k.startswith("run"))
     spike = next(e for e in events if isinstance(e, SpikeEvent))
     # a pre-update EMA (alpha 0.01) could never report a ratio above 1/alpha = 100
-    assert spike.ratio > 1000
+    assert spike.ratio > 1 / 0.01
     assert spike.layer == "out.weight"
 
 
@@ -91,14 +92,14 @@ def test_global_spike_of_many_moderate_layers_is_caught(tmp_path: Path) -> None:
     train(model, guard, 20)
 
     def all_up(i: int, m: torch.nn.Module) -> None:
-        for p in m.parameters():
-            p.grad.mul_(12.0)
+        for p in m.parameters():  # every share stays the same: only the global norm can see this
+            p.grad.mul_(30.0)
 
     with capture_events() as events:
         train(model, guard, 1, start=20, corrupt=all_up)
         guard.flush()
     assert guard.total_spikes == 1
-    assert any(isinstance(e, SpikeEvent) for e in events)
+    assert any(isinstance(e, SpikeEvent) and e.layer == "global" for e in events)
 
 
 def test_layers_are_named_from_the_model_or_by_group_and_index(tmp_path: Path) -> None:

@@ -112,21 +112,31 @@ class Detector(ABC):
         return {"name": self.name, "n": self.n, "state": {k: v.detach().cpu().clone() for k, v in self._state.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("name") != self.name:
-            raise ConfigError(
-                "state_dict",
-                f"guard state was saved with detector {state.get('name')!r}, this guard uses {self.name!r}",
-                "construct the GuardedOptimizer with the same detector",
-            )
-        n = int(state["n"])
+        """Restore ``state_dict()``; everything is checked first, so a bad dict changes nothing."""
+        self.check_state_dict(state)
         saved = state["state"]
-        if n != self.n:
-            raise ConfigError(
-                "state_dict",
-                f"guard state covers {n} gradient tensors, this optimizer has {self.n}",
-                "load a state dict saved from the same model and optimizer parameter groups",
-            )
         self._state = {k: saved[k].to(self.device, torch.float32).clone() for k in self._state}
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ConfigError`` unless ``state`` is a complete state dict of this detector at this size."""
+        fix = "load a state dict saved from the same model, parameter groups and detector"
+        if not isinstance(state, dict) or state.get("name") != self.name:
+            found = state.get("name") if isinstance(state, dict) else type(state).__name__
+            raise ConfigError("state_dict", f"guard state was saved with detector {found!r}, this guard uses "
+                                            f"{self.name!r}", "construct the GuardedOptimizer with the same detector")
+        if state.get("n") != self.n:
+            raise ConfigError("state_dict", f"guard state covers {state.get('n')!r} gradient tensors, this "
+                                            f"optimizer has {self.n}", fix)
+        saved = state.get("state")
+        if not isinstance(saved, dict) or set(saved) != set(self._state):
+            keys = sorted(saved) if isinstance(saved, dict) else saved
+            raise ConfigError("state_dict", f"detector state holds {keys!r}, expected {sorted(self._state)}", fix)
+        for key, current in self._state.items():
+            value = saved[key]
+            if not isinstance(value, Tensor) or value.shape != current.shape:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ConfigError("state_dict", f"detector state {key!r} is {shape}, expected "
+                                                f"{tuple(current.shape)}", fix)
 
 
 def _warm(count: Tensor, warmup: int) -> Tensor:
@@ -251,6 +261,169 @@ class ZScoreDetector(_LogEMA):
                              _limit(warm, ceiling))
 
 
+class _AutoStep(NamedTuple):
+    """One step as ``AutoDetector`` sees it, per slot; computed by ``judge`` and reused by ``update``."""
+
+    log_x: Tensor
+    robust: Tensor
+    valid: Tensor
+    tripped: Tensor
+    absorb: Tensor
+    run: Tensor
+    run_sum: Tensor
+    run_max: Tensor
+    run_min: Tensor
+    limit: Tensor
+    ratio: Tensor
+    base: Tensor
+
+
+class AutoDetector(Detector):
+    """The default: a step is a spike when a gradient norm (or the loss) leaves its own recent range.
+
+    Slots: every gradient tensor's *share* (its norm over the norm of all other tensors, which cancels the
+    common-mode swings that move every gradient together: batch difficulty, a loss near zero), the global
+    norm, and the loss when given. Each slot keeps, over accepted steps only, a fast EMA level and a slow EMA
+    variance of its log value and a peak envelope (the largest recent value, forgetting a factor 10 per 100
+    accepted steps). A slot trips when its value exceeds
+
+    - ``threshold`` x its peak envelope (heavy-tailed series: anything far beyond what was seen), **or**
+    - ``threshold`` x its level (``loss_ratio`` x for the loss) *and* ``sigmas`` standard deviations above
+      it in log space (stable series: a jump far outside their noise).
+
+    Warmup is an effective sample count: the variance starts from a prior (log-std 0.5 with the weight of
+    4 observations) that fades as accepted observations accumulate, and ``warmup_steps=0`` lets the first
+    accepted observation seed the baseline. A tensor whose typical share is below ``floor`` is judged
+    against that floor, so a negligible gradient cannot trip.
+
+    A sustained level shift is absorbed: when a slot has tripped ``absorb_after`` times in a row with values
+    within a factor ``threshold`` of each other, that step is accepted (``Verdict.absorbed``) and the slot
+    re-baselined on them. Spikes that come and go, or keep growing, never qualify.
+    """
+
+    name = "auto"
+    _per_tensor = {"mean": 0.0, "var": 0.0, "count": 0.0, "peak": 0.0, "run": 0.0, "run_sum": 0.0,
+                   "run_max": 0.0, "run_min": 0.0}
+    _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the variance uses ema_alpha
+    _PRIOR_VAR, _PRIOR_WEIGHT = 0.25, 4.0
+    _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
+    _WINSOR = 3.0
+
+    def __init__(self, threshold: float = 10.0, *, sigmas: float = 6.0, loss_ratio: float = 1.5,
+                 ema_alpha: float = 0.01, warmup_steps: int = 10, floor: float = 1e-3,
+                 absorb_after: int = 8) -> None:
+        super().__init__()
+        _check_common(threshold, ema_alpha, warmup_steps, "spike_threshold")
+        if not (isinstance(sigmas, (int, float)) and math.isfinite(sigmas) and sigmas > 0):
+            raise ConfigError("sigmas", f"must be a positive number, got {sigmas!r}", "pass e.g. sigmas=6.0")
+        if not (isinstance(loss_ratio, (int, float)) and math.isfinite(loss_ratio) and loss_ratio > 1):
+            raise ConfigError("loss_ratio", f"must be a number above 1, got {loss_ratio!r}", "pass e.g. loss_ratio=1.5")
+        if not (isinstance(floor, (int, float)) and 0 <= floor < 1):
+            raise ConfigError("norm_floor", f"must lie in [0, 1), got {floor!r}", "pass e.g. norm_floor=1e-3")
+        if not (isinstance(absorb_after, int) and not isinstance(absorb_after, bool) and absorb_after >= 2):
+            raise ConfigError("absorb_after", f"must be an int >= 2, got {absorb_after!r}", "pass e.g. absorb_after=8")
+        self.threshold = float(threshold)
+        self.sigmas = float(sigmas)
+        self.loss_ratio = float(loss_ratio)
+        self.ema_alpha = float(ema_alpha)
+        self.warmup_steps = int(warmup_steps)
+        self.floor = float(floor)
+        self.absorb_after = absorb_after
+        self._log_ratio = torch.zeros(0)
+        self._pending: tuple[Tensor, Tensor, Tensor, _AutoStep] | None = None
+
+    def resize(self, n: int, device: torch.device) -> None:
+        """Slots: the ``n`` tensors, then the global norm, then the loss (both kept at the end)."""
+        if n == self.n and device == self.device and self._state:
+            return
+        new: dict[str, Tensor] = {}
+        for key, init in self._per_tensor.items():
+            t = torch.full((n + 2,), init, dtype=torch.float32, device=device)
+            old = self._state.get(key)
+            if old is not None:
+                keep = min(n, old.shape[0] - 2)
+                t[:keep] = old[:keep].to(device)
+                t[-2:] = old[-2:].to(device)
+            new[key] = t
+        self._state = new
+        self.n = n
+        self.device = device
+        gate = torch.full((n + 2,), math.log(self.threshold), device=device)
+        gate[-1] = math.log(self.loss_ratio)
+        self._log_ratio = gate
+        self._pending = None
+
+    def _step(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> _AutoStep:
+        """Everything ``judge`` and ``update`` need about one step, on the device."""
+        s = self._state
+        g2 = global_norm * global_norm
+        rest = torch.sqrt(torch.clamp_min(g2 - norms * norms, g2 * 1e-6))
+        x = torch.cat([norms / rest, global_norm.reshape(1), loss.to(norms.dtype).reshape(1)])
+        valid = torch.isfinite(x) & (x > 0)
+        log_x = torch.log(torch.where(valid, x, torch.ones_like(x)))
+        mean, count, run = s["mean"], s["count"], s["run"]
+        log_base = mean.clone()
+        log_base[:-2] = torch.clamp_min(mean[:-2], math.log(max(self.floor, _TINY)))
+        n_eff = count.clamp_max(2.0 / self.ema_alpha)
+        std = torch.sqrt((n_eff * s["var"] + self._PRIOR_WEIGHT * self._PRIOR_VAR) / (n_eff + self._PRIOR_WEIGHT))
+        outlier = torch.maximum(log_base + self._log_ratio, mean + self.sigmas * std)
+        beyond_peak = torch.maximum(s["peak"], log_base) + math.log(self.threshold)
+        ceiling = torch.minimum(outlier, beyond_peak)
+        seeded = count > 0
+        warm = seeded & (count >= self.warmup_steps)
+        raw = warm & valid & (log_x > ceiling)
+        in_run = run > 0
+        zero = torch.zeros_like(log_x)
+        new_run = torch.where(raw, run + 1.0, zero)
+        run_sum = torch.where(raw, torch.where(in_run, s["run_sum"], zero) + log_x, zero)
+        run_max = torch.where(raw, torch.where(in_run, torch.maximum(s["run_max"], log_x), log_x), zero)
+        run_min = torch.where(raw, torch.where(in_run, torch.minimum(s["run_min"], log_x), log_x), zero)
+        absorb = raw & (new_run >= self.absorb_after) & (run_max - run_min <= math.log(self.threshold))
+        # back from shares to norms for the limits and baselines the guard reports and clips to
+        scale = torch.cat([rest, rest.new_ones(2)])
+        limit = torch.where(warm, torch.exp(ceiling) * scale, torch.full_like(x, math.inf))
+        base = torch.exp(log_base) * scale * seeded
+        # what enters the baseline: winsorized at 3 std, so one accepted outlier (in warmup, or just below the
+        # ceiling) moves the level, variance and envelope by a bounded amount
+        robust = torch.where(seeded, mean + torch.clamp(log_x - mean, -self._WINSOR * std, self._WINSOR * std), log_x)
+        return _AutoStep(log_x, robust, valid, raw & ~absorb, absorb, new_run, run_sum, run_max, run_min, limit,
+                         x * scale / base.clamp_min(_TINY) * seeded, base)
+
+    def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
+        step = self._step(norms, global_norm, loss)
+        self._pending = (norms, global_norm, loss, step)  # a cache for update() of this same step, not state
+        t = step.tripped
+        return Verdict(t[:-2], step.ratio[:-2], step.base[:-2], t[-2], step.ratio[-2], step.base[-2],
+                       step.limit[:-2], step.limit[-2], t[-1], step.absorb.any() & ~t.any())
+
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+        pending = self._pending
+        if pending is not None and pending[0] is norms and pending[1] is global_norm and pending[2] is loss:
+            step = pending[3]
+        else:
+            step = self._step(norms, global_norm, loss)
+        self._pending = None
+        s = self._state
+        fold = accept & step.valid & ~step.absorb
+        rebase = accept & step.absorb
+        first = 1.0 / (s["count"] + 1.0)
+        rate = torch.clamp_min(first, self.ema_alpha)
+        delta = step.robust - s["mean"]
+        s["var"].copy_(torch.where(fold, (1.0 - rate) * (s["var"] + rate * delta * delta), s["var"]))
+        level = s["mean"] + torch.clamp_min(first, self._LEVEL_ALPHA) * delta
+        s["mean"].copy_(torch.where(fold, level, torch.where(rebase, step.run_sum / step.run, s["mean"])))
+        decayed = torch.where(s["count"] > 0, s["peak"] - self._PEAK_DECAY, step.robust)
+        s["peak"].copy_(torch.where(fold, torch.maximum(decayed, step.robust),
+                                    torch.where(rebase, step.run_max, s["peak"])))
+        s["count"].add_(fold.to(torch.float32))
+        # the run of consecutive trips is counted on rejected steps too: that is what lets a shift be absorbed
+        zero = torch.zeros_like(step.run)
+        s["run"].copy_(torch.where(rebase, zero, step.run))
+        s["run_sum"].copy_(torch.where(rebase, zero, step.run_sum))
+        s["run_max"].copy_(torch.where(rebase, zero, step.run_max))
+        s["run_min"].copy_(torch.where(rebase, zero, step.run_min))
+
+
 class PreUpdateEMADetector(Detector):
     """The common published rule: a linear EMA updated with every finite step *before* the comparison.
 
@@ -370,6 +543,14 @@ class RollingSigmaDetector(Detector):
         state["pos"] = self._pos.cpu().clone()
         return state
 
+    def check_state_dict(self, state: Any) -> None:
+        super().check_state_dict(state)
+        for key, current in (("ring", self._ring), ("g_ring", self._g_ring), ("pos", self._pos)):
+            value = state.get(key)
+            if not isinstance(value, Tensor) or value.shape != current.shape:
+                raise ConfigError("state_dict", f"rolling-window state {key!r} is missing or mis-shaped",
+                                  "load a state dict saved from the same model, parameter groups and detector")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._ring = state["ring"].to(self.device)
@@ -378,7 +559,7 @@ class RollingSigmaDetector(Detector):
 
 
 DETECTORS: dict[str, type[Detector]] = {
-    cls.name: cls for cls in (RatioDetector, ZScoreDetector, PreUpdateEMADetector, RollingSigmaDetector)
+    cls.name: cls for cls in (AutoDetector, RatioDetector, ZScoreDetector, PreUpdateEMADetector, RollingSigmaDetector)
 }
 
 
@@ -387,11 +568,13 @@ def make_detector(detector: str | Detector, *, spike_threshold: float, ema_alpha
     """The detector a ``GuardedOptimizer`` uses: an instance as given, or one built by name from its arguments."""
     if isinstance(detector, Detector):
         return detector
+    if detector == "auto":
+        return AutoDetector(spike_threshold, ema_alpha=ema_alpha, warmup_steps=warmup_steps, floor=norm_floor)
     if detector == "ratio":
         return RatioDetector(spike_threshold, ema_alpha, warmup_steps, norm_floor)
     if detector == "zscore":
         _check_common(spike_threshold, ema_alpha, warmup_steps, "spike_threshold")
-        return ZScoreDetector(ema_alpha=ema_alpha, warmup_steps=warmup_steps, floor=norm_floor)
+        return ZScoreDetector(spike_threshold, ema_alpha=ema_alpha, warmup_steps=warmup_steps, floor=norm_floor)
     if detector == "pre_update_ema":
         return PreUpdateEMADetector(spike_threshold, ema_alpha, warmup_steps)
     if detector == "rolling_sigma":

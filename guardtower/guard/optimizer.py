@@ -89,9 +89,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
     reading one first hands over every step record that is ready without waiting, so on the CPU they always
     reflect the last ``step()`` (on an accelerator at most two steps behind; ``flush()`` waits for all).
 
-    Arguments beyond the contract: ``detector`` (``"ratio"``, ``"zscore"`` or a ``Detector``), ``norm_floor``
-    (a tensor whose norm is below this fraction of the global-norm baseline cannot trigger), ``clip``
-    (``"global"``: one factor for all gradients, or ``"per_tensor"``, for ``nan_action="clip"``),
+    Arguments beyond the contract: ``detector`` (``"auto"``, ``"ratio"``, ``"zscore"`` or a ``Detector``),
+    ``norm_floor`` (a tensor whose share of the gradient norm is below this fraction cannot trigger),
+    ``clip`` (``"global"``: one factor for all gradients, or ``"per_tensor"``, for ``nan_action="clip"``),
     ``max_consecutive_skips``/``escalate_to`` (a run that keeps failing stops or rolls back instead of
     skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
     to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``.
@@ -114,7 +114,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         verbose: bool = True,
         sinks: Iterable[Sink] | None = None,
         bus: EventBus | None = None,
-        detector: str | Detector = "ratio",
+        detector: str | Detector = "auto",
         norm_floor: float = 1e-3,
         clip: str = "global",
         max_consecutive_skips: int | None = 20,
