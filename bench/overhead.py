@@ -25,7 +25,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,14 +36,18 @@ from guardtower.guard import GuardedOptimizer  # noqa: E402
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts every tensor op dispatched while active (what a step launches, before any kernel fusion)."""
+    """Counts every tensor op dispatched while active (what a step launches, before any kernel fusion);
+    ``tagged`` counts those dispatched while ``tagging`` is set."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.tagged = 0
+        self.tagging = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += 1
+        self.tagged += self.tagging
         return func(*args, **(kwargs or {}))
 
 
@@ -53,7 +57,16 @@ def count_ops(fn: Callable[[], Any]) -> int:
     return counter.count
 
 
-def added_ops(n_tensors: int, steps: int = 12, **guard_kwargs: Any) -> int:
+class OpCount(NamedTuple):
+    total: int  # ops a guarded step adds to a plain one
+    detector: int  # of which the detector's judge() and update()
+
+    @property
+    def mechanics(self) -> int:
+        return self.total - self.detector
+
+
+def added_ops(n_tensors: int, steps: int = 12, **guard_kwargs: Any) -> OpCount:
     """Tensor ops a guard adds to one fused-AdamW step (guarded step minus plain step, same gradients).
 
     The model is ``n_tensors // 2`` tiny linear layers, so the count shows what grows with the number of
@@ -72,9 +85,26 @@ def added_ops(n_tensors: int, steps: int = 12, **guard_kwargs: Any) -> int:
     guard.zero_grad()
     model(x).sum().backward()
     plain = count_ops(base.step)
-    guarded = count_ops(guard.step)
+    counter = _OpCounter()
+    detector = guard.detector
+    for method in ("judge", "update"):
+        setattr(detector, method, _tagged(counter, getattr(detector, method)))
+    with counter:
+        guard.step()
     guard.close()
-    return guarded - plain
+    return OpCount(counter.count - plain, counter.tagged)
+
+
+def _tagged(counter: _OpCounter, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        counter.tagging = True
+        try:
+            return fn(*args)
+        finally:
+            counter.tagging = False
+
+    return run
+
 
 MODELS: dict[str, dict[str, Any]] = {
     # name: GPT2Config overrides, batch, sequence length
@@ -275,7 +305,9 @@ def main(argv: list[str] | None = None) -> None:
 
     print("tensor ops the guard adds to one fused-AdamW step (guarded minus plain; must not grow with tensors):")
     for variant, kwargs in VARIANTS.items():
-        print(f"  {variant:16s} 30 tensors: {added_ops(30, **kwargs):3d}   250 tensors: {added_ops(250, **kwargs):3d}")
+        small, large = added_ops(30, **kwargs), added_ops(250, **kwargs)
+        print(f"  {variant:16s} 30 tensors: {small.total:3d} ({small.detector} in the detector)   "
+              f"250 tensors: {large.total:3d} ({large.detector} in the detector)")
     for name in names:
         gpt_overhead(name, device, repeats, steps)
     if not args.no_bn:

@@ -75,6 +75,7 @@ def test_a_loss_spike_alone_rejects_the_step(tmp_path: Path) -> None:
     before = full_state(model, guard)
     with capture_events() as events:
         guard.step(loss=loss * 1e4)  # a corrupted batch: the gradients look normal, the loss does not
+        guard.flush()
     assert same_state(before, full_state(model, guard))
     spike = next(e for e in events if isinstance(e, SpikeEvent))
     assert spike.layer == "loss" and spike.loss == pytest.approx(float(loss) * 1e4, rel=1e-5)
@@ -157,8 +158,10 @@ def test_global_clip_keeps_the_direction_per_tensor_clip_only_the_offender(tmp_p
         grads[clip] = {n: (p.grad / original[n])[original[n] != 0] for n, p in model.named_parameters()}
     ratios = torch.cat([r.flatten() for r in grads["global"].values()])
     assert torch.allclose(ratios, ratios[0].expand_as(ratios), rtol=1e-3) and float(ratios[0]) < 1e-2
-    assert torch.allclose(grads["per_tensor"]["out.weight"], torch.ones(1), rtol=1e-5)
-    assert float(grads["per_tensor"]["inp.weight"].flatten()[0]) < 1e-2
+    # per tensor: the offender is scaled to its own limit first, the rest only by the common global factor
+    others = torch.cat([r.flatten() for n, r in grads["per_tensor"].items() if n != "inp.weight"])
+    assert torch.allclose(others, others[0].expand_as(others), rtol=1e-3)
+    assert float(grads["per_tensor"]["inp.weight"].flatten()[0]) < 0.1 * float(others[0])
 
 
 @pytest.mark.parametrize("case", ["nan", "loss_only"])
@@ -403,8 +406,8 @@ def test_more_bad_arguments_raise_config_error_before_any_change(tmp_path: Path,
 def test_the_ops_a_guard_adds_do_not_grow_with_the_number_of_tensors(nan_action: str) -> None:
     small, large = added_ops(30, nan_action=nan_action), added_ops(250, nan_action=nan_action)
     assert small == large
-    if nan_action == "skip":
-        assert large <= 60
+    # the guard's own share (measure, decide, record, skip or clip), beside the detector's judge/update
+    assert large.mechanics <= (20 if nan_action == "skip" else 36)
 
 
 # ---------------------------------------------------------------- the readback helper
