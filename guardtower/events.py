@@ -243,7 +243,7 @@ class StartEvent(Event):
     tensors: int = 0
     parameters: int = 0
     device_decides: bool = False  # the skip reaches the optimizer on the device (zero host syncs)
-    settings: dict[str, str] = field(default_factory=dict)  # the other arguments, as their repr
+    settings: dict[str, Any] = field(default_factory=dict)  # the other settings (strings and numbers)
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
