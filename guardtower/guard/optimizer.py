@@ -230,11 +230,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
             if not any(isinstance(s, ConsoleSink) for s in self.bus.sinks):
                 self.bus.add_sink(ConsoleSink(min_severity=Severity.WARN))
-        settings = {"ema_alpha": self._setting("ema_alpha"), "log_every": str(self.log_every),
+        settings = {"ema_alpha": getattr(self.detector, "ema_alpha", None), "log_every": self.log_every,
                     "log_dir": str(self.log_dir), "clip": self.clip,
-                    "max_consecutive_skips": repr(self.policy.max_consecutive_skips),
+                    "max_consecutive_skips": self.policy.max_consecutive_skips,
                     "escalate_to": self.policy.escalate_to, "device": str(self._device),
-                    "bn_buffers_protected": str(bool(self._buffers))}
+                    "bn_buffers_protected": bool(self._buffers)}
         self._publish(StartEvent(
             **self._run_kw, step=self._step_count, optimizer=type(self._base).__name__, detector=self.detector.name,
             nan_action=self.policy.nan_action, spike_threshold=self.detector.threshold,
@@ -242,9 +242,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
             parameters=sum(p.numel() for p in self._params), device_decides=not self._host_decides,
             settings=settings,
         ))
-
-    def _setting(self, name: str) -> str:
-        return repr(getattr(self.detector, name, None))
 
     # ------------------------------------------------------------------ counters
     def _current(self) -> None:
