@@ -2,7 +2,8 @@
 
 For each model, one set of weights and one fused AdamW take blocks of full training steps (zero_grad,
 forward, backward, optimizer step) through each variant — plain ``base.step()``, the guard with
-``nan_action="skip"`` (the default), ``"clip"`` with ``clip="global"`` and ``clip="per_tensor"`` —
+``nan_action="skip"`` (the default), ``"clip"`` with ``clip="global"`` and ``clip="per_tensor"``, and the skip guard with the lean
+``detector="ratio"`` (what the guard's mechanics cost without the default detector's statistics) —
 interleaved (the order rotates every repeat, so machine load hits every variant alike; a device synchronize
 ends each block on CUDA). Reported per variant: the median over repeats of (its block time / the plain block
 of the same repeat), and the guard's own cost isolated (interleaved ``base.step()``/``guard.step()`` pairs on
@@ -119,6 +120,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "skip": {},
     "clip_global": {"nan_action": "clip", "clip": "global"},
     "clip_per_tensor": {"nan_action": "clip", "clip": "per_tensor"},
+    "skip_ratio_detector": {"detector": "ratio"},  # the same mechanics with the lean old detector
 }
 
 
@@ -248,12 +250,12 @@ def batchnorm_overhead(device: torch.device, repeats: int, steps: int) -> None:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     channels = 3
-    for width in (32, 32, 64, 64, 128, 128):
+    for width in (16, 16, 32, 32, 64, 64):
         layers += [torch.nn.Conv2d(channels, width, 3, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
         channels = width
     model = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                                 torch.nn.Linear(channels, 10)).to(device)
-    x = torch.randn(16, 3, 16, 16, device=device)
+    x = torch.randn(16, 3, 8, 8, device=device)
     y = torch.randint(0, 10, (16,), device=device)
     base = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     protected = GuardedOptimizer(base, model, verbose=False, log_every=10**9,
