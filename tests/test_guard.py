@@ -15,7 +15,8 @@ from guardtower.errors import ConfigError, GradientSpikeError
 from guardtower.events import HaltEvent, SkipEvent, SpikeEvent, SummaryEvent
 from guardtower.guard import GuardedOptimizer, RatioDetector, read_report
 from guardtower.testing import InMemorySink, capture_events
-from tests._guard_helpers import OPTIMIZERS, TinyNet, backward, full_state, make, same_state, scale_grad, train
+from tests._guard_helpers import (OPTIMIZERS, SyncCounter, TinyNet, backward, full_state, make, same_state, scale_grad,
+                                  train)
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
@@ -123,7 +124,7 @@ def test_spike_report_is_strict_json_with_the_documented_fields(tmp_path: Path) 
     spike = next(e for e in events if isinstance(e, SpikeEvent))
     path = Path(spike.report_path or "")
     assert path.parent == (tmp_path / "logs").resolve()
-    assert path.name.startswith("spike-step00000041-rank0-") and path.suffix == ".json"
+    assert path.name.startswith("spike_step00000041-rank0-") and path.suffix == ".json"
     text = path.read_text()
 
     def refuse(token: str) -> Any:
@@ -147,7 +148,7 @@ def test_nonfinite_report_encodes_nan_without_nan_tokens(tmp_path: Path) -> None
     model, guard = make(tmp_path)
     train(model, guard, 5, corrupt=lambda i, m: m.inp.weight.grad.fill_(float("nan")) if i == 4 else None)
     guard.flush()
-    (path,) = (tmp_path / "logs").glob("spike-*.json")
+    (path,) = (tmp_path / "logs").glob("spike_step*.json")
     text = path.read_text()
     assert "NaN" not in text and "Infinity" not in text
     report = read_report(path)
@@ -159,7 +160,7 @@ def test_report_names_never_collide_for_the_same_step(tmp_path: Path) -> None:
         model, guard = make(tmp_path)
         train(model, guard, 5, corrupt=lambda i, m: m.inp.weight.grad.fill_(float("inf")) if i == 2 else None)
         guard.close()
-    assert len(list((tmp_path / "logs").glob("spike-step00000003-rank0-*.json"))) == 2
+    assert len(list((tmp_path / "logs").glob("spike_step00000003-rank0-*.json"))) == 2
 
 
 def test_raise_stops_before_the_update_and_publishes_a_halt(tmp_path: Path) -> None:
@@ -178,7 +179,7 @@ def test_raise_stops_before_the_update_and_publishes_a_halt(tmp_path: Path) -> N
     assert kinds.index("spike") < kinds.index("halt")
     halt = next(e for e in events if isinstance(e, HaltEvent))
     assert halt.layer == "out.weight" and "step 13" in halt.message
-    assert list((tmp_path / "logs").glob("spike-step00000013-*.json"))  # written before the raise returned
+    assert list((tmp_path / "logs").glob("spike_step00000013-*.json"))  # written before the raise returned
 
 
 def test_summary_every_log_every_steps_with_loss_and_counters(tmp_path: Path) -> None:
@@ -202,34 +203,13 @@ def test_events_reach_the_bus_within_two_steps_with_a_fused_optimizer(tmp_path: 
     assert any(isinstance(e, SpikeEvent) and e.step == 16 for e in events)
 
 
-class _SyncCounter:
-    """Counts host reads of tensor values (``bool``, ``item``, ``float``, ``int``) while active."""
-
-    NAMES = ("__bool__", "item", "__float__", "__int__")
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        self.active = False
-        for name in self.NAMES:
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(original))
-
-    def _wrap(self, original: Any) -> Any:
-        def wrapper(t: torch.Tensor, *args: Any) -> Any:
-            if self.active:
-                self.calls += 1
-            return original(t, *args)
-
-        return wrapper
-
-
 @pytest.mark.parametrize(("opt", "expected"), [("adamw_fused", 0), ("sgd_fused", 0), ("adamw_foreach", 1),
                                                ("sgd_momentum", 1)])
 def test_host_reads_per_step_zero_for_fused_one_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           opt: str, expected: int) -> None:
     model, guard = make(tmp_path, opt, log_every=1000)
     train(model, guard, 12)
-    counter = _SyncCounter(monkeypatch)
+    counter = SyncCounter(monkeypatch)
     base_step = guard.base_optimizer.step
 
     def uncounted_base_step(*args: Any, **kwargs: Any) -> Any:  # the base optimizer's own reads are not ours
