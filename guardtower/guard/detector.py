@@ -5,12 +5,14 @@ A detector never leaves the device and never reads a value back to the host: ``j
 The guard calls ``judge`` first and ``update`` second, always in that order, so the step being judged is
 never part of the baseline it is compared with.
 
-``RatioDetector`` (the default) compares each tensor's norm, and the global norm, with an exponential moving
-average of past accepted log-norms (a geometric mean: one outlier that slips through moves it by a factor,
-not an order of magnitude). ``ZScoreDetector`` uses the same averages plus an EMA variance. The two others are
-the rules published guards use, kept as real detectors so ``bench/detection.py`` can compare them:
-``PreUpdateEMADetector`` updates its (linear) EMA with every step *before* comparing, and
-``RollingSigmaDetector`` flags a norm above the mean plus k standard deviations of a rolling window.
+``AutoDetector`` (the default) judges each tensor's share of the gradient, the global norm and the loss,
+each against its own level, variance and recent peak, and absorbs a sustained level shift; it was chosen on
+``bench/detection.py`` (healthy runs of several model families from step 0, injected incidents, the published
+rules). ``RatioDetector`` (the old default) compares each norm with an EMA of past accepted log-norms (a
+geometric mean); ``ZScoreDetector`` adds an EMA variance. The two others are the rules published guards use,
+kept as real detectors for comparison: ``PreUpdateEMADetector`` updates its (linear) EMA with every step
+*before* comparing, and ``RollingSigmaDetector`` flags a norm above the mean plus k standard deviations of a
+rolling window.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from guardtower.errors import ConfigError
 __all__ = [
     "Verdict",
     "Detector",
+    "AutoDetector",
     "RatioDetector",
     "ZScoreDetector",
     "PreUpdateEMADetector",
