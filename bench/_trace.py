@@ -137,7 +137,7 @@ def record(config: Any, seed: int = 0, incidents: dict[int, tuple[str, str]] | N
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if not math.isfinite(float(loss)):
+        if not math.isfinite(float(loss.detach())):
             break
     norms_t = torch.stack(rows)
     loss_t = torch.stack(losses)
@@ -205,6 +205,7 @@ class LiveResult:
     stopped_at: int | None
     final_loss: float
     caught: dict[tuple[str, str], bool]
+    first_loss: float
 
 
 def live(config: Any, seed: int = 0, incidents: dict[int, tuple[str, str]] | None = None, steps: int | None = None,
@@ -246,11 +247,12 @@ def live(config: Any, seed: int = 0, incidents: dict[int, tuple[str, str]] | Non
             if kind_phase is not None:
                 caught[kind_phase] = guard.total_spikes > before
             sched.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         rejected = guard.total_spikes
         guard.close()
     tail = [x for x in losses[-20:]]
-    return LiveResult(len(losses), rejected, stopped, sum(tail) / max(1, len(tail)), caught)
+    return LiveResult(len(losses), rejected, stopped, sum(tail) / max(1, len(tail)), caught,
+                      sum(losses[:5]) / max(1, len(losses[:5])))
 
 
 def _apply(kind: str, params: list[Tensor], targets: dict[str, int]) -> None:

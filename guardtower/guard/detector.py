@@ -5,12 +5,14 @@ A detector never leaves the device and never reads a value back to the host: ``j
 The guard calls ``judge`` first and ``update`` second, always in that order, so the step being judged is
 never part of the baseline it is compared with.
 
-``RatioDetector`` (the default) compares each tensor's norm, and the global norm, with an exponential moving
-average of past accepted log-norms (a geometric mean: one outlier that slips through moves it by a factor,
-not an order of magnitude). ``ZScoreDetector`` uses the same averages plus an EMA variance. The two others are
-the rules published guards use, kept as real detectors so ``bench/detection.py`` can compare them:
-``PreUpdateEMADetector`` updates its (linear) EMA with every step *before* comparing, and
-``RollingSigmaDetector`` flags a norm above the mean plus k standard deviations of a rolling window.
+``AutoDetector`` (the default) judges each tensor's share of the gradient, the global norm and the loss,
+each against its own level, variance and recent peak, and absorbs a sustained level shift; it was chosen on
+``bench/detection.py`` (healthy runs of several model families from step 0, injected incidents, the published
+rules). ``RatioDetector`` (the old default) compares each norm with an EMA of past accepted log-norms (a
+geometric mean); ``ZScoreDetector`` adds an EMA variance. The two others are the rules published guards use,
+kept as real detectors for comparison: ``PreUpdateEMADetector`` updates its (linear) EMA with every step
+*before* comparing, and ``RollingSigmaDetector`` flags a norm above the mean plus k standard deviations of a
+rolling window.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from guardtower.errors import ConfigError
 __all__ = [
     "Verdict",
     "Detector",
+    "AutoDetector",
     "RatioDetector",
     "ZScoreDetector",
     "PreUpdateEMADetector",
@@ -305,7 +308,8 @@ class AutoDetector(Detector):
     _per_tensor = {"mean": 0.0, "var": 0.0, "count": 0.0, "peak": 0.0, "run": 0.0, "run_sum": 0.0,
                    "run_max": 0.0, "run_min": 0.0}
     _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the variance uses ema_alpha
-    _PRIOR_VAR, _PRIOR_WEIGHT = 0.25, 4.0
+    # the variance prior: gradient norms may move by e^0.5 per step, a loss by e^0.1, until data says otherwise
+    _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT = 0.5, 0.1, 4.0
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
     _WINSOR = 3.0
 
@@ -330,6 +334,7 @@ class AutoDetector(Detector):
         self.floor = float(floor)
         self.absorb_after = absorb_after
         self._log_ratio = torch.zeros(0)
+        self._prior = torch.zeros(0)
         self._pending: tuple[Tensor, Tensor, Tensor, _AutoStep] | None = None
 
     def resize(self, n: int, device: torch.device) -> None:
@@ -351,6 +356,9 @@ class AutoDetector(Detector):
         gate = torch.full((n + 2,), math.log(self.threshold), device=device)
         gate[-1] = math.log(self.loss_ratio)
         self._log_ratio = gate
+        prior = torch.full((n + 2,), self._PRIOR_WEIGHT * self._PRIOR_STD ** 2, device=device)
+        prior[-1] = self._PRIOR_WEIGHT * self._LOSS_PRIOR_STD ** 2
+        self._prior = prior
         self._pending = None
 
     def _step(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> _AutoStep:
@@ -365,7 +373,7 @@ class AutoDetector(Detector):
         log_base = mean.clone()
         log_base[:-2] = torch.clamp_min(mean[:-2], math.log(max(self.floor, _TINY)))
         n_eff = count.clamp_max(2.0 / self.ema_alpha)
-        std = torch.sqrt((n_eff * s["var"] + self._PRIOR_WEIGHT * self._PRIOR_VAR) / (n_eff + self._PRIOR_WEIGHT))
+        std = torch.sqrt((n_eff * s["var"] + self._prior) / (n_eff + self._PRIOR_WEIGHT))
         outlier = torch.maximum(log_base + self._log_ratio, mean + self.sigmas * std)
         beyond_peak = torch.maximum(s["peak"], log_base) + math.log(self.threshold)
         ceiling = torch.minimum(outlier, beyond_peak)
