@@ -120,7 +120,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "skip": {},
     "clip_global": {"nan_action": "clip", "clip": "global"},
     "clip_per_tensor": {"nan_action": "clip", "clip": "per_tensor"},
-    "skip_ratio_detector": {"detector": "ratio"},  # the same mechanics with the lean old detector
+    # the same mechanics with the lean old detector (its false alarms only skip steps here: same cost)
+    "skip_ratio_detector": {"detector": "ratio", "max_consecutive_skips": None},
 }
 
 
