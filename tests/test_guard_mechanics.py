@@ -317,6 +317,14 @@ def test_a_clean_run_leaves_start_and_summary_in_the_events_file(tmp_path: Path)
     assert (summary.step, summary.total_spikes) == (20, 0)
 
 
+def test_close_adds_no_second_summary_for_a_step_that_had_one(tmp_path: Path) -> None:
+    with capture_events() as events:
+        model, guard = make(tmp_path, log_every=10)
+        train(model, guard, 20)
+        guard.close()
+    assert [e.step for e in events if isinstance(e, SummaryEvent)] == [10, 20]
+
+
 def test_close_before_any_step_publishes_nothing(tmp_path: Path) -> None:
     with capture_events() as events:
         _, guard = make(tmp_path)

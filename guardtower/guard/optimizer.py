@@ -210,6 +210,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._started = False
         self._pending_loss: Tensor | None = None
         self._last_report: str | None = None
+        self._last_summary = -1  # the step of the last summary event
 
         # the bus exists now (no thread until a sink is added); sinks are attached by the first step
         self._user_bus = bus
@@ -549,6 +550,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _summary(self, step: int, grad_norm: float, loss: float | None, lr: float | None,
                  head: Header | None = None, record: StepRecord | None = None) -> None:
+        self._last_summary = step
         metrics = {"overflow_steps": float(self._total_overflows), "clipped_steps": float(self._total_clips),
                    "consecutive_rejections": float(self.consecutive_rejections)}
         if head is not None and record is not None:
@@ -658,7 +660,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self.bus.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Publish what is pending and a final ``summary``, close the bus if the guard made it. Idempotent.
+        """Publish what is pending and a final ``summary`` (unless the last step had one), close the bus if the
+        guard made it. Idempotent.
 
         Afterwards ``step()`` passes straight through to the base optimizer, unguarded.
         """
@@ -666,7 +669,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             return
         try:
             self._drain(block=True)
-            if self._started:
+            if self._started and self._last_summary != self._step_count:  # not twice for the same step
                 last = self._history[-1][1] if self._history else math.nan
                 self._summary(self._step_count, last, None, self._lr())
         finally:
