@@ -247,11 +247,13 @@ def live(config: Any, seed: int = 0, incidents: dict[int, tuple[str, str]] | Non
             if kind_phase is not None:
                 caught[kind_phase] = guard.total_spikes > before
             sched.step()
-            losses.append(float(loss.detach()))
+            if kind_phase is None:  # the final loss is the run's, not an incident batch's
+                losses.append(float(loss.detach()))
         rejected = guard.total_spikes
         guard.close()
     tail = [x for x in losses[-20:]]
-    return LiveResult(len(losses), rejected, stopped, sum(tail) / max(1, len(tail)), caught,
+    done = total if stopped is None else stopped
+    return LiveResult(done, rejected, stopped, sum(tail) / max(1, len(tail)), caught,
                       sum(losses[:5]) / max(1, len(losses[:5])))
 
 

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _healthy import CONFIGS, Config, NormMLP, _adamw, _digits, _loop, _sgd, gpt2, lm_batches  # noqa: E402
+from _healthy import CONFIGS, Config, NormMLP, _digits, _loop, _sgd, gpt2, lm_batches  # noqa: E402
 from _rules import LightningSpikeRule, MegatronRule, OLMoCoreRule, ZClipRule  # noqa: E402
 from _trace import KINDS, SCALES, Trace, live, plan, record, replay  # noqa: E402
 from _trainer_runs import TRAINER_CONFIGS, live_trainer, record_trainer  # noqa: E402
@@ -142,8 +142,8 @@ def live_injected(seed: int, quick: bool) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- genuine instability
 UNSTABLE = [
-    Config("gpt2-adamw-lr3e-2", "gpt2", "AdamW 3e-2", "constant", 300,
-           _loop(gpt2, _adamw(3e-2), "constant", 300, lm_batches)),
+    Config("gpt2-sgd-lr1", "gpt2", "SGD+momentum 1.0", "constant", 300,
+           _loop(gpt2, _sgd(1.0), "constant", 300, lm_batches)),
     Config("mlp-ln-digits-sgd-lr3", "mlp-layernorm", "SGD+momentum 3.0", "constant", 300,
            _loop(lambda: NormMLP(64, 10), _sgd(3.0), "constant", 300, _digits)),
 ]

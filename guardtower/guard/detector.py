@@ -311,7 +311,7 @@ class AutoDetector(Detector):
     # the variance prior: gradient norms may move by e^0.5 per step, a loss by e^0.1, until data says otherwise
     _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT = 0.5, 0.1, 4.0
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
-    _WINSOR = 3.0
+    _WINSOR = 4.0
 
     def __init__(self, threshold: float = 10.0, *, sigmas: float = 6.0, loss_ratio: float = 1.5,
                  ema_alpha: float = 0.01, warmup_steps: int = 10, floor: float = 1e-3,
@@ -391,7 +391,7 @@ class AutoDetector(Detector):
         scale = torch.cat([rest, rest.new_ones(2)])
         limit = torch.where(warm, torch.exp(ceiling) * scale, torch.full_like(x, math.inf))
         base = torch.exp(log_base) * scale * seeded
-        # what enters the baseline: winsorized at 3 std, so one accepted outlier (in warmup, or just below the
+        # what enters the baseline: winsorized at 4 std, so one accepted outlier (in warmup, or just below the
         # ceiling) moves the level, variance and envelope by a bounded amount
         robust = torch.where(seeded, mean + torch.clamp(log_x - mean, -self._WINSOR * std, self._WINSOR * std), log_x)
         return _AutoStep(log_x, robust, valid, raw & ~absorb, absorb, new_run, run_sum, run_max, run_min, limit,
