@@ -83,9 +83,42 @@ def test_fsynced_events_survive_kill_9_of_the_writer(tmp_path) -> None:
     assert steps == list(range(len(steps)))  # nothing reordered or half-parsed
 
 
+def test_the_parent_folder_is_created_so_the_readme_quickstart_runs_in_a_fresh_folder(tmp_path) -> None:
+    path = tmp_path / "sg_logs" / "nested" / "events.jsonl"
+    sink = JsonlSink(path)
+    assert path.parent.is_dir() and not path.exists()  # the file itself appears with the first event
+    bus = EventBus([sink])
+    bus.publish(SummaryEvent(step=1))
+    bus.close(5)
+    assert [e.step for e in read_events(path)] == [1]
+
+
+def test_a_write_that_fails_is_counted_and_later_events_still_arrive(tmp_path, monkeypatch) -> None:
+    """A full disk for one batch (ENOSPC): counted as failed with the reason, never raised into training."""
+    import errno
+
+    sink = JsonlSink(tmp_path / "events.jsonl")
+    bus = EventBus([sink])
+    real_open = open
+    full = {"on": True}
+
+    def failing_open(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if full["on"] and str(args[0]).endswith("events.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", failing_open)
+    bus.publish(SummaryEvent(step=1))
+    assert bus.flush(5)
+    full["on"] = False
+    bus.publish(SummaryEvent(step=2))
+    bus.close(5)
+    stats = bus.stats()["sinks"]["jsonl:events.jsonl"]
+    assert stats["failed"] == 1 and stats["delivered"] == 1 and stats["published"] == 2
+    assert [e.step for e in read_events(tmp_path / "events.jsonl")] == [2]
+
+
 def test_bad_paths_fail_at_construction(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="path.*does not exist"):
-        JsonlSink(tmp_path / "missing" / "events.jsonl")
     with pytest.raises(ConfigError, match="path.*not writable"):
         JsonlSink("/proc/1/events.jsonl")  # read-only for everyone, root included
     with pytest.raises(ConfigError, match="directory"):
@@ -114,3 +147,25 @@ def test_console_sink_filters_by_severity() -> None:
     bus.publish(SummaryEvent(step=1))
     bus.close(timeout=5)
     assert out.getvalue() == ""
+
+
+class RecordingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_console_sink_writes_each_event_as_one_whole_line_write() -> None:
+    """The worker's output never splits, so a user's print on another thread cannot glue onto it."""
+    out = RecordingStream()
+    bus = EventBus([ConsoleSink(out)])
+    bus.publish(SpikeEvent(step=3, layer="h.0", reason="nonfinite", severity=Severity.ERROR))
+    bus.publish(SummaryEvent(step=50, grad_norm=1.5))
+    bus.close(timeout=5)
+    assert len(out.writes) == 2 and all(w.endswith("\n") for w in out.writes)
+    assert "guardtower: NaN/Inf gradient" in out.writes[0]  # one wording for a NaN step everywhere
+    assert out.writes[1].startswith("[guardtower INFO] summary step=50")
