@@ -53,18 +53,25 @@ logger = logging.getLogger("guardtower.delivery")
 DEFAULT_TIMEOUT_S = 10.0
 _DEFAULT_QUEUE_SIZE = 10_000
 _BATCH_MAX = 512
+#: events of a full queue parked in memory for the worker to spool (sinks with a spool only)
+_OVERFLOW_MAX = 10_000
 _IDLE_WAIT_S = 0.5
 _PROBE_MIN_S = 0.5
 _PROBE_MAX_S = 30.0
 
 
 class TransientError(Exception):
-    """A failure worth retrying (timeout, disconnect, 5xx, 429). ``reason`` is safe to log."""
+    """A failure worth retrying (timeout, disconnect, 5xx, 429). ``reason`` is safe to log.
 
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+    ``retry_after``: the wait the destination asked for; with ``pause`` (a 429) it holds every sink
+    posting to that destination, not just this retry.
+    """
+
+    def __init__(self, reason: str, retry_after: float | None = None, *, pause: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+        self.pause = pause
 
 
 class PartialFailure(Exception):
@@ -199,7 +206,7 @@ def send_with_retry(export: Callable[[Batch], None], batch: Batch, policy: Retry
         try:
             export(batch)
         except TransientError as exc:
-            if exc.retry_after is not None and throttle is not None:
+            if exc.pause and exc.retry_after is not None and throttle is not None:
                 throttle.pause(exc.retry_after)
             raise
 
@@ -269,11 +276,17 @@ class Delivery:
     # -- state ------------------------------------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        # _qlock guards only what publish touches (queue, parked overflow, offer counters), so the
+        # training thread never waits for the worker's grouping or accounting under _cond.
+        self._qlock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._queue: collections.deque[Event] = collections.deque()
         self._overflow: list[Event] = []
+        self._offered = 0
+        self._refused: collections.Counter[str] = collections.Counter()  # dropped at offer, under _qlock
+        self._closed = False
         self._batcher = self._make_batcher()
         self._inflight: list[Batch] = []
         self._orphaned: set[int] = set()
@@ -281,7 +294,6 @@ class Delivery:
         self._dropped: collections.Counter[str] = collections.Counter()
         self._thread: threading.Thread | None = None
         self._closing = False
-        self._closed = False
         self._flush_asked = 0
         self._flush_done = 0
         self._backlog = False
@@ -302,26 +314,26 @@ class Delivery:
     # -- the training thread ------------------------------------------------------------------------------
 
     def offer(self, event: Event) -> None:
-        """Queue ``event``: memory only, never blocks on a sink."""
-        with self._lock:
-            self._counts["published"] += 1
+        """Queue ``event``: memory only, never waits for the worker."""
+        with self._qlock:
+            self._offered += 1
             if self._closed:
-                self._dropped["published after close"] += 1
+                self._refused["published after close"] += 1
                 return
-            if len(self._queue) >= self.maxsize:
-                if self._spool() is not None and len(self._overflow) < self.maxsize:
-                    self._overflow.append(event)  # the worker spools it
-                else:
-                    self._dropped["queue full"] += 1
-                    return
-            else:
+            if len(self._queue) < self.maxsize:
                 self._queue.append(event)
-            self._cond.notify()
+            elif self._spool() is not None and len(self._overflow) < _OVERFLOW_MAX:
+                self._overflow.append(event)  # the worker spools it
+            else:
+                self._refused["queue full"] += 1
+                return
+        if not self._wake.is_set():
+            self._wake.set()
         if self._thread is None:
             self._start()
 
     def _start(self) -> None:
-        with self._lock:
+        with self._cond:
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name=f"guardtower-sink-{self.name}", daemon=True)
                 self._thread.start()
@@ -331,24 +343,31 @@ class Delivery:
     def _run(self) -> None:
         while True:
             with self._cond:
-                batches = self._take_locked()
-                while not batches:
-                    if self._closing and not self._queue and not self._overflow and not self._batcher.held():
+                if self._closed:
+                    return
+                batches, overflow = self._take_locked()
+                queue_empty = not self._queue
+                if not batches and not overflow:
+                    idle = queue_empty and not self._batcher.held()
+                    if self._closing and idle:
                         self._flush_done = self._flush_asked
                         self._cond.notify_all()
                         return
-                    if self._flush_asked > self._flush_done and not self._queue and not self._batcher.held():
-                        break
-                    if self._backlog and self._probe_at <= time.monotonic():
-                        break
-                    self._cond.wait(self._idle_wait())
-                    batches = self._take_locked()
-                overflow, self._overflow = self._overflow, []
+                    probe = self._backlog and self._probe_at <= time.monotonic()
+                    flush = idle and self._flush_asked > self._flush_done
+                    if not probe and not flush:
+                        wait = self._idle_wait()
+                        self._wake.clear()
+                        self._cond.release()
+                        try:
+                            self._wake.wait(wait)
+                        finally:
+                            self._cond.acquire()
+                        continue
                 self._inflight = list(batches)
-                idle = not batches and not self._queue and self._flush_asked > self._flush_done
-                flush_target = self._flush_asked if idle else None
+                flush_target = self._flush_asked if queue_empty and self._flush_asked > self._flush_done else None
             if overflow:
-                self._to_spool(overflow, "queue full", enter_backlog=True)
+                self._to_spool(overflow, "bus queue full", enter_backlog=True)
             if self._backlog:
                 self._probe()
             for batch in batches:
@@ -356,7 +375,7 @@ class Delivery:
             with self._cond:
                 self._inflight = []
                 self._cond.notify_all()
-            if flush_target is not None:
+            if flush_target is not None and not self._batcher.held():
                 self._call_sink_flush()
                 with self._cond:
                     self._flush_done = max(self._flush_done, flush_target)
@@ -371,15 +390,18 @@ class Delivery:
             waits.append(self._probe_at - time.monotonic())
         return max(0.0, min(waits))
 
-    def _take_locked(self) -> list[Batch]:
+    def _take_locked(self) -> tuple[list[Batch], list[Event]]:
         now = time.monotonic()
         events: list[Event] = []
-        while self._queue and len(events) < self.batch_max:
-            events.append(self._queue.popleft())
+        with self._qlock:
+            while self._queue and len(events) < self.batch_max:
+                events.append(self._queue.popleft())
+            overflow, self._overflow = self._overflow, []
+            more = bool(self._queue)
         batches = self._batcher.add(events, now) if events else []
         drain = self._closing or self._flush_asked > self._flush_done
-        batches.extend(self._batcher.due(now, drain and not self._queue))
-        return [b for b in batches if b.events or b.note is not None]
+        batches.extend(self._batcher.due(now, drain and not more))
+        return [b for b in batches if b.events or b.note is not None], overflow
 
     def _send(self, batch: Batch) -> None:
         if isinstance(batch.note, Handled):
@@ -401,7 +423,7 @@ class Delivery:
             if batch.note is None and len(batch.events) > 1:
                 self._isolate(batch)  # one bad event must not take the others down
             elif self._spool() is not None:
-                self._finish(batch, spool_reason=f"rejected: {reason}")
+                self._finish(batch, spool_reason=reason)
             else:
                 self._finish(batch, failed_events=list(batch.events), reason=reason)
         else:
@@ -522,8 +544,8 @@ class Delivery:
     def request_flush(self) -> int:
         with self._cond:
             self._flush_asked += 1
-            self._cond.notify_all()
             target = self._flush_asked
+        self._wake.set()
         if self._thread is None:
             self._start()
         return target
@@ -544,7 +566,7 @@ class Delivery:
     def begin_close(self) -> None:
         with self._cond:
             self._closing = True
-            self._cond.notify_all()
+        self._wake.set()
 
     def wait_drained(self, until: float) -> bool:
         thread = self._thread
@@ -556,16 +578,18 @@ class Delivery:
     def take_over(self) -> None:
         """Close time: spool (or count as dropped) whatever the worker has not finished, then stop it."""
         self._stop.set()
+        self._wake.set()
         with self._cond:
-            leftovers = list(self._overflow) + list(self._queue)
-            self._overflow.clear()
-            self._queue.clear()
+            with self._qlock:
+                leftovers = list(self._overflow) + list(self._queue)
+                self._overflow.clear()
+                self._queue.clear()
+                self._closed = True
             held = self._batcher.due(time.monotonic(), True) if self._batcher.held() else []
             for batch in self._inflight:
                 self._orphaned.add(id(batch))
             leftovers += [e for batch in self._inflight + held for e in batch.events]
             self._inflight = []
-            self._closed = True
             self._cond.notify_all()
         self._to_spool(leftovers, "sink closed before the event was sent")
 
@@ -583,20 +607,23 @@ class Delivery:
     def stats(self) -> dict[str, Any]:
         """delivered + spooled + dropped + failed + pending = published."""
         with self._cond:
+            with self._qlock:
+                published = self._offered
+                reasons = self._dropped + self._refused
             c = self._counts
-            dropped = sum(self._dropped.values())
+            dropped = sum(reasons.values())
             done = c["delivered"] + c["spooled"] + dropped + c["failed"]
             return {
                 "name": self.name,
-                "published": c["published"],
+                "published": published,
                 "delivered": c["delivered"],
                 "spooled": c["spooled"],
                 "dropped": dropped,
                 "failed": c["failed"],
-                "pending": c["published"] - done,
+                "pending": published - done,
                 "replayed": c["replayed"],
                 "backlog": self._backlog,
-                "dropped_reasons": dict(self._dropped),
+                "dropped_reasons": dict(reasons),
             }
 
 

@@ -88,7 +88,7 @@ class Transport:
         retry_after = parse_retry_after(response.headers.get("Retry-After"), cap=policy.max_retry_after)
         reason = f"HTTP {status}" + (f": {snippet}" if snippet else "")
         if status in (408, 429) or status >= 500:
-            raise TransientError(reason, retry_after)
+            raise TransientError(reason, retry_after, pause=status == 429)
         raise DeliveryError(reason, permanent=True)
 
 
