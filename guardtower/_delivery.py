@@ -264,14 +264,18 @@ class Delivery:
         self.maxsize = int(getattr(sink, "queue_size", _DEFAULT_QUEUE_SIZE))
         self.batch_max = int(getattr(sink, "batch_max", _BATCH_MAX))
         self.log = FailureLog(f"sink {self.name!r}")
+        # while the destination is down, the spool is probed every retry_interval, doubling up to the max
+        self._probe_min = float(getattr(sink, "retry_interval", _PROBE_MIN_S))
+        self._probe_max = max(self._probe_min, float(getattr(sink, "max_retry_interval", _PROBE_MAX_S)))
         make_batcher = getattr(sink, "make_batcher", None)
         self._make_batcher: Callable[[], Batcher] = make_batcher if callable(make_batcher) else _Chunks
         self._reset()
         on_fork(self)
         spool = self._spool()
         if spool is not None and getattr(sink, "resume_spool", False) and spool.path.exists():
-            if spool.has_pending():  # a previous process's leftovers go first
+            if spool.has_pending():  # a previous process's leftovers go first, even before a new event
                 self._backlog = True
+                self._start()
 
     # -- state ------------------------------------------------------------------------------------------
 
@@ -298,7 +302,7 @@ class Delivery:
         self._flush_done = 0
         self._backlog = False
         self._probe_at = 0.0
-        self._probe_wait = _PROBE_MIN_S
+        self._probe_wait = self._probe_min
 
     def _after_fork(self) -> None:
         """In a forked child: forget the parent's queue, counters and thread; never re-send them."""
@@ -430,10 +434,21 @@ class Delivery:
             self._finish(batch)
 
     def _isolate(self, batch: Batch) -> None:
+        if not self._claim(batch):
+            return
         for event in batch.events:
             self._send(Batch((event,)))
         with self._cond:
             self._counts["batches_split"] += 1
+
+    def _claim(self, batch: Batch) -> bool:
+        """Take ``batch`` back from the in-flight list; False when ``close`` already spooled it."""
+        with self._cond:
+            if id(batch) in self._orphaned:
+                self._orphaned.discard(id(batch))
+                return False
+            self._inflight = [b for b in self._inflight if b is not batch]
+            return True
 
     def _export(self, batch: Batch) -> None:
         export = getattr(self.sink, "export", None)
@@ -450,10 +465,7 @@ class Delivery:
     def _finish(self, batch: Batch, *, spool_reason: str | None = None, failed_events: Sequence[Event] = (),
                 reason: str = "", backlog: bool = False) -> None:
         """Account for a batch the worker is done with (unless ``close`` already spooled it)."""
-        with self._cond:
-            orphaned = id(batch) in self._orphaned
-            self._orphaned.discard(id(batch))
-        if orphaned:  # close() spooled it while it was in flight; if it got through after all, say so
+        if not self._claim(batch):  # close() spooled it while it was in flight; if it got through, say so
             if spool_reason is None and not failed_events:
                 self._ack(batch.events)
             return
@@ -488,7 +500,7 @@ class Delivery:
             return False
         with self._cond:
             self._counts["spooled"] += len(events)
-            if enter_backlog and not self._backlog and not self._closing:
+            if enter_backlog and not self._backlog:
                 self._backlog = True
                 self._probe_at = time.monotonic() + self._probe_wait
         if not reason.startswith("destination unavailable"):
@@ -534,9 +546,9 @@ class Delivery:
             self._counts["replayed"] += sent
             if ok:
                 self._backlog = False
-                self._probe_wait = _PROBE_MIN_S
+                self._probe_wait = self._probe_min
             else:
-                self._probe_wait = min(_PROBE_MAX_S, self._probe_wait * 2)
+                self._probe_wait = min(self._probe_max, self._probe_wait * 2)
                 self._probe_at = time.monotonic() + self._probe_wait
 
     # -- flush and close ---------------------------------------------------------------------------------

@@ -169,3 +169,63 @@ def test_console_sink_writes_each_event_as_one_whole_line_write() -> None:
     assert len(out.writes) == 2 and all(w.endswith("\n") for w in out.writes)
     assert "guardtower: NaN/Inf gradient" in out.writes[0]  # one wording for a NaN step everywhere
     assert out.writes[1].startswith("[guardtower INFO] summary step=50")
+
+
+# -- wrong types and values: every constructor of a sink, bridge or alert names the argument ---------------
+
+def _bad_calls(tmp_path):  # type: ignore[no-untyped-def]
+    from guardtower.alerts import DiscordAlert, PagerDutyAlert, SlackAlert, TeamsAlert, WebhookAlert
+    from guardtower.bridges import MLflowBridge, WandBBridge
+
+    url = "http://127.0.0.1:9/hook"
+    ok = tmp_path / "ok.jsonl"
+    calls = [
+        ("sinks", lambda: EventBus(None)), ("sinks", lambda: EventBus(1.5)), ("sinks", lambda: EventBus("x")),
+        ("main_process_only", lambda: EventBus([], main_process_only="yes")),
+        ("path", lambda: JsonlSink(None)), ("path", lambda: JsonlSink(3)),
+        ("fsync_severity", lambda: JsonlSink(ok, fsync_severity="WARNx")),
+        ("fsync_severity", lambda: JsonlSink(ok, fsync_severity=None)),
+        ("min_severity", lambda: ConsoleSink(min_severity="bogus")), ("stream", lambda: ConsoleSink(stream=3)),
+        ("run", lambda: WandBBridge(run=1.5)), ("alert_wait", lambda: WandBBridge(alert_wait=float("nan"))),
+        ("prefix", lambda: WandBBridge(prefix=3)), ("findings_table", lambda: WandBBridge(findings_table="no")),
+        ("run_id", lambda: MLflowBridge(run_id=7)), ("spool_path", lambda: MLflowBridge("r", spool_path=123)),
+        ("request_timeout", lambda: MLflowBridge("r", request_timeout=0)),
+        ("artifacts", lambda: MLflowBridge("r", artifacts="yes")),
+    ]
+    for cls in (WebhookAlert, SlackAlert, DiscordAlert, TeamsAlert):
+        calls += [
+            ("url", lambda cls=cls: cls(3)), ("url", lambda cls=cls: cls("ftp://x")),
+            ("spool_path", lambda cls=cls: cls(url, spool_path=123)),
+            ("kinds", lambda cls=cls: cls(url, kinds=5)), ("kinds", lambda cls=cls: cls(url, kinds=["bogus"])),
+            ("min_severity", lambda cls=cls: cls(url, min_severity="loud")),
+            ("rate_limit", lambda cls=cls: cls(url, rate_limit=float("inf"))),
+            ("retry", lambda cls=cls: cls(url, retry=float("nan"))),
+            ("grouping", lambda cls=cls: cls(url, grouping=10)),
+            ("max_pending", lambda cls=cls: cls(url, max_pending=0)),
+            ("queue_size", lambda cls=cls: cls(url, queue_size=1.5)),
+            ("name", lambda cls=cls: cls(url, name=3)), ("send_resolved", lambda cls=cls: cls(url, send_resolved=1)),
+            ("webhook_url", lambda cls=cls: cls(webhook_url=url)), ("spool", lambda cls=cls: cls(url, spool="x")),
+        ]
+    calls += [("routing_key", lambda: PagerDutyAlert(5)),
+              ("spool", lambda: PagerDutyAlert("key", spool=tmp_path / "s.jsonl"))]
+    return calls
+
+
+def test_every_constructor_rejects_wrong_types_and_values_naming_the_argument(tmp_path, monkeypatch) -> None:
+    for env in ("GUARDTOWER_WEBHOOK_URL", "SLACK_WEBHOOK_URL", "DISCORD_WEBHOOK_URL", "TEAMS_WEBHOOK_URL"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    for argument, call in _bad_calls(tmp_path):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.argument == argument, (argument, str(info.value))
+        assert "Fix:" in str(info.value)
+
+
+def test_an_unknown_alert_keyword_suggests_the_right_one(tmp_path) -> None:
+    from guardtower.alerts import WebhookAlert
+
+    with pytest.raises(ConfigError, match=r"webhook_url.*did you mean url="):
+        WebhookAlert(webhook_url="http://127.0.0.1:9/hook")
+    sink = WebhookAlert("http://127.0.0.1:9/hook", spool_path=tmp_path / "s.jsonl")
+    assert "spool_path=" in repr(sink) and "127.0.0.1" not in repr(sink)

@@ -151,11 +151,15 @@ class MLflowBridge(BaseSink):
     ``spool_path``: the dead-letter file (default ``<spool dir>/mlflow-<run_id>.jsonl``, see
     ``default_spool_dir``; under the guard's ``log_dir/spool`` when a guard adopts the bridge); what a
     previous process left there is sent first. ``request_timeout``/``request_retries`` bound each MLflow
-    request. ``retry_interval`` is the pause between the engine's attempts at one batch.
+    request. While the server is down, the spool is retried every ``retry_interval`` seconds, doubling up
+    to ``max_retry_interval``.
     """
 
     rank_zero_only = True
     resume_spool = True
+    # one event per attempt: a retry never re-sends an event that already got through
+    batch_max = 1
+    replay_batch = 1
 
     def __init__(
         self,
@@ -185,9 +189,10 @@ class MLflowBridge(BaseSink):
             run_id = active.info.run_id if active is not None else None
         self.run_id = run_id
         self.tracking_uri: str = tracking_uri or mlflow.get_tracking_uri()
-        self.retry = RetryPolicy(max_attempts=2, initial_backoff=float(retry_interval),
-                                 max_backoff=float(max_retry_interval),
-                                 deadline=float(request_timeout) * (request_retries + 1) * 2 + retry_interval)
+        self.retry_interval = float(retry_interval)
+        self.max_retry_interval = float(max_retry_interval)
+        self.retry = RetryPolicy(max_attempts=2, initial_backoff=0.2, max_backoff=1.0,
+                                 deadline=float(request_timeout) * (request_retries + 1) * 2 + 1.0)
         self._counts: collections.Counter[str] = collections.Counter()
         self._explicit_spool = explicit is not None
         self.spool_path = check_spool_path(explicit, default_spool_dir() / f"mlflow-{run_id}.jsonl")

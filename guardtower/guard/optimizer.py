@@ -185,7 +185,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._closed = False
 
         self._report_sink = SpikeReportSink(self.log_dir)
-        self.bus, self._owns_bus = resolve_bus(bus, sinks)
+        self.bus, self._owns_bus = resolve_bus(bus, sinks, log_dir=self.log_dir)
         self.bus.add_sink(self._report_sink)
         if verbose:
             from guardtower.sinks import ConsoleSink
