@@ -272,7 +272,10 @@ class Delivery:
         self._reset()
         on_fork(self)
         spool = self._spool()
-        if spool is not None and getattr(sink, "resume_spool", False) and spool.path.exists():
+        # replay_spool: the engine itself re-sends the spool once the destination answers again (and a
+        # previous process's leftovers first); otherwise the spool waits for ``guardtower replay``
+        self.replay_spool = bool(getattr(sink, "replay_spool", False))
+        if spool is not None and self.replay_spool and spool.path.exists():
             if spool.has_pending():  # a previous process's leftovers go first, even before a new event
                 self._backlog = True
                 self._start()
@@ -500,7 +503,7 @@ class Delivery:
             return False
         with self._cond:
             self._counts["spooled"] += len(events)
-            if enter_backlog and not self._backlog:
+            if enter_backlog and self.replay_spool and not self._backlog:
                 self._backlog = True
                 self._probe_at = time.monotonic() + self._probe_wait
         if not reason.startswith("destination unavailable"):
@@ -530,8 +533,8 @@ class Delivery:
                     break
                 batch = Batch(tuple(chunk))
                 try:
-                    send_with_retry(self._export, batch, None, stop=self._stop,
-                                    throttle=getattr(self.sink, "throttle", None))
+                    send_with_retry(self._export, batch, getattr(self.sink, "retry", None), stop=self._stop,
+                                    throttle=getattr(self.sink, "throttle", None), sleep=getattr(self.sink, "sleep", None))
                 except TransientError:
                     ok = False
                     break

@@ -59,14 +59,16 @@ class BaseSink:
     retry may help); ``close()`` shuts the destination down. Attributes the engine reads (with these
     defaults for sinks that do not subclass ``BaseSink``): ``rank_zero_only`` — with ``main_process_only``
     buses, act on rank 0 only (remote sinks: trackers, alerts); ``queue_size`` — the bound of the queue;
-    ``spool`` — a ``Spool`` for what cannot be delivered (None: counted as dropped); ``retry`` — a
-    ``RetryPolicy`` (None: one attempt).
+    ``spool`` — a ``Spool`` for what cannot be delivered (None: counted as dropped); ``replay_spool`` —
+    the engine re-sends the spool itself once the destination answers again (else ``guardtower replay``
+    does); ``retry`` — a ``RetryPolicy`` (None: one attempt).
     """
 
     name: str = "sink"
     rank_zero_only: bool = True
     queue_size: int = _DEFAULT_QUEUE_SIZE
     spool: Any = None
+    replay_spool: bool = False
     retry: Any = None
 
     def handle(self, event: Event) -> None:

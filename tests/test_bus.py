@@ -55,6 +55,7 @@ class SpoolingSink(InMemorySink):
 
     name = "spooling"
     queue_size = 5
+    replay_spool = True
 
     def __init__(self, path: Path) -> None:
         super().__init__()

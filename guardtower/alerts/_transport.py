@@ -52,6 +52,7 @@ class Transport:
     def __init__(self, policy: RetryPolicy) -> None:
         require_dependencies()
         self.policy = policy
+        self.timeouts = 0  # attempts that ran out of time: the receiver may still have got them
         self._local = threading.local()
 
     def _session(self) -> "requests.Session":
@@ -80,6 +81,7 @@ class Transport:
                 requests.exceptions.InvalidSchema) as exc:
             raise DeliveryError(describe_error(exc), permanent=True) from None
         except requests.Timeout as exc:
+            self.timeouts += 1
             raise TransientError(f"timeout: {describe_error(exc)}") from None
         except requests.RequestException as exc:  # refused, reset, disconnected mid-response, ...
             raise TransientError(f"connection error: {describe_error(exc)}") from None

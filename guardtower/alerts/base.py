@@ -199,8 +199,10 @@ class AlertSink(BaseSink):
             raise DeliveryError(exc.reason, permanent=False, attempts=self.retry.max_attempts) from None
 
     def stats(self) -> dict[str, int]:
-        """Messages sent and the events they delivered (the bus's ``stats()`` has the full accounting)."""
-        return dict(self._counters)
+        """Messages sent, the events they delivered, and attempts that timed out (a timed-out message may
+        have arrived: it is retried, and receivers drop the duplicate by event id). The bus's ``stats()``
+        has the full accounting."""
+        return {**self._counters, "timeouts": self._transport.timeouts}
 
     @property
     def spool(self) -> Spool:

@@ -156,7 +156,7 @@ class MLflowBridge(BaseSink):
     """
 
     rank_zero_only = True
-    resume_spool = True
+    replay_spool = True
     # one event per attempt: a retry never re-sends an event that already got through
     batch_max = 1
     replay_batch = 1
