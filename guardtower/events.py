@@ -285,8 +285,11 @@ def _plain(value: Any, name: str) -> Any:
     Runs when an event is built, so a bad value fails at the producer's call site instead of taking a
     whole batch down on a sink's worker thread later.
     """
-    if isinstance(value, _ATOMS):
+    if type(value) in _ATOMS or isinstance(value, bool):
         return value
+    for atom in (float, int, str):  # a subclass such as numpy.float64 or an IntEnum: its plain value
+        if isinstance(value, atom):
+            return atom(value)
     if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
         item = value.item()  # numpy scalar or 0-d tensor (events are built off the hot path)
         if isinstance(item, _ATOMS):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from _alerts_helpers import Reply, ScriptedServer, refused_url
-from guardtower.alerts import GroupPolicy, PagerDutyAlert, RetryPolicy, SlackAlert, WebhookAlert
+from guardtower.alerts import DeliveryError, GroupPolicy, PagerDutyAlert, RetryPolicy, SlackAlert, WebhookAlert
 from guardtower.bus import EventBus
 from guardtower.events import HaltEvent, SpikeEvent, SummaryEvent
 from guardtower.spool import Spool
@@ -414,3 +414,36 @@ def test_close_spools_a_failing_storm_message_quickly(tmp_path) -> None:
         took = time.monotonic() - started
     assert took < 2.5
     assert len(Spool(sink.spool_path)) == 1000
+
+
+def test_attached_to_a_guard_the_spool_defaults_under_its_log_dir(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from guardtower.guard import GuardedOptimizer
+
+    monkeypatch.chdir(tmp_path)
+    default = WebhookAlert(refused_url())
+    explicit = WebhookAlert(refused_url(), name="mine", spool_path=tmp_path / "mine.jsonl")
+    model = torch.nn.Linear(2, 1)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=tmp_path / "run1",
+                             sinks=[default, explicit], verbose=False)
+    assert default.spool_path == tmp_path / "run1" / "spool" / "webhook.jsonl"
+    assert explicit.spool_path == tmp_path / "mine.jsonl"
+    assert not (tmp_path / "run1" / "spool").exists()  # created on the first write only
+    guard.close(1)
+
+
+def test_errors_never_show_the_destination_host_and_port(tmp_path, caplog) -> None:
+    url = refused_url()
+    port = url.split(":")[2].split("/")[0]
+    sink = WebhookAlert(url, grouping=None, spool_path=tmp_path / "s.jsonl",
+                        retry=RetryPolicy(max_attempts=1, connect_timeout=0.5, read_timeout=0.5))
+    bus = EventBus([sink])
+    with caplog.at_level("DEBUG"):
+        bus.publish(nan(1))
+        bus.close(5)
+    with pytest.raises(DeliveryError) as info:
+        sink.send_now(nan(2))
+    texts = caplog.text + (tmp_path / "s.jsonl").read_text() + str(info.value) + repr(sink)
+    assert "Connection refused" in texts and "T0SECRET" not in texts
+    assert f"port={port}" not in texts and f"127.0.0.1:{port}" not in texts

@@ -536,3 +536,14 @@ def test_replay_keeps_entries_while_the_server_is_down_and_lists_them(
     listed = capsys.readouterr().out.splitlines()
     assert [line.split("\t")[1] for line in listed] == ["spike", "skip", "spike"]
     assert len(spool) == 3
+
+
+@pytest.mark.parametrize(("uri", "stored"), [
+    ("sqlite:///rel.db", "sqlite:///{cwd}/rel.db"), ("sqlite:////abs/x.db", "sqlite:////abs/x.db"),
+    ("http://alice:pw@127.0.0.1:5000/", "http://127.0.0.1:5000/"), ("file:///tmp/mlruns", "file:///tmp/mlruns"),
+])
+def test_the_spool_records_a_tracking_uri_that_replays(uri: str, stored: str, tmp_path: Path) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    bridge = MLflowBridge("r" * 32, tracking_uri=uri, spool_path=tmp_path / "s.jsonl")
+    assert bridge.name.split("|", 2)[2] == stored.format(cwd=os.getcwd())
