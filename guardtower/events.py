@@ -308,6 +308,11 @@ def _plain(value: Any, name: str) -> Any:
 
 
 def _encode(value: Any) -> Any:
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:  # most fields: no ABC checks
+        return value
+    if kind is float and math.isfinite(value):
+        return value
     if isinstance(value, float) and not math.isfinite(value):
         return {_FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, Mapping):

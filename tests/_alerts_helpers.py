@@ -232,8 +232,10 @@ def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 
             time.sleep(pace_s)  # a training step (GPU work, GIL released) between events
         publish_s = time.monotonic() - started
         gc.callbacks.remove(count_gc)
+        closing = time.monotonic()
         bus.close(timeout=120)
         elapsed = time.monotonic() - started
+        close_s = time.monotonic() - closing
     finally:
         acked, requests_seen, late_replies = server.stop()
     spooled = [entry.event.event_id for entry in sink.spool.entries()] if os.path.exists(sink.spool_path) else []
@@ -261,5 +263,6 @@ def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 
         "median_publish_us": latencies[len(latencies) // 2] * 1e6,
         "publish_s": publish_s,
         "elapsed_s": elapsed,
+        "close_s": close_s,
         "bus": bus.stats()["sinks"][sink.name],
     }
