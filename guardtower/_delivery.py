@@ -309,10 +309,10 @@ class Delivery:
 
     def _after_fork(self) -> None:
         """In a forked child: forget the parent's queue, counters and thread; never re-send them."""
-        self._reset()
         reinit = getattr(self.sink, "_after_fork", None)
         if callable(reinit):
-            reinit()
+            reinit()  # first: the sink's own locks may have been held by a parent thread at fork time
+        self._reset()
 
     def _spool(self) -> Any:
         spool = getattr(self.sink, "spool", None)

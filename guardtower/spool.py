@@ -1,7 +1,7 @@
 """Dead-letter spool: events a sink could not deliver, kept on disk to be replayed later.
 
 One JSONL file per sink. Each line is ``{"reason": ..., "sink": ..., "time": ..., "event": <record>}``.
-Replaying re-sends in order; the acknowledged ``event_id``s are written to ``<spool>.acked`` as they
+Replaying (the delivery engine, or ``guardtower replay``) re-sends in order; the acknowledged ``event_id``s are written to ``<spool>.acked`` as they
 succeed, so a replay that is interrupted never sends an acknowledged event twice. A spool may hold lines
 written by another version or damaged by a crash (no ``event``, an unknown kind or severity, binary
 garbage): those are skipped and counted in ``skipped``, never stall delivery and never raise.
@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 from guardtower._jsonl import read_json_lines
 from guardtower.errors import GuardtowerError
@@ -124,22 +124,6 @@ class Spool:
 
     def __len__(self) -> int:
         return sum(1 for _ in self.entries())
-
-    def replay(self, deliver: Callable[[Event], None]) -> tuple[int, int]:
-        """Call ``deliver(event)`` for each pending entry, acknowledging each success.
-
-        Stops at the first failure (order matters to receivers) and returns ``(sent, remaining)``.
-        """
-        pending = list(self.entries())
-        sent = 0
-        for entry in pending:
-            try:
-                deliver(entry.event)
-            except Exception:
-                break
-            self.ack(entry.event.event_id)
-            sent += 1
-        return sent, len(pending) - sent
 
 
 def _entry(record: object) -> SpoolEntry | None:

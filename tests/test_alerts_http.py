@@ -43,7 +43,7 @@ def test_200_delivers_once_with_event_id(tmp_path) -> None:
         bus.close(10)
     assert [r.json["event_ids"] for r in server.requests] == [[event.event_id]]
     assert server.requests[0].path == "/hooks/T0SECRET/B0SECRET/xoxsecrettoken"
-    assert sink.stats() == {"messages": 1, "delivered": 1}
+    assert sink.stats() == {"messages": 1, "delivered": 1, "timeouts": 0}
     assert not sink.spool_path.exists()
 
 

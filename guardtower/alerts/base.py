@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
 
@@ -137,7 +138,8 @@ class AlertSink(BaseSink):
         self._spool_obj: Spool | None = None
         self._counters: collections.Counter[str] = collections.Counter()
         self._grouper_lock = threading.Lock()
-        self._grouper = self._new_grouper()
+        # one batcher (and grouper) per bus the sink is on; resolve() reaches all of them
+        self._batchers: "weakref.WeakSet[_GroupBatcher]" = weakref.WeakSet()
 
     # -- what subclasses provide ---------------------------------------------------------------------------
 
@@ -168,8 +170,10 @@ class AlertSink(BaseSink):
         return severity >= threshold
 
     def make_batcher(self) -> "_GroupBatcher":
-        self._grouper = self._new_grouper()
-        return _GroupBatcher(self)
+        batcher = _GroupBatcher(self, Grouper(self.grouping, clock=self._clock, send_resolved=self.send_resolved,
+                                              max_pending=self._max_pending))
+        self._batchers.add(batcher)
+        return batcher
 
     def export(self, batch: Batch) -> None:
         """Send one message (a spooled event being replayed: one message per event); raise on failure."""
@@ -187,7 +191,8 @@ class AlertSink(BaseSink):
     def resolve(self, *, run: str | None = None, fingerprint: str | None = None) -> None:
         """Clear incidents now (all, one run's, or one fingerprint); PagerDuty gets a resolve."""
         with self._grouper_lock:
-            self._grouper.resolve(run=run, fingerprint=fingerprint)
+            for batcher in list(self._batchers):
+                batcher.grouper.resolve(run=run, fingerprint=fingerprint)
 
     def send_now(self, event: Event) -> None:
         """Deliver one event as its own message on the calling thread, with retries; raise
@@ -230,10 +235,6 @@ class AlertSink(BaseSink):
     def _default_spool_name(self) -> str:
         return f"{self.kind}.jsonl" if self.name == self.kind else f"{self.kind}-{self.name}.jsonl"
 
-    def _new_grouper(self) -> Grouper:
-        return Grouper(self.grouping, clock=self._clock, send_resolved=self.send_resolved,
-                       max_pending=self._max_pending)
-
     def _after_fork(self) -> None:
         self._transport = Transport(self.retry)
         self._counters.clear()
@@ -241,10 +242,12 @@ class AlertSink(BaseSink):
 
 
 class _GroupBatcher:
-    """The engine's view of a sink's ``Grouper``: events in, due messages out."""
+    """The engine's view of a ``Grouper``: events in, due messages out (locked: ``resolve()`` comes from
+    the user's thread)."""
 
-    def __init__(self, sink: AlertSink) -> None:
+    def __init__(self, sink: AlertSink, grouper: Grouper) -> None:
         self.sink = sink
+        self.grouper = grouper
 
     def add(self, events: list[Event], now: float) -> list[Batch]:
         sink = self.sink
@@ -253,10 +256,10 @@ class _GroupBatcher:
         with sink._grouper_lock:
             for event in events:
                 if event.kind == "summary":
-                    sink._grouper.progress(event.run, event.step)
+                    self.grouper.progress(event.run, event.step)
                 if not sink.accepts(event):
                     skipped.append(event)
-                elif not sink._grouper.add(event):
+                elif not self.grouper.add(event):
                     refused.append(event)
         batches = [Batch(tuple(skipped), Handled())] if skipped else []
         if refused:
@@ -266,18 +269,17 @@ class _GroupBatcher:
 
     def due(self, now: float, drain: bool) -> list[Batch]:
         with self.sink._grouper_lock:
-            grouper = self.sink._grouper
-            notes = grouper.drain() if drain else grouper.due()
+            notes = self.grouper.drain() if drain else self.grouper.due()
         return [Batch(note.events, note) for note in notes]
 
     def next_due(self) -> float | None:
         with self.sink._grouper_lock:
-            due = self.sink._grouper.next_due()
+            due = self.grouper.next_due()
         return None if due is None else max(0.0, due - self.sink._clock())
 
     def held(self) -> int:
         with self.sink._grouper_lock:
-            return self.sink._grouper.held
+            return self.grouper.held
 
 
 def _known_keywords(cls: type) -> set[str]:
