@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
+from guardtower import _validate
 from guardtower.errors import ConfigError
 from guardtower.events import Event
 
@@ -102,8 +103,6 @@ class RetryPolicy:
     read_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        from guardtower import _validate
-
         _validate.number("max_attempts", self.max_attempts, minimum=1, integer=True)
         for name in ("initial_backoff", "max_backoff", "max_retry_after"):
             _validate.number(name, getattr(self, name), minimum=0)
@@ -349,6 +348,7 @@ class Delivery:
 
     def _run(self) -> None:
         while True:
+            self._wake.clear()  # before looking: an event offered from now on sets it again
             with self._cond:
                 if self._closed:
                     return
@@ -364,7 +364,6 @@ class Delivery:
                     flush = idle and self._flush_asked > self._flush_done
                     if not probe and not flush:
                         wait = self._idle_wait()
-                        self._wake.clear()
                         self._cond.release()
                         try:
                             self._wake.wait(wait)
@@ -683,8 +682,6 @@ def _describe(exc: BaseException) -> str:
 
 def check_spool_path(value: object, default: Path, argument: str = "spool_path") -> Path:
     """The spool file a sink will use (created on first write); ``ConfigError`` now if it cannot be."""
-    from guardtower import _validate
-
     chosen = _validate.path(argument, value, allow_none=True)
     path = (default if chosen is None else chosen).absolute()
     if path.is_dir():
