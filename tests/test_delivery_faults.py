@@ -163,7 +163,8 @@ def check_accounting(result: dict[str, Any], spool_path: Path | None) -> None:
     assert result["close_s"] < CLOSE_S + 2.0, result  # bounded by its timeout (slack for a loaded machine)
     assert result["p99_ms"] < 50, result  # never a network call or a disk write on the training thread
     if spool_path is not None and result["spooled"]:
-        assert len(Spool(spool_path)) == result["spooled"], result  # what the counter says is on disk
+        spool = Spool(spool_path)  # what the counter says is on disk (acknowledged: got through after all)
+        assert len(spool) + len(spool.acked_ids()) == result["spooled"] and spool.skipped == 0, result
 
 
 @pytest.mark.slow
