@@ -1,7 +1,8 @@
 """The fault matrix: every sink type x the faults a destination can have, on loopback only.
 
-For each case: publish's p99 on the training thread stays small, and after a bounded ``close()`` every
-published event is delivered, in the spool on disk, or counted (dropped or failed, with a reason).
+For each case: publish's p99 on the training thread is recorded (``--junitxml=out.xml -o junit_family=legacy`` shows it per case) and stays
+small, and after a bounded ``close()`` every published event is delivered, in the spool on disk, or counted
+(dropped or failed, with a reason). Run: ``python -m pytest tests/test_delivery_faults.py -q`` (~4 min).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def check_accounting(result: dict[str, Any], spool_path: Path | None) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", HTTP_FAULTS)
 @pytest.mark.parametrize("kind", HTTP_SINKS)
-def test_http_sink_faults_lose_nothing_silently(kind: str, fault: str, tmp_path: Path) -> None:
+def test_http_sink_faults_lose_nothing_silently(kind: str, fault: str, tmp_path: Path,
+                                               record_property: Callable[[str, object], None]) -> None:
     server = FaultServer(fault)
     try:
         sink = make_http_sink(kind, server.url, tmp_path)
@@ -178,6 +180,8 @@ def test_http_sink_faults_lose_nothing_silently(kind: str, fault: str, tmp_path:
         result = publish_and_close(bus, sink.name)
     finally:
         server.stop()
+    record_property("publish_p99_ms", round(result["p99_ms"], 3))  # in the JUnit report (--junitxml)
+    record_property("close_s", round(result["close_s"], 2))
     check_accounting(result, tmp_path / "spool.jsonl")
     if fault == "garbage" and kind != "mlflow":  # an alert receiver's 200 is its acknowledgement
         assert result["delivered"] == N_EVENTS, result
@@ -249,14 +253,16 @@ def make_local_sink(kind: str, fault: str, tmp_path: Path, monkeypatch: pytest.M
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", LOCAL_FAULTS)
 @pytest.mark.parametrize("kind", LOCAL_SINKS)
-def test_local_sink_faults_lose_nothing_silently(kind: str, fault: str, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_sink_faults_lose_nothing_silently(kind: str, fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                record_property: Callable[[str, object], None]) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink, cleanup = make_local_sink(kind, fault, tmp_path, monkeypatch)
     try:
         result = publish_and_close(EventBus([sink]), sink.name)
     finally:
         cleanup()
+    record_property("publish_p99_ms", round(result["p99_ms"], 3))
+    record_property("close_s", round(result["close_s"], 2))
     check_accounting(result, None)
     if fault in ("full_disk", "read_only"):
         assert result["failed"] == N_EVENTS and result["delivered"] == 0, result

@@ -184,6 +184,7 @@ class MLflowBridge(BaseSink):
         _validate.flag("artifacts", artifacts)
         explicit = _validate.path("spool_path", spool_path, allow_none=True)
         mlflow = require("mlflow", "mlflow")
+        require("tenacity", "mlflow")  # the delivery engine retries with it
         if run_id is None:
             active = mlflow.active_run()
             run_id = active.info.run_id if active is not None else None
