@@ -3,7 +3,8 @@
     python bench/alerts.py [--events 2000] [--failure-rate 0.3] [--repeats 1]
 
 Reports, per run: events delivered (acknowledged by the receiver), spooled (dead-lettered), lost,
-acknowledged twice, and what ``publish()`` costs the training thread (CPU time, wall clock), next to the
+acknowledged twice or both acknowledged and spooled (only after a client timeout on a reply sent in time:
+delivery is at-least-once), close time, and what ``publish()`` costs the training thread (CPU time, wall clock), next to the
 same publish loop with an in-memory sink measured in the same process.
 """
 
@@ -53,8 +54,9 @@ def main() -> None:
         result["baseline"] = baseline(args.events, 0.0005)
         runs.append(result)
         print(json.dumps(result, indent=1, default=str), file=sys.stderr)
-    keys = ["delivered", "spooled", "lost", "duplicates", "requests", "max_publish_cpu_ms", "median_publish_us",
-            "p99_publish_ms", "max_publish_ms", "publishes_over_1ms", "elapsed_s"]
+    keys = ["delivered", "spooled", "lost", "duplicates", "both", "timeouts_on_acknowledged", "requests",
+            "max_publish_cpu_ms", "median_publish_us", "p99_publish_ms", "max_publish_ms", "publishes_over_1ms",
+            "close_s", "elapsed_s"]
     print(f"alerts reliability: {args.events} events, {args.failure_rate:.0%} of requests fail "
           f"(500 / 429 / timeout), median of {args.repeats} run(s)")
     for key in keys:

@@ -9,8 +9,8 @@ every 25th step, ~0.5 ms of "training" between steps):
   mlflow-down    MLflowBridge to a port nobody listens on (connection refused -> spool)
   mlflow-hung    MLflowBridge to a listener that never answers (request timeout -> spool)
 
-For each: p50/p99/max of publish() in microseconds, median over ``--repeats``, and the p99 added over
-baseline. Run from the repository root:
+For each: p50/p99/max of publish() in microseconds, median over ``--repeats``, the p99 added over
+baseline, the time ``close(2)`` took, and events spooled, dropped/failed and lost (unaccounted for: 0). Run from the repository root:
 
     python bench/bridges.py --steps 400 --repeats 3
 """
@@ -57,10 +57,15 @@ def _measure(make_sinks: Callable[[], list[Any]], steps: int) -> dict[str, float
         while time.perf_counter() < deadline:
             pass
     bus.flush(5)
+    started = time.perf_counter()
     bus.close(2)
+    close_s = time.perf_counter() - started
+    sinks = bus.stats()["sinks"].values()
     samples.sort()
     return {"p50": samples[len(samples) // 2], "p99": samples[int(len(samples) * 0.99)], "max": samples[-1],
-            "n": len(samples)}
+            "n": len(samples), "close_s": close_s,
+            "spooled": sum(s["spooled"] for s in sinks), "dropped": sum(s["dropped"] + s["failed"] for s in sinks),
+            "lost": sum(s["pending"] for s in sinks)}  # unaccounted for after close: must be 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, make in configs.items():  # interleaved, so load changes hit every config alike
                 runs[name].append(_measure(make, args.steps))
         for name, measured in runs.items():
-            results[name] = {k: statistics.median(m[k] for m in measured) for k in ("p50", "p99", "max")}
+            results[name] = {k: statistics.median(m[k] for m in measured)
+                             for k in ("p50", "p99", "max", "close_s", "spooled", "dropped", "lost")}
             results[name]["n"] = measured[0]["n"]
     finally:
         wandb_run.finish()
@@ -118,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     base = results["baseline"]["p99"]
     print(f"publish() latency in µs, median of {args.repeats} repeats, {args.steps} steps "
           f"({results['baseline']['n']:.0f} events) each")
-    print(f"{'config':<13}{'p50':>9}{'p99':>9}{'max':>10}{'p99 added':>11}")
+    print(f"{'config':<13}{'p50':>9}{'p99':>9}{'max':>10}{'p99 added':>11}{'close s':>9}{'spooled':>9}"
+          f"{'dropped':>9}{'lost':>6}")
     for name, r in results.items():
-        print(f"{name:<13}{r['p50']:>9.1f}{r['p99']:>9.1f}{r['max']:>10.1f}{r['p99'] - base:>11.1f}")
+        print(f"{name:<13}{r['p50']:>9.1f}{r['p99']:>9.1f}{r['max']:>10.1f}{r['p99'] - base:>11.1f}"
+              f"{r['close_s']:>9.2f}{r['spooled']:>9.0f}{r['dropped']:>9.0f}{r['lost']:>6.0f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from guardtower.errors import ConfigError
 
 __all__ = ["read_json_lines", "check_writable_dir", "check_creatable_dir"]
 
 
-def read_json_lines(path: Path) -> Iterator[Any]:
+def read_json_lines(path: Path, on_bad_line: Callable[[], None] | None = None) -> Iterator[Any]:
     """The JSON value of each non-empty line; a line that does not parse (a torn last line after a crash,
-    another tool's garbage) is skipped."""
-    with open(path, encoding="utf-8") as fh:
+    another tool's garbage, bytes that are not UTF-8) is skipped, and ``on_bad_line()`` is called."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:
             line = line.strip()
             if not line:
@@ -23,6 +23,8 @@ def read_json_lines(path: Path) -> Iterator[Any]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError:
+                if on_bad_line is not None:
+                    on_bad_line()
                 continue
 
 

@@ -1,23 +1,23 @@
-"""The in-process event bus: producers publish, each sink consumes on its own worker thread.
+"""The in-process event bus: producers publish, every sink gets the event through the delivery engine.
 
-``publish()`` only appends to each sink's bounded in-memory queue, so a sink that hangs, raises or is slow
-never blocks or crashes training. Overflow is never silent: the event goes to the sink's spool when it has
-one (``sink.spill(event)`` returns True), else it is counted as dropped in ``stats()`` and reported at close.
-Live buses are flushed at interpreter exit with a bounded total timeout, and a forked child starts with
-empty queues so it never re-sends its parent's events.
+``publish()`` only appends to each sink's bounded in-memory queue (``guardtower._delivery``), so a sink
+that hangs, raises or is slow never blocks or crashes training. Nothing is lost silently: ``stats()``
+says per sink how many events were delivered, spooled, dropped (with the reason) or failed. Live buses
+are closed at interpreter exit within ``EXIT_FLUSH_TIMEOUT_S``, and a forked child starts with empty
+queues so it never re-sends its parent's events.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import os
-import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
+from guardtower._delivery import DEFAULT_TIMEOUT_S, Delivery, close_all, on_fork
 from guardtower._dist import current_rank, is_distributed
 from guardtower.errors import ConfigError
 from guardtower.events import Event
@@ -27,6 +27,8 @@ __all__ = [
     "BaseSink",
     "EventBus",
     "resolve_bus",
+    "check_bus_args",
+    "adopt_log_dir",
     "check_sink",
     "add_tap",
     "remove_tap",
@@ -35,11 +37,9 @@ __all__ = [
 
 logger = logging.getLogger("guardtower.bus")
 
-#: total time the interpreter-exit hook spends flushing every live bus
+#: total time the interpreter-exit hook spends closing every live bus
 EXIT_FLUSH_TIMEOUT_S = float(os.environ.get("GUARDTOWER_EXIT_TIMEOUT", "5"))
 _DEFAULT_QUEUE_SIZE = 10_000
-_BATCH_MAX = 512
-_IDLE_POLL_S = 0.5
 
 
 @runtime_checkable
@@ -56,31 +56,35 @@ class Sink(Protocol):
 
 
 class BaseSink:
-    """Convenient defaults for sinks.
+    """Convenient defaults for sinks: a sink is a destination, the delivery engine does the rest.
 
-    Attributes the bus reads (with these defaults for sinks that do not subclass ``BaseSink``):
-    ``rank_zero_only`` — with ``main_process_only`` buses, act on rank 0 only (remote sinks: trackers,
-    alerts); ``queue_size`` — the bound of the sink's queue.
+    ``handle_batch(events)`` sends and raises on failure (``guardtower._delivery.TransientError`` when a
+    retry may help); ``close()`` shuts the destination down. Attributes the engine reads (with these
+    defaults for sinks that do not subclass ``BaseSink``): ``rank_zero_only`` — with ``main_process_only``
+    buses, act on rank 0 only (remote sinks: trackers, alerts); ``queue_size`` — the bound of the queue;
+    ``spool`` — a ``Spool`` for what cannot be delivered (None: counted as dropped); ``replay_spool`` —
+    the engine re-sends the spool itself once the destination answers again (else ``guardtower replay``
+    does); ``retry`` — a ``RetryPolicy`` (None: one attempt).
     """
 
     name: str = "sink"
     rank_zero_only: bool = True
     queue_size: int = _DEFAULT_QUEUE_SIZE
+    spool: Any = None
+    replay_spool: bool = False
+    retry: Any = None
 
     def handle(self, event: Event) -> None:
         raise NotImplementedError
 
     def handle_batch(self, events: list[Event]) -> None:
-        """Handle what the worker drained in one go; override to write or send in batches."""
+        """Send what the worker drained in one go; override to write or send in batches."""
         for event in events:
             self.handle(event)
 
-    def spill(self, event: Event) -> bool:
-        """Called on the publishing thread when the queue is full; return True if the event was kept.
-
-        Must be fast and must not raise; the default keeps nothing, so the event counts as dropped.
-        """
-        return False
+    def use_log_dir(self, log_dir: Path) -> None:
+        """A guard with ``log_dir`` adopted this sink: sinks with a default spool may move it there."""
+        return None
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
@@ -90,114 +94,6 @@ class BaseSink:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
-
-
-class _SinkWorker:
-    """One sink's bounded queue and daemon thread."""
-
-    def __init__(self, sink: Sink) -> None:
-        self.sink = sink
-        self.name: str = getattr(sink, "name", type(sink).__name__)
-        self.rank_zero_only: bool = bool(getattr(sink, "rank_zero_only", True))
-        self.maxsize: int = int(getattr(sink, "queue_size", _DEFAULT_QUEUE_SIZE))
-        self.counters = collections.Counter[str]()
-        self._reset_runtime()
-        self._start()  # now, so the first publish does not pay for a thread start
-
-    def _reset_runtime(self) -> None:
-        self.queue: collections.deque[Event] = collections.deque()
-        self.wake = threading.Event()
-        self.stopping = False
-        self.thread: threading.Thread | None = None
-        self.start_lock = threading.Lock()
-
-    def after_fork(self) -> None:
-        """In a forked child: forget the parent's queue and thread (threads do not survive fork).
-
-        The child's worker starts again on its first publish.
-        """
-        self._reset_runtime()
-        self.counters.clear()
-
-    def offer(self, event: Event) -> None:
-        if len(self.queue) >= self.maxsize:
-            try:
-                kept = bool(getattr(self.sink, "spill", _never_spill)(event))
-            except Exception:  # a sink's spill must not break publish
-                kept = False
-            self.counters["spilled" if kept else "dropped"] += 1
-            return
-        self.counters["queued"] += 1
-        self.queue.append(event)
-        if self.thread is None:
-            self._start()
-        if not self.wake.is_set():
-            self.wake.set()
-
-    def _start(self) -> None:
-        with self.start_lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name=f"guardtower-sink-{self.name}", daemon=True)
-                self.thread.start()
-
-    def _run(self) -> None:
-        handle_batch: Callable[[list[Event]], None] | None = getattr(self.sink, "handle_batch", None)
-        while True:
-            self.wake.wait(_IDLE_POLL_S)
-            self.wake.clear()
-            while self.queue:
-                batch: list[Event] = []
-                while self.queue and len(batch) < _BATCH_MAX:
-                    batch.append(self.queue.popleft())
-                self._deliver(batch, handle_batch)
-            if self.stopping and not self.queue:
-                return
-
-    def _deliver(self, batch: list[Event], handle_batch: Callable[[list[Event]], None] | None) -> None:
-        try:
-            if handle_batch is not None:
-                handle_batch(batch)
-            else:
-                for event in batch:
-                    self.sink.handle(event)
-            self.counters["delivered"] += len(batch)
-        except Exception:
-            self.counters["failed"] += len(batch)
-            if self.counters["failed_logged"] < 5:
-                self.counters["failed_logged"] += 1
-                logger.warning("guardtower sink %r raised while handling events", self.name, exc_info=True)
-
-    def done(self) -> int:
-        return self.counters["delivered"] + self.counters["failed"]
-
-    def pending(self) -> int:
-        """Events accepted but not yet handled (queued or in the sink's hands)."""
-        return self.counters["queued"] - self.done()
-
-    def wait_idle(self, deadline: float | None) -> bool:
-        """Wait until everything queued before this call was handled; False at the deadline."""
-        target = self.counters["queued"]
-        pause = 0.0005
-        while self.done() < target:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        return True
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "queued": self.counters["queued"],
-            "delivered": self.counters["delivered"],
-            "failed": self.counters["failed"],
-            "dropped": self.counters["dropped"],
-            "spilled": self.counters["spilled"],
-            "pending": self.pending(),
-        }
-
-
-def _never_spill(event: Event) -> bool:
-    return False
 
 
 _taps: list[Callable[[Event], None]] = []
@@ -222,28 +118,41 @@ def remove_tap(tap: Callable[[Event], None]) -> None:
 
 
 class EventBus:
-    """Fan events out to sinks, each behind its own bounded queue and daemon worker thread."""
+    """Fan events out to sinks, each behind its own bounded queue and worker thread."""
 
     def __init__(self, sinks: Iterable[Sink] = (), *, main_process_only: bool = True) -> None:
+        if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
+            raise ConfigError("sinks", f"expected a list of sinks, got {type(sinks).__name__}",
+                              "pass e.g. sinks=[JsonlSink('sg_logs/events.jsonl')] (or nothing)")
+        if not isinstance(main_process_only, bool):
+            raise ConfigError("main_process_only", f"expected True or False, got {main_process_only!r}",
+                              "pass a bool")
         self.main_process_only = main_process_only
-        self._workers: list[_SinkWorker] = []
+        self._deliveries: list[Delivery] = []
         self._published = 0
         self._closed = False
         self._env_rank = current_rank()
-        for sink in sinks:
+        for sink in list(sinks):
             self.add_sink(sink)
         _live_buses.add(self)
+        on_fork(self)
 
     def add_sink(self, sink: Sink) -> None:
         """Attach a sink; raises ``ConfigError`` now for an object that cannot be one."""
         check_sink(sink)
         if self._closed:
             raise ConfigError("sink", "the bus is closed", "create a new EventBus")
-        self._workers.append(_SinkWorker(sink))
+        name = str(getattr(sink, "name", type(sink).__name__))
+        taken = {d.sink_id for d in self._deliveries}
+        sink_id, n = name, 1
+        while sink_id in taken:
+            n += 1
+            sink_id = f"{name}#{n}"
+        self._deliveries.append(Delivery(sink, sink_id))
 
     @property
     def sinks(self) -> list[Sink]:
-        return [w.sink for w in self._workers]
+        return [d.sink for d in self._deliveries]
 
     def publish(self, event: Event) -> None:
         """Queue ``event`` for every sink. Never blocks; raises only ``ConfigError`` for a non-event."""
@@ -253,15 +162,11 @@ class EventBus:
         self._published += 1
         if _taps:
             _call_taps(event)
-        if self._closed:
-            for worker in self._workers:
-                worker.counters["dropped"] += 1
-            return
         remote_ok = not self.main_process_only or self._is_rank_zero()
-        for worker in self._workers:
-            if worker.rank_zero_only and not remote_ok:
+        for delivery in self._deliveries:
+            if delivery.rank_zero_only and not remote_ok:
                 continue
-            worker.offer(event)
+            delivery.offer(event)
 
     def _is_rank_zero(self) -> bool:
         # The process group may be initialised after the bus was made; the environment does not change.
@@ -270,71 +175,37 @@ class EventBus:
         return self._env_rank == 0
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued event was handled and every sink flushed; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ok = all([worker.wait_idle(deadline) for worker in self._workers])
-        for worker in self._workers:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ok = _call_sink(worker, "flush", remaining) is not False and ok
-        return ok
+        """Deliver everything queued (alert groups too) and flush every sink; False at the deadline.
+
+        ``timeout=None`` means the default bound (``guardtower._delivery.DEFAULT_TIMEOUT_S``), not forever.
+        """
+        deadline = time.monotonic() + (DEFAULT_TIMEOUT_S if timeout is None else max(0.0, timeout))
+        targets = [(d, d.request_flush()) for d in self._deliveries]
+        return all([d.wait_flushed(target, deadline) for d, target in targets])
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, stop the workers and close the sinks, within ``timeout`` seconds in total.
+        """Deliver what is queued, spool or count the rest, and close the sinks, all within ``timeout``.
 
-        Events still queued when time runs out are counted as dropped and reported in the log.
+        Sinks close concurrently against one deadline; the spool is written before it. ``None`` means
+        the default bound, not forever.
         """
         if self._closed:
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for worker in self._workers:
-            worker.wait_idle(deadline)
-        for worker in self._workers:
-            worker.stopping = True
-            worker.wake.set()
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            _call_sink(worker, "close", remaining)
         self._closed = True
         _live_buses.discard(self)
-        for worker in self._workers:
-            lost = worker.pending()
-            if lost:
-                worker.counters["dropped"] += lost
-            stats = worker.stats()
-            if stats["dropped"] or stats["failed"]:
-                logger.warning(
-                    "guardtower sink %r: %d event(s) dropped, %d failed, %d spilled to its spool",
-                    worker.name, stats["dropped"], stats["failed"], stats["spilled"],
-                )
+        close_all(self._deliveries, timeout)
 
     def stats(self) -> dict[str, Any]:
-        """Counters: events published, and per sink queued/delivered/failed/dropped/spilled/pending."""
+        """Events published, and per sink id: name, published, delivered, spooled, dropped (and why),
+        failed, pending. Per sink, delivered + spooled + dropped + failed + pending = published."""
         return {"published": self._published, "closed": self._closed,
-                "sinks": {w.name: w.stats() for w in self._workers}}
+                "sinks": {d.sink_id: d.stats() for d in self._deliveries}}
 
     def _after_fork(self) -> None:
-        for worker in self._workers:
-            worker.after_fork()
         self._published = 0
 
     def __repr__(self) -> str:
-        return f"EventBus(sinks={[w.name for w in self._workers]!r})"
-
-
-def _call_sink(worker: _SinkWorker, method: str, timeout: float | None) -> Any:
-    """Call ``sink.flush``/``sink.close`` on a helper thread so a hung sink cannot exceed the timeout."""
-    result: list[Any] = []
-
-    def target() -> None:
-        try:
-            result.append(getattr(worker.sink, method)(timeout))
-        except Exception:
-            logger.warning("guardtower sink %r raised in %s()", worker.name, method, exc_info=True)
-            result.append(False)
-
-    thread = threading.Thread(target=target, name=f"guardtower-{method}-{worker.name}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return result[0] if result else False
+        return f"EventBus(sinks={[d.sink_id for d in self._deliveries]!r})"
 
 
 def check_sink(sink: Any) -> None:
@@ -348,15 +219,34 @@ def check_sink(sink: Any) -> None:
             )
 
 
+def check_bus_args(bus: EventBus | None, sinks: Iterable[Sink] | None) -> list[Sink]:
+    """Validate a producer's ``bus=`` and ``sinks=`` arguments without attaching anything; returns the sinks."""
+    if bus is not None and not isinstance(bus, EventBus):
+        raise ConfigError("bus", f"expected an EventBus, got {type(bus).__name__}", "pass guardtower.EventBus(...)")
+    if sinks is not None and (isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable)):
+        raise ConfigError("sinks", f"expected a list of sinks, got {type(sinks).__name__}",
+                          "pass e.g. sinks=[JsonlSink('sg_logs/events.jsonl')]")
+    sink_list = list(sinks or ())
+    for sink in sink_list:
+        check_sink(sink)
+    return sink_list
+
+
+def adopt_log_dir(sinks: Iterable[Sink], log_dir: Path) -> None:
+    """Sinks whose spool is not set explicitly keep it under ``log_dir/spool`` (a guard's log folder)."""
+    for sink in sinks:
+        adopt = getattr(sink, "use_log_dir", None)
+        if callable(adopt):
+            adopt(Path(log_dir))
+
+
 def resolve_bus(bus: EventBus | None, sinks: Iterable[Sink] | None) -> tuple[EventBus, bool]:
     """The bus a producer publishes to, and whether the producer owns it (and must close it).
 
     ``sinks`` are added to ``bus`` when both are given; with neither, a bus without sinks is made (events
     still reach ``capture_events``).
     """
-    if bus is not None and not isinstance(bus, EventBus):
-        raise ConfigError("bus", f"expected an EventBus, got {type(bus).__name__}", "pass guardtower.EventBus(...)")
-    sink_list = list(sinks or ())
+    sink_list = check_bus_args(bus, sinks)
     if bus is None:
         return EventBus(sink_list), True
     for sink in sink_list:
@@ -368,15 +258,12 @@ _live_buses: "weakref.WeakSet[EventBus]" = weakref.WeakSet()
 
 
 def _flush_at_exit() -> None:
-    deadline = time.monotonic() + EXIT_FLUSH_TIMEOUT_S
-    for bus in list(_live_buses):
-        bus.close(max(0.0, deadline - time.monotonic()))
-
-
-def _reinit_after_fork() -> None:
-    for bus in list(_live_buses):
-        bus._after_fork()
+    """Close every live bus's sinks concurrently within ``EXIT_FLUSH_TIMEOUT_S`` in total."""
+    buses = list(_live_buses)
+    for bus in buses:
+        bus._closed = True
+        _live_buses.discard(bus)
+    close_all([d for bus in buses for d in bus._deliveries], EXIT_FLUSH_TIMEOUT_S)
 
 
 atexit.register(_flush_at_exit)
-os.register_at_fork(after_in_child=_reinit_after_fork)

@@ -66,7 +66,16 @@ class Event:
 
     def __post_init__(self) -> None:
         if not isinstance(self.severity, Severity):
-            object.__setattr__(self, "severity", Severity.parse(self.severity))
+            try:
+                object.__setattr__(self, "severity", Severity.parse(self.severity))
+            except (KeyError, ValueError, TypeError):
+                raise ConfigError("severity", f"{self.severity!r} is not a severity", "pass INFO, WARN or FAIL") from None
+        for f in dataclasses.fields(self):
+            if f.name != "severity":
+                value = getattr(self, f.name)
+                clean = _plain(value, f.name)
+                if clean is not value:
+                    object.__setattr__(self, f.name, clean)
 
     @property
     def fingerprint(self) -> str:
@@ -286,7 +295,43 @@ def _type_hints(cls: type[Event]) -> dict[str, Any]:
     return _HINTS[cls]
 
 
+_ATOMS = (str, int, float, type(None))
+
+
+def _plain(value: Any, name: str) -> Any:
+    """``value`` with numpy/torch scalars turned into Python numbers; ``ConfigError`` if not JSON-able.
+
+    Runs when an event is built, so a bad value fails at the producer's call site instead of taking a
+    whole batch down on a sink's worker thread later.
+    """
+    if type(value) in _ATOMS or isinstance(value, bool):
+        return value
+    for atom in (float, int, str):  # a subclass such as numpy.float64 or an IntEnum: its plain value
+        if isinstance(value, atom):
+            return atom(value)
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        item = value.item()  # numpy scalar or 0-d tensor (events are built off the hot path)
+        if isinstance(item, _ATOMS):
+            return item
+    elif isinstance(value, (list, tuple)):
+        items = [_plain(v, name) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return tuple(items) if isinstance(value, tuple) else items
+    elif isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value):
+            return {k: _plain(v, f"{name}.{k}") for k, v in value.items()}
+        raise ConfigError(name, "a dict with non-string keys cannot become strict JSON", "use string keys")
+    raise ConfigError(name, f"a {type(value).__name__} cannot become strict JSON",
+                      "pass Python numbers, strings, lists or dicts (convert tensors with .item() or .tolist())")
+
+
 def _encode(value: Any) -> Any:
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:  # most fields: no ABC checks
+        return value
+    if kind is float and math.isfinite(value):
+        return value
     if isinstance(value, float) and not math.isfinite(value):
         return {_FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, Mapping):

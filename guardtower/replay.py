@@ -98,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in args.spools:
         spool = Spool(path)
         pending = list(spool.entries())
+        if spool.skipped:
+            print(f"{path}: skipped {spool.skipped} unreadable line(s) (damaged, or from another version)",
+                  file=sys.stderr)
         if not pending:
             print(f"{path}: nothing to replay")
             continue

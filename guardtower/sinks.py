@@ -9,10 +9,13 @@ import threading
 from pathlib import Path
 from typing import IO, Iterator
 
+from guardtower import _validate
 from guardtower._jsonl import check_writable_dir, read_json_lines
 from guardtower._dist import current_rank, world_size
 from guardtower._render import box
+from guardtower._wording import what
 from guardtower.bus import BaseSink
+from guardtower.errors import ConfigError
 from guardtower.events import Event, PreflightEvent, SpikeEvent, event_from_record
 from guardtower.severity import Severity
 
@@ -23,21 +26,29 @@ class JsonlSink(BaseSink):
     """Append every event as one strict-JSON line.
 
     Under ``torch.distributed`` with several ranks each rank writes its own file (``events.rank1.jsonl``).
-    Each batch is flushed; a batch holding an event of severity WARN or above is also fsynced, so it
-    survives ``kill -9`` of the training process.
+    The parent folder is created here if missing. Each batch is flushed; a batch holding an event of
+    severity ``fsync_severity`` (default WARN) or above is also fsynced, so it survives ``kill -9`` of the
+    training process.
     """
 
     rank_zero_only = False
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync_severity: Severity = Severity.WARN) -> None:
-        self.path = Path(path)
-        if self.path.is_dir():
-            from guardtower.errors import ConfigError
-
-            raise ConfigError("path", f"{str(self.path)!r} is a directory", "pass a file path such as events.jsonl")
-        check_writable_dir(self.path.parent, "path")
+    def __init__(self, path: str | os.PathLike[str], *, fsync_severity: Severity | str = Severity.WARN) -> None:
+        target = _validate.path("path", path)
+        assert target is not None
+        severity = _validate.severity("fsync_severity", fsync_severity)
+        assert severity is not None
+        self.fsync_severity = severity
+        if target.is_dir():
+            raise ConfigError("path", f"{str(target)!r} is a directory", "pass a file path such as events.jsonl")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("path", f"cannot create the folder {str(target.parent)!r} ({exc.strerror})",
+                              "pass a path in a writable folder") from None
+        check_writable_dir(target.parent, "path")
+        self.path = target
         self.name = f"jsonl:{self.path.name}"
-        self.fsync_severity = fsync_severity
         self._fh: IO[str] | None = None
         self._lock = threading.Lock()
 
@@ -90,14 +101,22 @@ class ConsoleSink(BaseSink):
 
     name = "console"
 
-    def __init__(self, stream: IO[str] | None = None, *, min_severity: Severity = Severity.INFO) -> None:
+    def __init__(self, stream: IO[str] | None = None, *, min_severity: Severity | str = Severity.INFO) -> None:
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise ConfigError("stream", f"expected a text stream with write(), got {type(stream).__name__}",
+                              "pass e.g. sys.stdout, an open text file, or None for sys.stderr")
+        severity = _validate.severity("min_severity", min_severity)
+        assert severity is not None
         self._stream = stream
-        self.min_severity = Severity.parse(min_severity)
+        self.min_severity = severity
 
     def handle(self, event: Event) -> None:
         if event.severity < self.min_severity:
             return
         stream = self._stream or sys.stderr
+        if stream is not sys.stdout and sys.stdout is not None:
+            sys.stdout.flush()  # the user's pending print output goes out first, on its own line
+        # one write of whole lines: a print() on another thread cannot split it
         stream.write(render_event(event) + "\n")
         stream.flush()
 
@@ -118,7 +137,7 @@ def render_event(event: Event) -> str:
             lines.append(f"  {name}: norm {norm:.4g} ratio {ratio:.4g}")
         if event.report_path:
             lines.append(f"report: {event.report_path}")
-        return box(f"guardtower: gradient {event.reason} [{event.run}]", lines)
+        return box(f"guardtower: {what(event)} [{event.run}]", lines)
     if isinstance(event, PreflightEvent):
         lines = [f"{event.errors} error(s), {event.warnings} warning(s), {event.infos} info(s)"]
         if event.error_ids:

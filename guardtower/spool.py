@@ -1,8 +1,10 @@
 """Dead-letter spool: events a sink could not deliver, kept on disk to be replayed later.
 
 One JSONL file per sink. Each line is ``{"reason": ..., "sink": ..., "time": ..., "event": <record>}``.
-Replaying re-sends in order; the acknowledged ``event_id``s are written to ``<spool>.acked`` as they
-succeed, so a replay that is interrupted never sends an acknowledged event twice.
+Replaying (the delivery engine, or ``guardtower replay``) re-sends in order; the acknowledged ``event_id``s are written to ``<spool>.acked`` as they
+succeed, so a replay that is interrupted never sends an acknowledged event twice. A spool may hold lines
+written by another version or damaged by a crash (no ``event``, an unknown kind or severity, binary
+garbage): those are skipped and counted in ``skipped``, never stall delivery and never raise.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
-from guardtower._jsonl import check_writable_dir, read_json_lines
+from guardtower._jsonl import read_json_lines
+from guardtower.errors import GuardtowerError
 from guardtower.events import Event, event_from_record
 
 __all__ = ["Spool", "SpoolEntry", "default_spool_dir"]
@@ -35,12 +38,15 @@ class SpoolEntry:
 
 
 class Spool:
-    """An append-only JSONL dead-letter file with an acknowledgement log beside it."""
+    """An append-only JSONL dead-letter file with an acknowledgement log beside it.
+
+    Nothing touches the disk until the first write, which creates the folder.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.acked_path = self.path.with_name(self.path.name + ".acked")
-        check_writable_dir(self.path.parent, "spool_path")
+        self.skipped = 0  # unreadable lines seen by the last read
         self._lock = threading.Lock()
 
     def append(self, event: Event, reason: str, sink: str = "") -> None:
@@ -48,37 +54,64 @@ class Spool:
         self.append_many([event], reason, sink)
 
     def append_many(self, events: Iterable[Event], reason: str, sink: str = "") -> None:
-        """Write several undelivered events with one fsync (a failed grouped alert can hold thousands)."""
+        """Write several undelivered events with one fsync; raises ``OSError`` (full disk, read-only)."""
         now = time.time()
         text = "".join(
             json.dumps({"reason": reason, "sink": sink, "time": now, "event": event.to_record()}, allow_nan=False)
             + "\n"
             for event in events
         )
-        if not text:
-            return
-        with self._lock, open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        if text:
+            self._write(self.path, text)
+
+    def _write(self, path: Path, text: str) -> None:
+        with self._lock:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
 
     def entries(self) -> Iterator[SpoolEntry]:
-        """Spooled events not yet acknowledged, in order, each event id once; a torn last line is skipped."""
-        if not self.path.exists():
+        """Spooled events not yet acknowledged, in order, each event id once; bad lines are skipped."""
+        self.skipped = 0
+        if not self.path.is_file():
             return
         acked = self.acked_ids()
         seen: set[str] = set()
-        for record in read_json_lines(self.path):
-            event = event_from_record(record["event"])
-            if event.event_id in acked or event.event_id in seen:
+        for record in read_json_lines(self.path, on_bad_line=self._skip):
+            entry = _entry(record)
+            if entry is None:
+                self.skipped += 1
                 continue
-            seen.add(event.event_id)
-            yield SpoolEntry(event, str(record.get("reason", "")), str(record.get("sink", "")))
+            event_id = entry.event.event_id
+            if event_id in acked or event_id in seen:
+                continue
+            seen.add(event_id)
+            yield entry
+
+    def _skip(self) -> None:
+        self.skipped += 1
+
+    def has_pending(self) -> bool:
+        return next(self.entries(), None) is not None
+
+    def pending_chunks(self, size: int) -> Iterator[list[Event]]:
+        """Pending events in order, ``size`` at a time."""
+        chunk: list[Event] = []
+        for entry in self.entries():
+            chunk.append(entry.event)
+            if len(chunk) >= size:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
 
     def acked_ids(self) -> set[str]:
-        if not self.acked_path.exists():
+        if not self.acked_path.is_file():
             return set()
-        return {line.strip() for line in self.acked_path.read_text(encoding="utf-8").splitlines() if line.strip()}
+        with open(self.acked_path, encoding="utf-8", errors="replace") as fh:
+            return {line.strip() for line in fh if line.strip()}
 
     def ack(self, event_id: str) -> None:
         self.ack_many([event_id])
@@ -86,28 +119,19 @@ class Spool:
     def ack_many(self, event_ids: Iterable[str]) -> None:
         """Mark events delivered (one fsync for all of them)."""
         text = "".join(event_id + "\n" for event_id in event_ids)
-        if not text:
-            return
-        with self._lock, open(self.acked_path, "a", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        if text:
+            self._write(self.acked_path, text)
 
     def __len__(self) -> int:
         return sum(1 for _ in self.entries())
 
-    def replay(self, deliver: Callable[[Event], None]) -> tuple[int, int]:
-        """Call ``deliver(event)`` for each pending entry, acknowledging each success.
 
-        Stops at the first failure (order matters to receivers) and returns ``(sent, remaining)``.
-        """
-        pending = list(self.entries())
-        sent = 0
-        for entry in pending:
-            try:
-                deliver(entry.event)
-            except Exception:
-                break
-            self.ack(entry.event.event_id)
-            sent += 1
-        return sent, len(pending) - sent
+def _entry(record: object) -> SpoolEntry | None:
+    """The entry of one spool line, or None when it is not one this version can replay."""
+    if not isinstance(record, dict) or not isinstance(record.get("event"), dict):
+        return None
+    try:
+        event = event_from_record(record["event"])
+    except (GuardtowerError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return SpoolEntry(event, str(record.get("reason", "")), str(record.get("sink", "")))

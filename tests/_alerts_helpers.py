@@ -172,18 +172,20 @@ class ServerProcess:
             raise RuntimeError("the test server process did not start")
         self.url: str = self._conn.recv()
 
-    def stop(self) -> tuple[list[str], int]:
+    def stop(self) -> tuple[list[str], int, int]:
+        """Acknowledged event ids, requests seen, and replies the script made late on purpose."""
         self._conn.send("stop")
-        acked, count = self._conn.recv()
+        acked, count, late = self._conn.recv()
         self.process.join(10)
-        return acked, count
+        return acked, count, late
 
 
 def _serve(conn, failure_rate: float, seed: int) -> None:  # type: ignore[no-untyped-def]
     with ScriptedServer(flaky_script(failure_rate, seed)) as server:
         conn.send(server.url)
         conn.recv()
-        conn.send((server.acknowledged_ids(), len(server.requests)))
+        late = sum(1 for r in server.requests if r.reply.delay > 0)
+        conn.send((server.acknowledged_ids(), len(server.requests), late))
 
 
 def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 0.3, seed: int = 0,
@@ -230,10 +232,12 @@ def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 
             time.sleep(pace_s)  # a training step (GPU work, GIL released) between events
         publish_s = time.monotonic() - started
         gc.callbacks.remove(count_gc)
+        closing = time.monotonic()
         bus.close(timeout=120)
         elapsed = time.monotonic() - started
+        close_s = time.monotonic() - closing
     finally:
-        acked, requests_seen = server.stop()
+        acked, requests_seen, late_replies = server.stop()
     spooled = [entry.event.event_id for entry in sink.spool.entries()] if os.path.exists(sink.spool_path) else []
     first_publish_ms = latencies[0] * 1e3
     latencies.sort()
@@ -247,6 +251,8 @@ def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 
         "lost": len(all_ids - set(acked) - set(spooled)),
         "both": len(set(acked) & set(spooled)),
         "unknown": len((set(acked) | set(spooled)) - all_ids),
+        # a client timeout on a reply the receiver sent on time: the one way an event arrives twice
+        "timeouts_on_acknowledged": sink.stats()["timeouts"] - late_replies,
         "max_publish_ms": latencies[-1] * 1e3,
         "max_publish_cpu_ms": max(cpu) * 1e3,
         "publishes_during_gc": in_gc,
@@ -257,5 +263,6 @@ def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 
         "median_publish_us": latencies[len(latencies) // 2] * 1e6,
         "publish_s": publish_s,
         "elapsed_s": elapsed,
+        "close_s": close_s,
         "bus": bus.stats()["sinks"][sink.name],
     }

@@ -220,10 +220,10 @@ def test_retry_after_is_honoured_and_capped(tmp_path) -> None:
     retry = RetryPolicy(max_attempts=5, max_retry_after=7.0, deadline=100)
     sink = SlackAlert(url, **sink_kwargs(tmp_path, retry=retry, sleep=sleeps.append))
     with pytest.MonkeyPatch.context() as mp:  # the real 429 pause is asserted in the real-server test
-        mp.setattr(sink._throttle, "reserve", lambda: 0.0)
+        mp.setattr(sink.throttle, "reserve", lambda: 0.0)
         sink.send_now(spike())
     assert sleeps == [2.0, 7.0]
-    assert 6.9 < sink._throttle.paused_for() <= 7.0
+    assert 6.9 < sink.throttle.paused_for() <= 7.0
 
 
 @responses.activate

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from _alerts_helpers import Reply, ScriptedServer, refused_url
-from guardtower.alerts import GroupPolicy, PagerDutyAlert, RetryPolicy, SlackAlert, WebhookAlert
+from guardtower.alerts import DeliveryError, GroupPolicy, PagerDutyAlert, RetryPolicy, SlackAlert, WebhookAlert
 from guardtower.bus import EventBus
 from guardtower.events import HaltEvent, SpikeEvent, SummaryEvent
 from guardtower.spool import Spool
@@ -43,7 +43,7 @@ def test_200_delivers_once_with_event_id(tmp_path) -> None:
         bus.close(10)
     assert [r.json["event_ids"] for r in server.requests] == [[event.event_id]]
     assert server.requests[0].path == "/hooks/T0SECRET/B0SECRET/xoxsecrettoken"
-    assert sink.stats() == {"messages": 1, "delivered": 1}
+    assert sink.stats() == {"messages": 1, "delivered": 1, "timeouts": 0}
     assert not sink.spool_path.exists()
 
 
@@ -64,7 +64,7 @@ def test_429_retry_after_pauses_every_sink_of_the_destination(tmp_path) -> None:
         bus = EventBus([first])
         bus.publish(nan(1))
         deadline = time.monotonic() + 5
-        while first._throttle.paused_for() == 0 and time.monotonic() < deadline:
+        while first.throttle.paused_for() == 0 and time.monotonic() < deadline:
             time.sleep(0.001)  # until the 429 reached the client
         other = EventBus([second])
         other.publish(nan(2, layer="lm_head"))  # same URL, other sink: must wait for the pause too
@@ -197,7 +197,7 @@ def test_queue_overflow_is_spilled_to_the_spool(tmp_path) -> None:
             append_many(*args, **kwargs)  # type: ignore[arg-type]
 
         sink.spool.append_many = spy  # type: ignore[method-assign]
-        with sink._cond:  # hold the sink so the bus worker blocks in handle_batch and its queue fills up
+        with sink._grouper_lock:  # hold the sink so the bus worker blocks in its grouping and its queue fills up
             for event in events:
                 bus.publish(event)
             time.sleep(0.05)
@@ -205,9 +205,11 @@ def test_queue_overflow_is_spilled_to_the_spool(tmp_path) -> None:
         assert writers and threading.current_thread().name not in writers  # never the publishing thread
         acked = set(server.acknowledged_ids())
     spilled = {r["event"]["event_id"] for r in spooled(sink.spool_path) if r["reason"] == "bus queue full"}
-    assert bus.stats()["sinks"]["webhook"]["spilled"] == len(spilled) > 0
-    assert bus.stats()["sinks"]["webhook"]["dropped"] == 0
-    assert acked | spilled == {e.event_id for e in events} and not acked & spilled
+    stats = bus.stats()["sinks"]["webhook"]
+    assert stats["spooled"] >= len(spilled) > 0 and stats["dropped"] == 0
+    assert stats["delivered"] + stats["spooled"] == stats["published"] == len(events)
+    everything = acked | {r["event"]["event_id"] for r in spooled(sink.spool_path)}
+    assert everything == {e.event_id for e in events}
 
 
 def test_replay_resends_once_and_never_twice(tmp_path, capsys) -> None:
@@ -379,7 +381,9 @@ def test_a_forked_child_never_sends_its_parents_pending_alerts(tmp_path) -> None
         bus = EventBus([sink])
         bus.publish(parent_event := nan(1))
         deadline = time.monotonic() + 5
-        while sink._grouper.pending_events == 0 and time.monotonic() < deadline:
+        while bus.stats()["sinks"]["webhook"]["delivered"] == 0 and not any(b.grouper.pending_events
+                                                                             for b in sink._batchers) \
+                and time.monotonic() < deadline:
             time.sleep(0.005)  # until the event waits in the sink's group rather than in the bus queue
         pid = os.fork()
         if pid == 0:  # a DataLoader worker, say
@@ -400,7 +404,7 @@ def test_close_spools_a_failing_storm_message_quickly(tmp_path) -> None:
     with ScriptedServer(lambda n: Reply(503)) as server:
         bus = EventBus([sink := webhook(server.url, tmp_path, retry=slow_retry, grouping=GroupPolicy(group_wait=0))])
         events = [nan(i) for i in range(1000)]
-        with sink._cond:  # all 1,000 reach the group before its first message goes out
+        with sink._grouper_lock:  # all 1,000 reach the group before its first message goes out
             for event in events:
                 bus.publish(event)
             time.sleep(0.05)
@@ -412,3 +416,36 @@ def test_close_spools_a_failing_storm_message_quickly(tmp_path) -> None:
         took = time.monotonic() - started
     assert took < 2.5
     assert len(Spool(sink.spool_path)) == 1000
+
+
+def test_attached_to_a_guard_the_spool_defaults_under_its_log_dir(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from guardtower.guard import GuardedOptimizer
+
+    monkeypatch.chdir(tmp_path)
+    default = WebhookAlert(refused_url())
+    explicit = WebhookAlert(refused_url(), name="mine", spool_path=tmp_path / "mine.jsonl")
+    model = torch.nn.Linear(2, 1)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=tmp_path / "run1",
+                             sinks=[default, explicit], verbose=False)
+    assert default.spool_path == tmp_path / "run1" / "spool" / "webhook.jsonl"
+    assert explicit.spool_path == tmp_path / "mine.jsonl"
+    assert not (tmp_path / "run1" / "spool").exists()  # created on the first write only
+    guard.close(1)
+
+
+def test_errors_never_show_the_destination_host_and_port(tmp_path, caplog) -> None:
+    url = refused_url()
+    port = url.split(":")[2].split("/")[0]
+    sink = WebhookAlert(url, grouping=None, spool_path=tmp_path / "s.jsonl",
+                        retry=RetryPolicy(max_attempts=1, connect_timeout=0.5, read_timeout=0.5))
+    bus = EventBus([sink])
+    with caplog.at_level("DEBUG"):
+        bus.publish(nan(1))
+        bus.close(5)
+    with pytest.raises(DeliveryError) as info:
+        sink.send_now(nan(2))
+    texts = caplog.text + (tmp_path / "s.jsonl").read_text() + str(info.value) + repr(sink)
+    assert "Connection refused" in texts and "T0SECRET" not in texts
+    assert f"port={port}" not in texts and f"127.0.0.1:{port}" not in texts

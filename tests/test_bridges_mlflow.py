@@ -54,12 +54,13 @@ def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, key))
 
 
-def _publish_and_flush(bridge: Any, events: list[Event]) -> None:
+def _publish_and_flush(bridge: Any, events: list[Event]) -> dict[str, Any]:
     bus = EventBus([bridge])
     for event in events:
         bus.publish(event)
     assert bus.flush(30)
     bus.close(10)
+    return bus.stats()["sinks"][bridge.name]
 
 
 def _wait_for(predicate: Any, timeout: float, what: str) -> None:
@@ -79,14 +80,14 @@ def test_finished_audit_sets_tags_and_logs_the_report(tracking: str, tmp_path: P
     report = failing_report()
     with mlflow.start_run() as run:
         bridge = MLflowBridge(spool_path=tmp_path / "spool.jsonl")
-        _publish_and_flush(bridge, [preflight_event(report)])
+        stats = _publish_and_flush(bridge, [preflight_event(report)])
     tags = _client(tracking).get_run(run.info.run_id).data.tags
     assert tags[f"{P}.preflight"] == "FAIL"
     assert tags[f"{P}.preflight.errors"] == "LOSS-001,OPT-001"
     assert tags[f"{P}.preflight.warnings"] == "RELU-001"
     local = _client(tracking).download_artifacts(run.info.run_id, f"{P}/preflight.json", str(tmp_path))
     assert json.loads(Path(local).read_text()) == report.to_dict()
-    assert bridge.stats()["delivered"] == 1 and bridge.stats()["spooled"] == 0
+    assert stats["delivered"] == 1 and stats["spooled"] == 0
 
 
 @pytest.mark.slow
@@ -106,8 +107,8 @@ def test_incidents_become_metrics_spike_artifacts_and_a_last_incident_tag(tracki
     ])
     rid = run.info.run_id
     ratios = _history(tracking, rid, f"{P}.spike_ratio")
-    assert ratios[0] == (12, 42.0) and ratios[1][0] == 15 and ratios[1][1] > 1e300  # inf is stored as max float
-    assert ratios[2] == (16, 42.0)
+    assert ratios == [(12, 42.0), (16, 42.0)]  # inf is never logged (MLflow would store 1.8e308) ...
+    assert _history(tracking, rid, f"{P}.nonfinite") == [(12, 0.0), (15, 1.0), (16, 0.0)]  # ... it is flagged
     assert _history(tracking, rid, f"{P}.grad_norm") == [(10, 1.5), (12, 11.25), (15, 11.25), (16, 11.25)]
     assert _history(tracking, rid, f"{P}.skipped_steps") == [(10, 0.0), (12, 1.0), (15, 2.0)]
     assert _history(tracking, rid, f"{P}.rollbacks") == [(10, 0.0), (20, 1.0)]
@@ -192,7 +193,7 @@ def test_a_hung_server_never_blocks_publish_and_events_go_to_the_spool(tmp_path:
             bus.publish(event)
             latencies.append(time.perf_counter() - start)
         assert bridge.spool_path == tmp_path / "spool.jsonl"
-        _wait_for(lambda: bridge.stats()["spooled"] == 5, 15, "the events to be spooled")
+        _wait_for(lambda: bus.stats()["sinks"][bridge.name]["spooled"] == 5, 20, "the events to be spooled")
         # the user's own MLflow settings are untouched on this thread while the worker used 1 s
         assert env_vars.MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 120
         bus.close(0.1)
@@ -215,8 +216,8 @@ def test_credentials_in_the_tracking_uri_never_reach_logs_reprs_or_the_spool(
     bridge = MLflowBridge("1" * 32, tracking_uri=uri, spool_path=tmp_path / "spool.jsonl", request_retries=0,
                           retry_interval=60)
     with caplog.at_level("INFO", logger="guardtower"):
-        _publish_and_flush_expect_backlog(bridge, [spike_event(1)])
-    assert bridge.stats()["spooled"] == 1
+        stats = _publish_and_flush_expect_backlog(bridge, [spike_event(1)])
+    assert stats["spooled"] == 1
     seen = repr(bridge) + bridge.name + caplog.text + (tmp_path / "spool.jsonl").read_text()
     assert "127.0.0.1" in seen and "s3cret" not in seen and "alice" not in seen
 
@@ -232,8 +233,7 @@ def test_replay_command_sends_spooled_events_once(server: MlflowServer, tmp_path
     spool = tmp_path / "spool.jsonl"
     bridge = MLflowBridge(run.info.run_id, tracking_uri=dead, spool_path=spool, retry_interval=60,
                           request_retries=0)
-    _publish_and_flush_expect_backlog(bridge, [spike_event(s) for s in (5, 6, 7)])
-    assert bridge.stats()["spooled"] == 3
+    assert _publish_and_flush_expect_backlog(bridge, [spike_event(s) for s in (5, 6, 7)])["spooled"] == 3
     before = server.count_requests("/api/2.0/mlflow/runs/log-batch")
     assert cli(["replay", str(spool), "--tracking-uri", server.url]) == 0
     assert cli(["replay", str(spool), "--tracking-uri", server.url]) == 0  # nothing left: sends nothing
@@ -253,20 +253,22 @@ def test_a_new_bridge_first_replays_what_a_previous_process_left_in_the_spool(se
                            request_retries=0, retry_interval=60)
     _publish_and_flush_expect_backlog(crashed, [spike_event(1), spike_event(2)])
     restarted = MLflowBridge(run_id, tracking_uri=server.url, spool_path=spool, retry_interval=0.1)
-    assert restarted.stats()["backlog"] == 1
-    _publish_and_flush(restarted, [spike_event(3)])
-    stats = restarted.stats()
-    assert stats["replayed"] >= 2 and stats["replayed"] + stats["delivered"] == 3 and stats["backlog"] == 0
+    assert EventBus([restarted]).stats()["sinks"][restarted.name]["backlog"]  # the leftovers go first
+    stats = _publish_and_flush(restarted, [spike_event(3)])
+    assert stats["replayed"] >= 2 and stats["replayed"] + stats["delivered"] == 3 and not stats["backlog"]
     assert [s for s, _ in _history(server.url, run_id, f"{P}.spike_ratio")] == [1, 2, 3]
     assert client.get_run(run_id).data.tags[f"{P}.last_incident"].startswith("kind=spike step=3 ")
 
 
-def _publish_and_flush_expect_backlog(bridge: Any, events: list[Event]) -> None:
+def _publish_and_flush_expect_backlog(bridge: Any, events: list[Event]) -> dict[str, Any]:
     bus = EventBus([bridge])
     for event in events:
         bus.publish(event)
-    assert not bus.flush(10)  # the server is down: not everything was delivered
+    bus.flush(10)
     bus.close(5)
+    stats = bus.stats()["sinks"][bridge.name]
+    assert stats["delivered"] == 0  # the server is down
+    return stats
 
 
 def test_without_a_run_it_warns_once_and_ignores_events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -318,7 +320,7 @@ def test_missing_mlflow_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
      ({"request_timeout": 0}, "request_timeout"), ({"request_timeout": 2.5}, "request_timeout"),
      ({"request_retries": -1}, "request_retries"), ({"retry_interval": 0}, "retry_interval"),
      ({"retry_interval": 10, "max_retry_interval": 5}, "max_retry_interval"),
-     ({"spool_path": "/nonexistent-dir/spool.jsonl"}, "spool_path")],
+     ({"spool_path": "/proc/1/spool/spool.jsonl"}, "spool_path"), ({"spool_path": 123}, "spool_path")],
 )
 def test_bad_arguments_raise_config_error_naming_them(kwargs: dict[str, Any], argument: str) -> None:
     from guardtower.bridges import MLflowBridge
@@ -476,24 +478,25 @@ def test_server_outage_never_delays_training_and_every_event_arrives_exactly_onc
 
     train(20)  # healthy
     assert bus.flush(30)
-    assert bridge.stats()["spooled"] == 0
+    stats = lambda: bus.stats()["sinks"][bridge.name]  # noqa: E731
+    assert stats()["spooled"] == 0
     server.stop()
     train(20)  # server down
-    _wait_for(lambda: bridge.stats()["backlog"] == 1, 10, "the bridge to notice the outage")
+    _wait_for(lambda: stats()["backlog"], 30, "the bridge to notice the outage")
     restarter = threading.Thread(target=server.start)
     restarter.start()
     while restarter.is_alive():  # training goes on while the server comes back
         train(1, every=10)
     restarter.join()
     train(20)  # server back
-    _wait_for(lambda: bridge.stats()["backlog"] == 0, 60, "the spool to be replayed")
+    _wait_for(lambda: not stats()["backlog"], 60, "the spool to be replayed")
     assert bus.flush(30)
     bus.close(10)
 
     assert max(publish_s) < 0.1, f"a training step waited {max(publish_s) * 1000:.1f} ms in publish"
-    stats = bridge.stats()
-    assert stats["spooled"] > 0 and stats["rejected"] == 0
-    assert stats["delivered"] + stats["replayed"] == len(published)
+    final = stats()
+    assert final["spooled"] > 0 and final["failed"] == 0 and final["dropped"] == 0
+    assert final["delivered"] + final["replayed"] == len(published)
     spike_steps = [e.step for e in published if e.kind == "spike"]
     skips = [(e.step, float(e.total_skips)) for e in published if e.kind == "skip"]  # type: ignore[attr-defined]
     # every event exactly once, in the tracker ...
@@ -533,3 +536,14 @@ def test_replay_keeps_entries_while_the_server_is_down_and_lists_them(
     listed = capsys.readouterr().out.splitlines()
     assert [line.split("\t")[1] for line in listed] == ["spike", "skip", "spike"]
     assert len(spool) == 3
+
+
+@pytest.mark.parametrize(("uri", "stored"), [
+    ("sqlite:///rel.db", "sqlite:///{cwd}/rel.db"), ("sqlite:////abs/x.db", "sqlite:////abs/x.db"),
+    ("http://alice:pw@127.0.0.1:5000/", "http://127.0.0.1:5000/"), ("file:///tmp/mlruns", "file:///tmp/mlruns"),
+])
+def test_the_spool_records_a_tracking_uri_that_replays(uri: str, stored: str, tmp_path: Path) -> None:
+    from guardtower.bridges import MLflowBridge
+
+    bridge = MLflowBridge("r" * 32, tracking_uri=uri, spool_path=tmp_path / "s.jsonl")
+    assert bridge.name.split("|", 2)[2] == stored.format(cwd=os.getcwd())

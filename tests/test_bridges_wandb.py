@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import warnings
@@ -14,7 +15,7 @@ from _bridges_helpers import failing_report, preflight_event, rollback_event, sk
 from _wandb_reader import OfflineRun, find_run_dir, read_run
 from guardtower.bus import EventBus
 from guardtower.errors import ConfigError, MissingDependencyError
-from guardtower.events import HaltEvent
+from guardtower.events import HaltEvent, SpikeEvent
 from guardtower.report import Report
 from guardtower.severity import Severity
 
@@ -237,3 +238,19 @@ def test_end_to_end_with_audit_and_guarded_optimizer(tmp_path: Path, wandb_env: 
     assert spike[f"{P}/trigger_layer"].startswith("2.")
     assert [r[f"{P}/step"] for r in logged.rows_with(f"{P}/grad_norm") if f"{P}/spike_ratio" not in r] == [5, 10, 15, 20]
     assert [a["title"] for a in logged.alerts] == ["guardtower: pre-flight failed", "guardtower: gradient spike"]
+
+
+def test_a_nan_step_logs_only_finite_numbers_and_says_nan_inf(tmp_path: Path, wandb_env: None) -> None:
+    run, bridge = _offline_run(tmp_path)
+    bus = EventBus([bridge])
+    bus.publish(SpikeEvent(run="test-run", step=7, layer="h.0.mlp", reason="nonfinite", ratio=float("inf"),
+                           global_norm=float("nan"), severity=Severity.ERROR))
+    bus.publish(summary_event(10, grad_norm=float("inf")))
+    assert bus.flush(10)
+    run.finish()
+    bus.close(5)
+    logged = read_run(find_run_dir(tmp_path))
+    values = [v for row in logged.rows_with(f"{P}/step") for v in row.values() if isinstance(v, float)]
+    assert values and all(math.isfinite(v) for v in values)  # W&B would chart inf and nan
+    assert [row[f"{P}/nonfinite"] for row in logged.rows_with(f"{P}/nonfinite")] == [1, 1]
+    assert [a["title"] for a in logged.alerts] == ["guardtower: NaN/Inf gradient"]  # Slack's wording too

@@ -8,9 +8,12 @@ import time
 
 import pytest
 
+from pathlib import Path
+
 from guardtower.bus import BaseSink, EventBus, resolve_bus
 from guardtower.errors import ConfigError
 from guardtower.events import Event, SkipEvent, SummaryEvent
+from guardtower.spool import Spool
 from guardtower.testing import InMemorySink, capture_events
 
 
@@ -48,23 +51,26 @@ class SlowSink(InMemorySink):
 
 
 class SpoolingSink(InMemorySink):
-    """Keeps overflow in a list standing in for a spool file."""
+    """A slow destination with a real spool: the engine keeps its overflow on disk, off the training thread."""
 
     name = "spooling"
     queue_size = 5
+    replay_spool = True
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path) -> None:
         super().__init__()
         self.gate = threading.Event()
-        self.spilled: list[Event] = []
+        self.spool = Spool(path)
+        self.publisher = threading.get_ident()
 
     def handle(self, event: Event) -> None:
         self.gate.wait(10)
         super().handle(event)
 
-    def spill(self, event: Event) -> bool:
-        self.spilled.append(event)
-        return True
+
+def adds_up(stats: dict) -> bool:
+    return stats["delivered"] + stats["spooled"] + stats["dropped"] + stats["failed"] + stats["pending"] \
+        == stats["published"]
 
 
 def test_publish_stays_fast_and_healthy_sinks_get_every_event_despite_hung_raising_slow_sinks() -> None:
@@ -93,7 +99,7 @@ def test_publish_stays_fast_and_healthy_sinks_get_every_event_despite_hung_raisi
     hanging.release.set()
 
 
-def test_overflow_is_counted_per_sink_never_silent() -> None:
+def test_overflow_is_counted_per_sink_with_its_reason_never_silent() -> None:
     hanging, healthy = HangingSink(queue_size=10), InMemorySink()
     bus = EventBus([hanging, healthy])
     bus.publish(SummaryEvent(step=0))
@@ -101,26 +107,85 @@ def test_overflow_is_counted_per_sink_never_silent() -> None:
     for i in range(1, 31):
         bus.publish(SummaryEvent(step=i))
     stats = bus.stats()["sinks"]["hanging"]
-    assert stats["queued"] == 11 and stats["dropped"] == 20 and stats["spilled"] == 0
+    assert stats["pending"] == 11 and stats["dropped"] == 20 and stats["dropped_reasons"] == {"queue full": 20}
+    assert adds_up(stats)
     assert bus.flush(timeout=0.5) is False
     assert len(healthy.events) == 31
     hanging.release.set()
     bus.close(timeout=5)
 
 
-def test_overflow_spills_to_the_sinks_spool_when_it_has_one() -> None:
-    sink = SpoolingSink()
+def test_overflow_goes_to_the_spool_on_the_worker_and_is_replayed(tmp_path: Path, monkeypatch) -> None:
+    sink = SpoolingSink(tmp_path / "spool.jsonl")
+    written_on: set[int] = set()
+    append = sink.spool.append_many
+    monkeypatch.setattr(sink.spool, "append_many",
+                        lambda *a, **k: (written_on.add(threading.get_ident()), append(*a, **k))[1])
     bus = EventBus([sink])
     bus.publish(SummaryEvent(step=0))
     time.sleep(0.05)
-    for i in range(1, 21):
+    for i in range(1, 11):  # 5 fill the queue, 5 more are parked for the spool
         bus.publish(SummaryEvent(step=i))
-    assert bus.stats()["sinks"]["spooling"]["spilled"] == len(sink.spilled) > 0
+    assert not sink.spool.path.exists()  # publish never touches the disk
     sink.gate.set()
-    assert bus.flush(timeout=5)
-    delivered = {e.step for e in sink.events} | {e.step for e in sink.spilled}
-    assert delivered == set(range(21))
+    assert bus.flush(timeout=10)
+    deadline = time.monotonic() + 10
+    while bus.stats()["sinks"]["spooling"]["backlog"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # the spool is replayed once the destination keeps up again
+    assert {e.step for e in sink.events} == set(range(11))
+    stats = bus.stats()["sinks"]["spooling"]
+    assert stats["spooled"] > 0 and stats["replayed"] == stats["spooled"] and adds_up(stats)
+    assert written_on and threading.get_ident() not in written_on
     bus.close(timeout=5)
+
+
+def test_sinks_close_concurrently_against_one_deadline() -> None:
+    sinks = [HangingSink(), HangingSink(), HangingSink()]
+    bus = EventBus(sinks)
+    bus.publish(SummaryEvent(step=1))
+    start = time.monotonic()
+    bus.close(timeout=1.0)
+    assert time.monotonic() - start < 2.5  # not 3 x 1 s
+    stats = bus.stats()["sinks"]
+    assert sorted(stats) == ["hanging", "hanging#2", "hanging#3"]  # unique ids, the name kept for display
+    assert all(s["name"] == "hanging" and s["dropped"] == 1 and adds_up(s) for s in stats.values())
+    for sink in sinks:
+        sink.release.set()
+
+
+def test_close_without_timeout_uses_the_default_bound(monkeypatch) -> None:
+    import guardtower._delivery as delivery
+
+    monkeypatch.setattr(delivery, "DEFAULT_TIMEOUT_S", 0.5)
+    hanging = HangingSink()
+    bus = EventBus([hanging])
+    bus.publish(SummaryEvent(step=1))
+    start = time.monotonic()
+    bus.close()
+    assert time.monotonic() - start < 2.0
+    hanging.release.set()
+
+
+class PickySink(InMemorySink):
+    name = "picky"
+
+    def handle_batch(self, events: list[Event]) -> None:
+        if any(e.step == 13 for e in events):
+            raise ValueError("cannot take step 13")
+        for event in events:
+            self.handle(event)
+
+
+def test_one_failing_event_is_isolated_and_the_rest_delivered() -> None:
+    sink = PickySink()
+    bus = EventBus([sink])
+    for i in range(50):
+        bus.publish(SummaryEvent(step=i))
+    assert bus.flush(5)
+    assert sorted(e.step for e in sink.events) == [i for i in range(50) if i != 13]
+    stats = bus.stats()["sinks"]["picky"]
+    assert stats["failed"] == 1 and stats["delivered"] == 49 and adds_up(stats)
+    bus.close(5)
 
 
 def test_close_returns_within_timeout_with_a_hung_sink() -> None:

@@ -108,3 +108,31 @@ def test_unknown_kind_is_a_config_error() -> None:
 def test_severity_accepts_names_and_labels() -> None:
     assert SpikeEvent(severity="FAIL").severity is Severity.ERROR  # type: ignore[arg-type]
     assert Severity.parse("warn") is Severity.WARN and Severity.ERROR.label == "FAIL"
+
+
+def test_numpy_and_torch_scalars_become_python_numbers_at_construction() -> None:
+    import numpy as np
+    import torch
+
+    event = SpikeEvent(step=np.int64(7), ratio=np.float32(2.5), norm=torch.tensor(3.0), loss=torch.tensor(float("nan")),
+                       top_layers=(("h.0", np.float64(1.0), np.float16(4.0)),), history_steps=(np.int32(6), 7))
+    assert type(event.step) is int and type(event.ratio) is float and type(event.norm) is float
+    assert math.isnan(event.loss)  # type: ignore[arg-type]
+    assert all(type(v) is float for v in event.top_layers[0][1:])
+    assert from_json(to_json(event)).to_record() == event.to_record()  # strict JSON, nothing lost
+    finding = FindingEvent(details={"params": [np.int64(3)], "ratio": np.float32(0.5)})
+    assert json.dumps(finding.details, allow_nan=False) == '{"params": [3], "ratio": 0.5}'
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("ratio", object()), ("loss", __import__("torch").ones(3)), ("top_layers", ({1, 2},)), ("severity", "LOUD"),
+])
+def test_a_value_that_cannot_become_strict_json_fails_at_the_call_site(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        SpikeEvent(**{field: value})
+    assert info.value.argument == field
+
+
+def test_details_with_non_string_keys_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="details"):
+        FindingEvent(details={1: "x"})

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Union
 
-from guardtower.events import Event
+from guardtower._wording import num, title
 from guardtower.alerts.grouping import Notification
 
 __all__ = ["RunUrl", "title", "headline", "facts", "text", "truncate", "run_url_for", "id_line"]
@@ -25,33 +24,6 @@ def truncate(value: str, limit: int) -> str:
     if len(value) <= limit:
         return value
     return value[: max(0, limit - 1)] + "…"
-
-
-def title(event: Event) -> str:
-    """What happened and where, without counts: ``NaN/Inf gradient in transformer.h.3.mlp``."""
-    get = lambda name: getattr(event, name, "")  # noqa: E731
-    where = get("layer") or get("module") or "the model"
-    if event.kind == "spike":
-        if get("reason") == "nonfinite":
-            return f"NaN/Inf gradient in {where}"
-        return f"Gradient spike in {where} ({_num(get('ratio'))}x baseline)"
-    if event.kind == "skip":
-        return f"Skipped update ({get('reason')}) in {where}"
-    if event.kind == "rollback":
-        return f"Rolled back to step {get('to_step'):,} after {get('reason')} in {where}"
-    if event.kind == "halt":
-        return f"Training halted: {get('reason') or 'error'} in {where}"
-    if event.kind == "nonfinite":
-        return f"NaN/Inf {get('where')} in {where}"
-    if event.kind == "preflight":
-        ids = ", ".join(get("error_ids") or get("warning_ids"))
-        return f"Pre-flight {get('status')}: {get('errors')} error(s), {get('warnings')} warning(s)" + (
-            f" ({ids})" if ids else "")
-    if event.kind == "finding":
-        return f"{get('catalog_id')} {get('check')}: {get('message')}"
-    if event.kind == "summary":
-        return f"Step summary: grad norm {_num(get('grad_norm'))}"
-    return event.kind
 
 
 def headline(note: Notification) -> str:
@@ -121,21 +93,13 @@ def run_url_for(run_url: RunUrl, run: str) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _num(value: Any) -> str:
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:.4g}"
-    return str(value)
-
-
 def _show(value: Any) -> str:
     if isinstance(value, float):
-        return _num(value)
+        return num(value)
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, (list, tuple)):
-        shown = [" ".join(_num(v) for v in item) if isinstance(item, (list, tuple)) else _num(item)
+        shown = [" ".join(num(v) for v in item) if isinstance(item, (list, tuple)) else num(item)
                  for item in value[:_MAX_LIST]]
         more = f" (+{len(value) - _MAX_LIST} more)" if len(value) > _MAX_LIST else ""
         return ", ".join(shown) + more

@@ -102,6 +102,11 @@ def _needles(value: str) -> tuple[str, ...]:
             found.add(parts.query)
         if parts.password:
             found.add(parts.password)
+        # the whole destination: urllib3 writes "host='127.0.0.1', port=9" next to the (redacted) path
+        found.add(parts.netloc)
+        if parts.hostname:
+            port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+            found.add(f"host='{parts.hostname}', port={port}")
     return tuple(n for n in found if len(n) >= 4)
 
 

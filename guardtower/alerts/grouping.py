@@ -139,6 +139,11 @@ class Grouper:
         """Events accepted but not yet handed out in a notification."""
         return self._pending
 
+    @property
+    def held(self) -> int:
+        """Pending events plus messages ready to go (a resolve carries no event but must still be sent)."""
+        return self._pending + len(self._ready)
+
     def add(self, event: Event) -> bool:
         """Accept an alert-worthy event; False (nothing changed) when ``max_pending`` events already wait."""
         if self._pending >= self.max_pending:

@@ -1,6 +1,6 @@
 """Delivery policies of alert sinks: retry, grouping and the per-destination rate limit.
 
-``RetryPolicy`` and ``GroupPolicy`` are plain settings. ``Throttle`` is the rate limit one destination
+``RetryPolicy`` (the delivery engine's, re-exported here) and ``GroupPolicy`` are plain settings. ``Throttle`` is the rate limit one destination
 (one webhook URL) gets, shared by every sink in the process that posts there, and also the pause a 429
 imposes on all of them. Time comes from an injectable clock so tests never wait.
 """
@@ -16,47 +16,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from guardtower.errors import ConfigError
+from guardtower import _validate
+from guardtower._delivery import RetryPolicy
 
 __all__ = ["RetryPolicy", "GroupPolicy", "Throttle", "shared_throttle", "parse_retry_after"]
-
-
-def _check_positive(argument: str, value: float | None, *, allow_zero: bool = True, allow_none: bool = False) -> None:
-    if value is None:
-        if allow_none:
-            return
-        raise ConfigError(argument, "None is not allowed", "pass a number of seconds")
-    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(argument, f"expected a finite number {bound}, got {value!r}", f"pass a number {bound}")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How hard to try one message before it goes to the dead-letter spool.
-
-    Connection errors, timeouts, 408, 429 and 5xx are retried with exponential backoff and full jitter
-    (``initial_backoff * 2**n``, capped at ``max_backoff``); a ``Retry-After`` header replaces the backoff,
-    capped at ``max_retry_after``. Retrying stops after ``max_attempts`` or when the next wait would cross
-    ``deadline`` seconds since the first attempt. Other 4xx are permanent and never retried.
-    """
-
-    max_attempts: int = 5
-    initial_backoff: float = 0.5
-    max_backoff: float = 30.0
-    deadline: float = 60.0
-    max_retry_after: float = 60.0
-    connect_timeout: float = 3.05
-    read_timeout: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
-            raise ConfigError("max_attempts", f"expected an int >= 1, got {self.max_attempts!r}", "pass e.g. 5")
-        for name in ("initial_backoff", "max_backoff", "max_retry_after"):
-            _check_positive(name, getattr(self, name))
-        for name in ("deadline", "connect_timeout", "read_timeout"):
-            _check_positive(name, getattr(self, name), allow_zero=False)
 
 
 @dataclass(frozen=True)
@@ -75,12 +38,10 @@ class GroupPolicy:
     resolve_after_steps: int | None = 200
 
     def __post_init__(self) -> None:
-        _check_positive("group_wait", self.group_wait)
-        _check_positive("group_interval", self.group_interval)
-        _check_positive("repeat_interval", self.repeat_interval, allow_zero=False, allow_none=True)
-        steps = self.resolve_after_steps
-        if steps is not None and (not isinstance(steps, int) or steps < 1):
-            raise ConfigError("resolve_after_steps", f"expected an int >= 1 or None, got {steps!r}", "pass e.g. 200")
+        _validate.number("group_wait", self.group_wait, minimum=0)
+        _validate.number("group_interval", self.group_interval, minimum=0)
+        _validate.number("repeat_interval", self.repeat_interval, above=0, allow_none=True)
+        _validate.number("resolve_after_steps", self.resolve_after_steps, minimum=1, integer=True, allow_none=True)
 
 
 class Throttle:
@@ -91,7 +52,7 @@ class Throttle:
     """
 
     def __init__(self, interval: float = 0.0, *, clock: Callable[[], float] = time.monotonic) -> None:
-        _check_positive("rate_limit", interval)
+        _validate.number("rate_limit", interval, minimum=0)
         self.interval = interval
         self._clock = clock
         self._next_free = -math.inf

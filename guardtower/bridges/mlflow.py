@@ -3,8 +3,9 @@
 The run is fixed when the bridge is built (``run_id=`` or the active run of the constructing thread: MLflow's
 active run is thread-local and the bus delivers on a worker thread), and every call names it explicitly
 through ``MlflowClient``. A tracking server that is down or slow never blocks training: requests made by the
-worker time out after ``request_timeout`` seconds; what cannot be delivered goes to a spool file and is
-replayed in order by a retry thread once the server answers again (or by ``guardtower replay <spool>``).
+worker time out after ``request_timeout`` seconds; the delivery engine retries, spools what cannot be
+delivered and replays the spool in order once the server answers again (or ``guardtower replay <spool>``
+does). Only finite numbers are logged: a NaN step sets ``{prefix}.nonfinite`` to 1 instead.
 
 Writes are idempotent: metric points carry the event's own timestamp (MLflow ignores an identical point
 logged twice), tags are overwritten and artifacts keep their names, so an event re-sent after a lost
@@ -16,9 +17,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
-import threading
-import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +31,8 @@ from guardtower.bridges._common import (
     safe_error,
     warn_once,
 )
+from guardtower import _validate
+from guardtower._delivery import PartialFailure, RetryPolicy, TransientError, check_spool_path
 from guardtower.bridges._mlflow_http import bounded_http
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
@@ -84,7 +86,8 @@ class MlflowWriter:
         values: dict[str, float] = {}
         tags: dict[str, str] = {}
         if isinstance(event, SpikeEvent):
-            values = {f"{p}.spike_ratio": event.ratio, f"{p}.grad_norm": event.global_norm}
+            values = {f"{p}.spike_ratio": event.ratio, f"{p}.grad_norm": event.global_norm,
+                      f"{p}.nonfinite": float(event.reason == "nonfinite")}
         elif isinstance(event, SkipEvent):
             values = {f"{p}.skipped_steps": event.total_skips}
         elif isinstance(event, RollbackEvent):
@@ -103,7 +106,10 @@ class MlflowWriter:
         # The event's own timestamp makes a re-sent point identical, so MLflow stores it once.
         stamp = int(event.time * 1000)
         step = event.step if event.step is not None else 0
-        metrics = [Metric(key, float(value), stamp, step) for key, value in values.items()]
+        finite = {key: float(value) for key, value in values.items() if math.isfinite(value)}
+        if len(finite) < len(values):  # MLflow charts squash around 1.8e308: say non-finite with a flag
+            finite[f"{p}.nonfinite"] = 1.0
+        metrics = [Metric(key, value, stamp, step) for key, value in finite.items()]
         return metrics, [RunTag(key, value) for key, value in tags.items()]
 
     def _artifacts(self, event: Event) -> None:
@@ -143,11 +149,17 @@ class MLflowBridge(BaseSink):
     """Forward guardtower events to an MLflow run, surviving tracking-server outages.
 
     ``spool_path``: the dead-letter file (default ``<spool dir>/mlflow-<run_id>.jsonl``, see
-    ``default_spool_dir``). ``request_timeout``/``request_retries`` bound each MLflow request made by the
-    worker. ``retry_interval`` (doubling up to ``max_retry_interval``) paces replays of the spool.
+    ``default_spool_dir``; under the guard's ``log_dir/spool`` when a guard adopts the bridge); what a
+    previous process left there is sent first. ``request_timeout``/``request_retries`` bound each MLflow
+    request. While the server is down, the spool is retried every ``retry_interval`` seconds, doubling up
+    to ``max_retry_interval``.
     """
 
     rank_zero_only = True
+    replay_spool = True
+    # one event per attempt: a retry never re-sends an event that already got through
+    batch_max = 1
+    replay_batch = 1
 
     def __init__(
         self,
@@ -163,17 +175,16 @@ class MLflowBridge(BaseSink):
         artifacts: bool = True,
     ) -> None:
         self.prefix = check_prefix(prefix)
-        if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
-            raise ConfigError("run_id", f"{run_id!r} is not a run id", "pass run.info.run_id or leave it None")
-        if tracking_uri is not None and (not isinstance(tracking_uri, str) or not tracking_uri.strip()):
-            raise ConfigError("tracking_uri", f"{tracking_uri!r} is not a URI",
-                              'pass e.g. "http://127.0.0.1:5000" or leave it None')
-        _check_number("request_timeout", request_timeout, integer=True, minimum=1)
-        _check_number("request_retries", request_retries, integer=True, minimum=0)
-        _check_number("retry_interval", retry_interval, minimum=0.001)
-        _check_number("max_retry_interval", max_retry_interval, minimum=retry_interval)
-        explicit_spool = Spool(spool_path) if spool_path is not None else None  # ConfigError now, not later
+        _validate.text("run_id", run_id, allow_none=True, example="run.info.run_id or None")
+        _validate.text("tracking_uri", tracking_uri, allow_none=True, example='"http://127.0.0.1:5000" or None')
+        _validate.number("request_timeout", request_timeout, integer=True, minimum=1)
+        _validate.number("request_retries", request_retries, integer=True, minimum=0)
+        _validate.number("retry_interval", retry_interval, minimum=0.001)
+        _validate.number("max_retry_interval", max_retry_interval, minimum=retry_interval)
+        _validate.flag("artifacts", artifacts)
+        explicit = _validate.path("spool_path", spool_path, allow_none=True)
         mlflow = require("mlflow", "mlflow")
+        require("tenacity", "mlflow")  # the delivery engine retries with it
         if run_id is None:
             active = mlflow.active_run()
             run_id = active.info.run_id if active is not None else None
@@ -181,31 +192,22 @@ class MLflowBridge(BaseSink):
         self.tracking_uri: str = tracking_uri or mlflow.get_tracking_uri()
         self.retry_interval = float(retry_interval)
         self.max_retry_interval = float(max_retry_interval)
+        self.retry = RetryPolicy(max_attempts=2, initial_backoff=0.2, max_backoff=1.0,
+                                 deadline=float(request_timeout) * (request_retries + 1) * 2 + 1.0)
         self._counts: collections.Counter[str] = collections.Counter()
-        self._state_lock = threading.Lock()  # guards _backlog and spool appends in backlog mode
-        self._deliver_lock = threading.Lock()  # one MLflow conversation at a time, in event order
-        self._stop = threading.Event()
-        self._retry_thread: threading.Thread | None = None
-        self._backlog = False
-        self._spool: Spool | None = explicit_spool
+        self._explicit_spool = explicit is not None
+        self.spool_path = check_spool_path(explicit, default_spool_dir() / f"mlflow-{run_id}.jsonl")
+        self._spool_obj: Spool | None = None
         if run_id is None:
             self.name = "mlflow"
             self._writer: MlflowWriter | None = None
-            self._spool_path = Path(os.devnull)
+            self.spool_path = Path(os.devnull)
             warn_once("mlflow-no-run", "guardtower MLflowBridge: no MLflow run (pass run_id= or build the bridge inside mlflow.start_run()); "
                       "guardtower events will not be sent to MLflow")
             return
         self.name = f"mlflow:{sink_name(run_id, self.prefix, self.tracking_uri)}"
         self._writer = MlflowWriter(self.tracking_uri, run_id, self.prefix, request_timeout=int(request_timeout),
                                     request_retries=int(request_retries), artifacts=artifacts)
-        self._spool_path = (explicit_spool.path if explicit_spool is not None
-                            else default_spool_dir() / f"mlflow-{run_id}.jsonl")
-        if self._spool_path.exists():  # events a previous process could not deliver go first
-            self._backlog = next(self._get_spool().entries(), None) is not None
-            if self._backlog:
-                self._start_retry_thread()
-
-    # -- sink protocol ---------------------------------------------------------------------------------
 
     @property
     def active(self) -> bool:
@@ -213,141 +215,52 @@ class MLflowBridge(BaseSink):
         return self._writer is not None
 
     @property
-    def spool_path(self) -> Path:
-        return self._spool_path
+    def spool(self) -> Spool | None:
+        """The dead-letter spool (None without a run: nothing to keep)."""
+        if self._writer is None:
+            return None
+        if self._spool_obj is None or self._spool_obj.path != self.spool_path:
+            self._spool_obj = Spool(self.spool_path)
+        return self._spool_obj
+
+    spool_sink = property(lambda self: self.name)
+
+    def use_log_dir(self, log_dir: Path) -> None:
+        """Attached to a guard: keep the spool under ``log_dir/spool`` unless one was given."""
+        if self._writer is not None and not self._explicit_spool:
+            self.spool_path = check_spool_path(None, Path(log_dir) / "spool" / f"mlflow-{self.run_id}.jsonl")
 
     def handle(self, event: Event) -> None:
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
+        """Send each event; ``TransientError`` when the server is unreachable, ``PartialFailure`` for events
+        the server refused (resending them cannot help)."""
         if self._writer is None:
             self._counts["ignored"] += len(events)
             return
-        for index, event in enumerate(events):
-            with self._state_lock:
-                if self._backlog:
-                    self._spool_all(events[index:], "backlog")
-                    return
+        refused: list[Event] = []
+        reason = ""
+        for event in events:
             try:
-                with self._deliver_lock:
-                    self._send_or_reject(event)
-                self._counts["delivered"] += 1
+                self._writer.send(event)
             except Exception as exc:
-                with self._state_lock:
-                    self._backlog = True
-                    self._spool_all(events[index:], f"undelivered: {type(exc).__name__}")
-                logger.warning("guardtower: MLflow at %s is unreachable (%s); spooling events to %s",
-                               _public_uri(self.tracking_uri), safe_error(exc), self._spool_path)
-                self._start_retry_thread()
-                return
-
-    def spill(self, event: Event) -> bool:
-        """The bus queue is full: keep the event in the spool (replayed after what is queued)."""
-        if self._writer is None:
-            return False
-        try:
-            with self._state_lock:
-                self._backlog = True
-                self._spool_all([event], "queue full")
-            self._start_retry_thread()
-            return True
-        except Exception:
-            return False
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Try the spool once more; True when nothing is left undelivered."""
-        if self._backlog:
-            self._drain()
-        return not self._backlog
-
-    def close(self, timeout: float | None = None) -> None:
-        self._stop.set()
-        if self._backlog:
-            self._drain()
-        if self._backlog:
-            logger.warning("guardtower: undelivered MLflow events remain in %s; send them with: guardtower replay %s",
-                           self._spool_path, self._spool_path)
+                if not is_permanent(exc):
+                    raise TransientError(f"MLflow at {_public_uri(self.tracking_uri)} unreachable: "
+                                         f"{safe_error(exc)}") from None
+                refused.append(event)
+                reason = f"MLflow refused the event: {safe_error(exc)}"
+            else:
+                self._counts["sent"] += 1
+        if refused:
+            raise PartialFailure(refused, reason)
 
     def stats(self) -> dict[str, int]:
-        """Events delivered live, spooled, replayed from the spool, rejected by the server, ignored (no run)."""
-        counts = {k: self._counts[k] for k in ("delivered", "spooled", "replayed", "rejected", "ignored")}
-        counts["backlog"] = int(self._backlog)
-        return counts
+        """Events sent by this bridge and ignored (no run); the bus's ``stats()`` has the full accounting."""
+        return {k: self._counts[k] for k in ("sent", "ignored")}
 
     def __repr__(self) -> str:
         return f"MLflowBridge(run_id={self.run_id!r}, tracking_uri={_public_uri(self.tracking_uri)!r})"
-
-    # -- delivery and spool ----------------------------------------------------------------------------
-
-    def _send_or_reject(self, event: Event) -> None:
-        """Send; a permanent refusal is counted and logged instead of raised (retrying cannot fix it)."""
-        assert self._writer is not None
-        try:
-            self._writer.send(event)
-        except Exception as exc:
-            if not is_permanent(exc):
-                raise
-            self._counts["rejected"] += 1
-            if self._counts["rejected"] <= 3:
-                logger.warning("guardtower: MLflow refused a %s event: %s", event.kind, safe_error(exc))
-
-    def _get_spool(self) -> Spool:
-        if self._spool is None:
-            self._spool_path.parent.mkdir(parents=True, exist_ok=True)
-            self._spool = Spool(self._spool_path)
-        return self._spool
-
-    def _spool_all(self, events: list[Event], reason: str) -> None:
-        self._get_spool().append_many(events, reason, self.name)
-        self._counts["spooled"] += len(events)
-
-    def _drain(self) -> bool:
-        """Replay the spool in order; leave backlog mode once it is empty. False if the server still fails.
-
-        The oldest entry goes first, alone: while the server is down that probe is all it costs (no parse of
-        the whole spool on every attempt, which would compete with training for the GIL).
-        """
-        with self._deliver_lock:
-            spool = self._get_spool()
-            first = next(spool.entries(), None)
-            sent = remaining = 0
-            if first is not None:
-                try:
-                    self._send_or_reject(first.event)
-                except Exception:
-                    return False
-                spool.ack(first.event.event_id)
-                sent, remaining = spool.replay(self._send_or_reject)
-                sent += 1
-        self._counts["replayed"] += sent
-        if remaining:
-            return False
-        with self._state_lock:  # nothing can be appended while we decide
-            if next(spool.entries(), None) is None:
-                self._backlog = False
-                logger.info("guardtower: MLflow reachable again; %d spooled event(s) replayed", sent)
-        return True
-
-    def _start_retry_thread(self) -> None:
-        if self._retry_thread is not None and self._retry_thread.is_alive():
-            return
-        self._stop.clear()  # a bridge closed by one bus (e.g. audit's) may be reused on another
-        self._retry_thread = threading.Thread(target=self._retry_loop, name=f"guardtower-retry-{self.name}",
-                                              daemon=True)
-        self._retry_thread.start()
-
-    def _retry_loop(self) -> None:
-        interval = self.retry_interval
-        while not self._stop.wait(interval):
-            if not self._backlog:
-                interval = self.retry_interval
-                continue
-            try:
-                ok = self._drain()
-            except Exception:  # e.g. the spool's disk is full: keep the thread alive, try again later
-                logger.debug("guardtower: spool replay failed", exc_info=True)
-                ok = False
-            interval = self.retry_interval if ok else min(interval * 2, self.max_retry_interval)
 
 
 def sink_name(run_id: str, prefix: str, tracking_uri: str) -> str:
@@ -376,17 +289,19 @@ def replayer(sink: str, *, tracking_uri: str | None = None, request_timeout: int
 
 
 def _public_uri(uri: str) -> str:
-    """The URI without user:password and query (they may hold secrets)."""
+    """The URI without user:password and query (they may hold secrets), in a form replay can use again.
+
+    ``sqlite:///rel.db`` becomes absolute (a replay may run from another folder); ``sqlite:////abs.db``
+    and URIs without a scheme (a local ``mlruns`` path) stay as they are.
+    """
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
         return uri.split("@")[-1]
+    if not parts.scheme or len(parts.scheme) == 1:  # a plain path (or a Windows drive letter)
+        return uri
     netloc = parts.netloc.rsplit("@", 1)[-1]
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def _check_number(argument: str, value: object, *, minimum: float, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not value >= minimum:
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(argument, f"{value!r} is not {kind} >= {minimum:g}", f"pass {kind} >= {minimum:g}")
+    path = parts.path
+    if parts.scheme.startswith("sqlite") and not netloc and path.startswith("/") and not path.startswith("//"):
+        path = "/" + os.path.abspath(path[1:])  # sqlite:///rel.db: the path after the third slash is relative
+    return f"{parts.scheme}://{netloc}{path}"

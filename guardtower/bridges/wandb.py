@@ -10,26 +10,30 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 from typing import Any, Iterable
 
+from guardtower import _validate
+from guardtower._delivery import PartialFailure
+from guardtower._wording import what
 from guardtower.bridges._common import check_prefix, incident_label, require, warn_once
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
 from guardtower.events import Event, HaltEvent, PreflightEvent, RollbackEvent, SkipEvent, SpikeEvent, SummaryEvent
 
-__all__ = ["WandBBridge", "ALERT_KINDS", "ALERT_TITLES"]
+__all__ = ["WandBBridge", "ALERT_KINDS", "alert_title"]
 
 logger = logging.getLogger("guardtower.bridges.wandb")
 
-#: incident kind -> W&B alert title (stable, < 64 characters, so W&B's wait_duration throttles repeats)
-ALERT_TITLES: dict[str, str] = {
-    PreflightEvent.kind: "guardtower: pre-flight failed",
-    SpikeEvent.kind: "guardtower: gradient spike",
-    RollbackEvent.kind: "guardtower: rolled back to a snapshot",
-    HaltEvent.kind: "guardtower: training halted",
-}
-ALERT_KINDS = frozenset(ALERT_TITLES)
+#: the incident kinds that raise a W&B alert
+ALERT_KINDS = frozenset({PreflightEvent.kind, SpikeEvent.kind, RollbackEvent.kind, HaltEvent.kind})
+
+
+def alert_title(event: Event) -> str:
+    """``guardtower: NaN/Inf gradient``: stable per kind of incident (< 64 characters), so W&B's
+    ``wait_duration`` throttles repeats; the same wording as every other alert."""
+    return f"guardtower: {what(event)}"
 
 _FINDING_COLUMNS = ["check", "severity", "catalog_id", "message"]
 
@@ -38,7 +42,8 @@ class WandBBridge(BaseSink):
     """Forward guardtower events to a W&B run.
 
     ``alerts``: True (failed pre-flight, spikes, rollbacks, halts), False, or an iterable of those kinds.
-    ``alert_wait``: seconds W&B waits before sending another alert with the same title.
+    ``alert_wait``: seconds W&B waits before sending another alert with the same title. Only finite
+    numbers are logged: a NaN/Inf value is left out and ``{prefix}/nonfinite`` is set to 1 instead.
     """
 
     rank_zero_only = True
@@ -54,11 +59,12 @@ class WandBBridge(BaseSink):
     ) -> None:
         self.prefix = check_prefix(prefix)
         self.alert_kinds = _alert_kinds(alerts)
-        if isinstance(alert_wait, bool) or not isinstance(alert_wait, (int, float)) or not alert_wait >= 0:
-            raise ConfigError("alert_wait", f"{alert_wait!r} is not a number of seconds >= 0", "pass e.g. 300")
-        self.alert_wait = float(alert_wait)
-        self.findings_table = bool(findings_table)
+        self.alert_wait = float(_validate.number("alert_wait", alert_wait, minimum=0))
+        self.findings_table = _validate.flag("findings_table", findings_table)
         self._wandb = require("wandb", "wandb")
+        if run is not None and not all(callable(getattr(run, m, None)) for m in ("log", "define_metric", "alert")):
+            raise ConfigError("run", f"expected a W&B run (from wandb.init()), got {type(run).__name__}",
+                              "pass run=wandb.init(...) or leave it None to use wandb.run")
         self.run = run if run is not None else self._wandb.run
         run_id = getattr(self.run, "id", None)
         self.name = f"wandb:{run_id}" if run_id else "wandb"
@@ -88,21 +94,28 @@ class WandBBridge(BaseSink):
             if self.run is None:
                 self._counts["ignored"] += len(events)
                 return
-            rows: list[dict[str, Any]] = []
+            rows: list[tuple[dict[str, Any], list[Event]]] = []
+            failed: list[Event] = []
+            reason = ""
             for event in events:
                 try:
                     row = self._apply(event)
-                except Exception:
-                    self._failed(event)
+                except Exception as exc:
+                    failed.append(event)
+                    reason = f"W&B rejected a {event.kind} event: {type(exc).__name__}"
                     continue
                 if row:
-                    _merge_row(rows, row, f"{self.prefix}/step")
-                self._counts["delivered"] += 1
-            for row in rows:
+                    _merge_row(rows, _finite(row, self.prefix), event, f"{self.prefix}/step")
+            for row, row_events in rows:
                 try:
                     self.run.log(row)
-                except Exception:
-                    self._failed(None)
+                except Exception as exc:
+                    failed.extend(row_events)
+                    reason = f"W&B rejected a history row: {type(exc).__name__}"
+            self._counts["delivered"] += len(events) - len(failed)
+            if failed:
+                self._counts["failed"] += len(failed)
+                raise PartialFailure(failed, reason)
 
     def stats(self) -> dict[str, int]:
         """Events delivered, failed (the W&B call raised) and ignored (no run)."""
@@ -123,7 +136,8 @@ class WandBBridge(BaseSink):
         elif isinstance(event, SpikeEvent):
             self._totals["spikes"] += 1
             row = {f"{p}/spike_ratio": event.ratio, f"{p}/grad_norm": event.global_norm,
-                   f"{p}/trigger_layer": event.layer, f"{p}/spikes": self._totals["spikes"]}
+                   f"{p}/trigger_layer": event.layer, f"{p}/spikes": self._totals["spikes"],
+                   f"{p}/nonfinite": int(event.reason == "nonfinite")}
             if event.loss is not None:
                 row[f"{p}/loss_at_spike"] = event.loss
         elif isinstance(event, SkipEvent):
@@ -146,7 +160,7 @@ class WandBBridge(BaseSink):
             summary[f"{p}/last_incident"] = incident_label(event)
         if row or summary:
             summary.update({f"{p}/total_{k}": v for k, v in self._totals.items()})
-        for key, value in summary.items():
+        for key, value in _finite(summary, p).items():
             self.run.summary[key] = value
         self._maybe_alert(event)
         if row:
@@ -172,17 +186,11 @@ class WandBBridge(BaseSink):
         level = self._wandb.AlertLevel
         severe = isinstance(event, (PreflightEvent, HaltEvent))
         self.run.alert(
-            title=ALERT_TITLES[event.kind],
+            title=alert_title(event),
             text=_alert_text(event),
             level=level.ERROR if severe else level.WARN,
             wait_duration=self.alert_wait,
         )
-
-    def _failed(self, event: Event | None) -> None:
-        self._counts["failed"] += 1
-        if self._counts["failed"] <= 3:
-            what = f"a {event.kind} event" if event is not None else "a history row"
-            logger.warning("guardtower: W&B rejected %s", what, exc_info=True)
 
     def __repr__(self) -> str:
         return f"WandBBridge(run={getattr(self.run, 'id', None)!r}, prefix={self.prefix!r})"
@@ -222,9 +230,19 @@ def _alert_text(event: Event) -> str:
     return incident_label(event)
 
 
-def _merge_row(rows: list[dict[str, Any]], row: dict[str, Any], step_key: str) -> None:
+def _finite(values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``values`` without NaN/Inf numbers (W&B would chart ``inf``); ``{prefix}/nonfinite`` = 1 says so."""
+    kept = {k: v for k, v in values.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    if len(kept) < len(values):
+        kept[f"{prefix}/nonfinite"] = 1
+    return kept
+
+
+def _merge_row(rows: list[tuple[dict[str, Any], list[Event]]], row: dict[str, Any], event: Event,
+               step_key: str) -> None:
     """Fold ``row`` into the last row when it is for the same step and has no clashing key: fewer W&B steps."""
-    if rows and rows[-1][step_key] == row[step_key] and not (set(rows[-1]) & set(row)) - {step_key}:
-        rows[-1].update(row)
+    if rows and rows[-1][0][step_key] == row[step_key] and not (set(rows[-1][0]) & set(row)) - {step_key}:
+        rows[-1][0].update(row)
+        rows[-1][1].append(event)
     else:
-        rows.append(row)
+        rows.append((row, [event]))

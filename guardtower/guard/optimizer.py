@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from guardtower._jsonl import check_creatable_dir
 from guardtower._dist import current_rank, is_distributed, world_size
-from guardtower.bus import EventBus, Sink, check_sink
+from guardtower.bus import EventBus, Sink, adopt_log_dir, check_bus_args
 from guardtower.errors import ConfigError, GradientSpikeError
 from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, StartEvent, SummaryEvent
 from guardtower.guard._buffers import BufferGuard
@@ -152,11 +152,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise ConfigError("log_dir", f"expected a path, got {type(log_dir).__name__}", "pass e.g. log_dir='./sg_logs'")
         log_path = Path(log_dir)
         check_creatable_dir(log_path, "log_dir")
-        if bus is not None and not isinstance(bus, EventBus):
-            raise ConfigError("bus", f"expected an EventBus, got {type(bus).__name__}", "pass guardtower.EventBus(...)")
-        user_sinks = list(sinks or ())
-        for sink in user_sinks:
-            check_sink(sink)
+        user_sinks = check_bus_args(bus, sinks)
 
         # --- the Optimizer machinery, without Optimizer.__init__ (which would copy the param groups) ---
         self._base = base_optimizer
@@ -222,6 +218,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _start(self) -> None:
         """The first step: attach the sinks and the console box, and publish the ``start`` event."""
         self._started = True
+        adopt_log_dir([*self._user_sinks, *self.bus.sinks], self.log_dir)
         for sink in self._user_sinks:
             self.bus.add_sink(sink)
         self._report_sink = SpikeReportSink(self.log_dir)

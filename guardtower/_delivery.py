@@ -1,0 +1,694 @@
+"""The one delivery engine behind every sink (OpenTelemetry's BatchProcessor/exporter split).
+
+A sink is only a destination: ``handle_batch(events)`` sends and raises on failure (``TransientError``
+when trying again may help), ``close()`` shuts it down. ``Delivery`` owns everything else, once, for
+every sink: the bounded queue and its worker thread, batching (or a sink's own grouping ``Batcher``),
+the retry policy (tenacity, honouring Retry-After against a deadline), a destination's rate limit, the
+durable spool with acknowledgements and replay, drop and failure counting with a reason, one
+rate-limited failure log, fork re-initialisation, and bounded flush/close.
+
+Accounting: every event offered to a sink ends as exactly one of delivered, spooled, dropped (with a
+reason) or failed; until then it is pending. ``close()`` writes what is still pending to the spool
+*before* its deadline (a fifth of the time, at most 1 s, is reserved for that) or counts it as dropped.
+``offer()`` runs on the training thread: it appends to memory and never blocks, raises or touches the
+disk; a full queue's events are parked and spooled by the worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+from guardtower import _validate
+from guardtower.errors import ConfigError
+from guardtower.events import Event
+
+__all__ = [
+    "Batch",
+    "Batcher",
+    "Delivery",
+    "Handled",
+    "FailureLog",
+    "PartialFailure",
+    "RetryPolicy",
+    "TransientError",
+    "DEFAULT_TIMEOUT_S",
+    "check_spool_path",
+    "close_all",
+    "on_fork",
+    "send_with_retry",
+    "spool_reserve",
+]
+
+logger = logging.getLogger("guardtower.delivery")
+
+#: the bound ``flush(None)``/``close(None)`` use: never forever
+DEFAULT_TIMEOUT_S = 10.0
+_DEFAULT_QUEUE_SIZE = 10_000
+_BATCH_MAX = 512
+#: events of a full queue parked in memory for the worker to spool (sinks with a spool only)
+_OVERFLOW_MAX = 10_000
+_IDLE_WAIT_S = 0.5
+_PROBE_MIN_S = 0.5
+_PROBE_MAX_S = 30.0
+
+
+class TransientError(Exception):
+    """A failure worth retrying (timeout, disconnect, 5xx, 429). ``reason`` is safe to log.
+
+    ``retry_after``: the wait the destination asked for; with ``pause`` (a 429) it holds every sink
+    posting to that destination, not just this retry.
+    """
+
+    def __init__(self, reason: str, retry_after: float | None = None, *, pause: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.pause = pause
+
+
+class PartialFailure(Exception):
+    """A sink delivered a batch except ``failed`` (events it could not take); those are counted failed."""
+
+    def __init__(self, failed: Sequence[Event], reason: str) -> None:
+        super().__init__(reason)
+        self.failed = list(failed)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard to try one batch before it goes to the spool.
+
+    Transient failures are retried with exponential backoff and full jitter (``initial_backoff * 2**n``,
+    capped at ``max_backoff``); a Retry-After replaces the backoff, capped at ``max_retry_after``.
+    Retrying stops after ``max_attempts``, when the next wait would cross ``deadline`` seconds since the
+    first attempt, or when the sink is closing. ``connect_timeout``/``read_timeout`` bound one HTTP attempt.
+    """
+
+    max_attempts: int = 5
+    initial_backoff: float = 0.5
+    max_backoff: float = 30.0
+    deadline: float = 60.0
+    max_retry_after: float = 60.0
+    connect_timeout: float = 3.05
+    read_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        _validate.number("max_attempts", self.max_attempts, minimum=1, integer=True)
+        for name in ("initial_backoff", "max_backoff", "max_retry_after"):
+            _validate.number(name, getattr(self, name), minimum=0)
+        for name in ("deadline", "connect_timeout", "read_timeout"):
+            _validate.number(name, getattr(self, name), above=0)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Events sent in one go; ``note`` is a sink's own message (an alert ``Notification``), or None."""
+
+    events: tuple[Event, ...]
+    note: Any = None
+
+
+@dataclass(frozen=True)
+class Handled:
+    """A ``Batch.note`` for events a batcher dealt with itself: filtered out (``reason=""``, counted
+    delivered) or refused before sending (spooled with ``reason``)."""
+
+    reason: str = ""
+
+
+class Batcher(Protocol):
+    """How a sink's events become batches. The default chunks the queue; alerts group by incident."""
+
+    def add(self, events: list[Event], now: float) -> list[Batch]: ...
+
+    def due(self, now: float, drain: bool) -> list[Batch]: ...
+
+    def next_due(self) -> float | None:
+        """Seconds until a held batch is due, or None when nothing waits."""
+
+    def held(self) -> int:
+        """Events (and messages) held back, not yet returned in a batch."""
+
+
+class _Chunks:
+    def add(self, events: list[Event], now: float) -> list[Batch]:
+        return [Batch(tuple(events))]
+
+    def due(self, now: float, drain: bool) -> list[Batch]:
+        return []
+
+    def next_due(self) -> float | None:
+        return None
+
+    def held(self) -> int:
+        return 0
+
+
+class FailureLog:
+    """Warnings about one sink's failures: the first ``first`` of each reason, then every ``every``-th."""
+
+    def __init__(self, what: str, *, first: int = 3, every: int = 100) -> None:
+        self.what = what
+        self.first = first
+        self.every = every
+        self._seen: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def warn(self, reason: str, count: int = 1, action: str = "") -> None:
+        key = reason.split(":", 1)[0]
+        with self._lock:
+            self._seen[key] += 1
+            n = self._seen[key]
+        if n <= self.first or n % self.every == 0:
+            suffix = f"; {action}" if action else ""
+            repeat = f" (failure #{n} of this kind)" if n > 1 else ""
+            logger.warning("guardtower %s: %d event(s) not delivered: %s%s%s", self.what, count, reason, suffix,
+                           repeat)
+
+
+def spool_reserve(timeout: float) -> float:
+    """The part of a close timeout kept for writing the spool."""
+    return min(1.0, max(0.0, 0.2 * timeout))
+
+
+def _interrupted_sleep(stop: threading.Event) -> Callable[[float], None]:
+    def sleep(seconds: float) -> None:
+        stop.wait(seconds)
+
+    return sleep
+
+
+def send_with_retry(export: Callable[[Batch], None], batch: Batch, policy: RetryPolicy | None, *,
+                    stop: threading.Event, throttle: Any = None, sleep: Callable[[float], None] | None = None,
+                    clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> int:
+    """``export(batch)`` under ``policy``; returns the attempts it took, re-raises the last error.
+
+    ``throttle`` (``reserve()``/``pause(s)``) paces every attempt to one destination; every wait is a
+    wait on ``stop``, so closing interrupts it.
+    """
+    def attempt() -> None:
+        if stop.is_set():
+            raise TransientError("sink closing")
+        delay = throttle.reserve() if throttle is not None else 0.0
+        if delay > 0 and stop.wait(delay):
+            raise TransientError("sink closing while rate-limited")
+        try:
+            export(batch)
+        except TransientError as exc:
+            if exc.pause and exc.retry_after is not None and throttle is not None:
+                throttle.pause(exc.retry_after)
+            raise
+
+    if policy is None:
+        attempt()
+        return 1
+    import tenacity
+
+    generator = rng or random.Random()
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, TransientError) and exc.retry_after is not None:
+            return min(exc.retry_after, policy.max_retry_after)
+        backoff = min(policy.max_backoff, policy.initial_backoff * 2 ** (state.attempt_number - 1))
+        return generator.uniform(0, backoff)
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_any(tenacity.stop_after_attempt(policy.max_attempts),
+                               tenacity.stop_before_delay(policy.deadline),
+                               tenacity.stop_when_event_set(stop)),
+        wait=wait,
+        retry=tenacity.retry_if_exception_type(TransientError),
+        sleep=sleep or _interrupted_sleep(stop),
+        reraise=True,
+    )
+    retrying(attempt)
+    return int(retrying.statistics.get("attempt_number", 1))
+
+
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def on_fork(obj: Any) -> None:
+    """Register ``obj``: its ``_after_fork()`` runs in a forked child (the one fork registry)."""
+    _live.add(obj)
+
+
+def _reinit_after_fork() -> None:
+    for obj in list(_live):
+        obj._after_fork()
+
+
+os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+class Delivery:
+    """One sink's queue, worker, retries, spool and counters."""
+
+    def __init__(self, sink: Any, sink_id: str) -> None:
+        self.sink = sink
+        self.sink_id = sink_id
+        self.name: str = str(getattr(sink, "name", type(sink).__name__))
+        self.rank_zero_only = bool(getattr(sink, "rank_zero_only", True))
+        self.maxsize = int(getattr(sink, "queue_size", _DEFAULT_QUEUE_SIZE))
+        self.batch_max = int(getattr(sink, "batch_max", _BATCH_MAX))
+        self.log = FailureLog(f"sink {self.name!r}")
+        # while the destination is down, the spool is probed every retry_interval, doubling up to the max
+        self._probe_min = float(getattr(sink, "retry_interval", _PROBE_MIN_S))
+        self._probe_max = max(self._probe_min, float(getattr(sink, "max_retry_interval", _PROBE_MAX_S)))
+        make_batcher = getattr(sink, "make_batcher", None)
+        self._make_batcher: Callable[[], Batcher] = make_batcher if callable(make_batcher) else _Chunks
+        self._reset()
+        on_fork(self)
+        spool = self._spool()
+        # replay_spool: the engine itself re-sends the spool once the destination answers again (and a
+        # previous process's leftovers first); otherwise the spool waits for ``guardtower replay``
+        self.replay_spool = bool(getattr(sink, "replay_spool", False))
+        if spool is not None and self.replay_spool and spool.path.exists():
+            if spool.has_pending():  # a previous process's leftovers go first, even before a new event
+                self._backlog = True
+                self._start()
+
+    # -- state ------------------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        # _qlock guards only what publish touches (queue, parked overflow, offer counters), so the
+        # training thread never waits for the worker's grouping or accounting under _cond.
+        self._qlock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._queue: collections.deque[Event] = collections.deque()
+        self._overflow: list[Event] = []
+        self._offered = 0
+        self._refused: collections.Counter[str] = collections.Counter()  # dropped at offer, under _qlock
+        self._closed = False
+        self._batcher = self._make_batcher()
+        self._inflight: list[Batch] = []
+        self._orphaned: set[int] = set()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._dropped: collections.Counter[str] = collections.Counter()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._flush_asked = 0
+        self._flush_done = 0
+        self._backlog = False
+        self._probe_at = 0.0
+        self._probe_wait = self._probe_min
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's queue, counters and thread; never re-send them."""
+        reinit = getattr(self.sink, "_after_fork", None)
+        if callable(reinit):
+            reinit()  # first: the sink's own locks may have been held by a parent thread at fork time
+        self._reset()
+
+    def _spool(self) -> Any:
+        spool = getattr(self.sink, "spool", None)
+        return spool if spool is not None and hasattr(spool, "append_many") else None
+
+    # -- the training thread ------------------------------------------------------------------------------
+
+    def offer(self, event: Event) -> None:
+        """Queue ``event``: memory only, never waits for the worker."""
+        with self._qlock:
+            self._offered += 1
+            if self._closed:
+                self._refused["published after close"] += 1
+                return
+            if len(self._queue) < self.maxsize:
+                self._queue.append(event)
+            elif self._spool() is not None and len(self._overflow) < _OVERFLOW_MAX:
+                self._overflow.append(event)  # the worker spools it
+            else:
+                self._refused["queue full"] += 1
+                return
+        if not self._wake.is_set():
+            self._wake.set()
+        if self._thread is None:
+            self._start()
+
+    def _start(self) -> None:
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name=f"guardtower-sink-{self.name}", daemon=True)
+                self._thread.start()
+
+    # -- the worker ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()  # before looking: an event offered from now on sets it again
+            with self._cond:
+                if self._closed:
+                    return
+                batches, overflow = self._take_locked()
+                queue_empty = not self._queue
+                if not batches and not overflow:
+                    idle = queue_empty and not self._batcher.held()
+                    if self._closing and idle:
+                        self._flush_done = self._flush_asked
+                        self._cond.notify_all()
+                        return
+                    probe = self._backlog and self._probe_at <= time.monotonic()
+                    flush = idle and self._flush_asked > self._flush_done
+                    if not probe and not flush:
+                        wait = self._idle_wait()
+                        self._cond.release()
+                        try:
+                            self._wake.wait(wait)
+                        finally:
+                            self._cond.acquire()
+                        continue
+                self._inflight = list(batches)
+                flush_target = self._flush_asked if queue_empty and self._flush_asked > self._flush_done else None
+            if overflow:
+                self._to_spool(overflow, "bus queue full", enter_backlog=True)
+            if self._backlog:
+                self._probe()
+            for batch in batches:
+                self._send(batch)
+            with self._cond:
+                self._inflight = []
+                self._cond.notify_all()
+            if flush_target is not None and not self._batcher.held():
+                self._call_sink_flush()
+                with self._cond:
+                    self._flush_done = max(self._flush_done, flush_target)
+                    self._cond.notify_all()
+
+    def _idle_wait(self) -> float:
+        waits = [_IDLE_WAIT_S]
+        due = self._batcher.next_due()
+        if due is not None:
+            waits.append(due)
+        if self._backlog:
+            waits.append(self._probe_at - time.monotonic())
+        return max(0.0, min(waits))
+
+    def _take_locked(self) -> tuple[list[Batch], list[Event]]:
+        now = time.monotonic()
+        events: list[Event] = []
+        with self._qlock:
+            while self._queue and len(events) < self.batch_max:
+                events.append(self._queue.popleft())
+            overflow, self._overflow = self._overflow, []
+            more = bool(self._queue)
+        batches = self._batcher.add(events, now) if events else []
+        drain = self._closing or self._flush_asked > self._flush_done
+        batches.extend(self._batcher.due(now, drain and not more))
+        return [b for b in batches if b.events or b.note is not None], overflow
+
+    def _send(self, batch: Batch) -> None:
+        if isinstance(batch.note, Handled):
+            self._finish(batch, spool_reason=batch.note.reason or None)
+            return
+        if self._backlog and self._spool() is not None and not self._stop.is_set():
+            self._finish(batch, spool_reason="destination unavailable: queued behind the spool", backlog=True)
+            return
+        try:
+            send_with_retry(self._export, batch, getattr(self.sink, "retry", None), stop=self._stop,
+                            throttle=getattr(self.sink, "throttle", None), sleep=getattr(self.sink, "sleep", None))
+        except TransientError as exc:
+            self._finish(batch, spool_reason=exc.reason, backlog=True)
+        except PartialFailure as exc:
+            failed = {id(e) for e in exc.failed}
+            self._finish(batch, failed_events=[e for e in batch.events if id(e) in failed], reason=exc.reason)
+        except Exception as exc:
+            reason = _describe(exc)
+            if batch.note is None and len(batch.events) > 1:
+                self._isolate(batch)  # one bad event must not take the others down
+            elif self._spool() is not None:
+                self._finish(batch, spool_reason=reason)
+            else:
+                self._finish(batch, failed_events=list(batch.events), reason=reason)
+        else:
+            self._finish(batch)
+
+    def _isolate(self, batch: Batch) -> None:
+        if not self._claim(batch):
+            return
+        for event in batch.events:
+            self._send(Batch((event,)))
+        with self._cond:
+            self._counts["batches_split"] += 1
+
+    def _claim(self, batch: Batch) -> bool:
+        """Take ``batch`` back from the in-flight list; False when ``close`` already spooled it."""
+        with self._cond:
+            if id(batch) in self._orphaned:
+                self._orphaned.discard(id(batch))
+                return False
+            self._inflight = [b for b in self._inflight if b is not batch]
+            return True
+
+    def _export(self, batch: Batch) -> None:
+        export = getattr(self.sink, "export", None)
+        if callable(export):
+            export(batch)
+            return
+        handle_batch = getattr(self.sink, "handle_batch", None)
+        if callable(handle_batch):
+            handle_batch(list(batch.events))
+            return
+        for event in batch.events:
+            self.sink.handle(event)
+
+    def _finish(self, batch: Batch, *, spool_reason: str | None = None, failed_events: Sequence[Event] = (),
+                reason: str = "", backlog: bool = False) -> None:
+        """Account for a batch the worker is done with (unless ``close`` already spooled it)."""
+        if not self._claim(batch):  # close() spooled it while it was in flight; if it got through, say so
+            if spool_reason is None and not failed_events:
+                self._ack(batch.events)
+            return
+        if spool_reason is not None:
+            self._to_spool(list(batch.events), spool_reason, enter_backlog=backlog)
+            return
+        failed = len(failed_events)
+        with self._cond:
+            self._counts["delivered"] += len(batch.events) - failed
+            self._counts["failed"] += failed
+        if failed:
+            self.log.warn(reason, failed, "counted as failed")
+
+    # -- spool, backlog and replay -----------------------------------------------------------------------
+
+    def _to_spool(self, events: list[Event], reason: str, *, enter_backlog: bool = False) -> bool:
+        if not events:
+            return True
+        spool = self._spool()
+        if spool is None:
+            with self._cond:
+                self._dropped[f"undeliverable: {reason}"] += len(events)
+            self.log.warn(reason, len(events), "dropped (this sink has no spool)")
+            return False
+        try:
+            spool.append_many(events, reason, getattr(self.sink, "spool_sink", self.name))
+        except OSError as exc:
+            why = f"spool not writable: {exc.strerror or type(exc).__name__}"
+            with self._cond:
+                self._dropped[why] += len(events)
+            self.log.warn(f"{why} (after: {reason})", len(events), f"dropped; spool {spool.path}")
+            return False
+        with self._cond:
+            self._counts["spooled"] += len(events)
+            if enter_backlog and self.replay_spool and not self._backlog:
+                self._backlog = True
+                self._probe_at = time.monotonic() + self._probe_wait
+        if not reason.startswith("destination unavailable"):
+            self.log.warn(reason, len(events), f"spooled to {spool.path}")
+        return True
+
+    def _ack(self, events: Sequence[Event]) -> None:
+        spool = self._spool()
+        if spool is None:
+            return
+        try:
+            spool.ack_many([e.event_id for e in events])
+        except OSError:
+            logger.debug("guardtower: could not acknowledge spooled events", exc_info=True)
+
+    def _probe(self) -> None:
+        """While the destination is down: replay the spool in order once it answers again."""
+        if time.monotonic() < self._probe_at:
+            return
+        spool = self._spool()
+        sent = 0
+        ok = True
+        try:
+            for chunk in spool.pending_chunks(int(getattr(self.sink, "replay_batch", self.batch_max))):
+                if self._stop.is_set():
+                    ok = False
+                    break
+                batch = Batch(tuple(chunk))
+                try:
+                    send_with_retry(self._export, batch, getattr(self.sink, "retry", None), stop=self._stop,
+                                    throttle=getattr(self.sink, "throttle", None), sleep=getattr(self.sink, "sleep", None))
+                except TransientError:
+                    ok = False
+                    break
+                except Exception as exc:  # the destination refuses these events: keep them, go on
+                    self.log.warn(f"rejected on replay: {_describe(exc)}", len(chunk), "left in the spool")
+                spool.ack_many([e.event_id for e in chunk])
+                sent += len(chunk)
+        except OSError as exc:
+            ok = False
+            self.log.warn(f"spool not readable: {exc.strerror or type(exc).__name__}", 0)
+        with self._cond:
+            self._counts["replayed"] += sent
+            if ok:
+                self._backlog = False
+                self._probe_wait = self._probe_min
+            else:
+                self._probe_wait = min(self._probe_max, self._probe_wait * 2)
+                self._probe_at = time.monotonic() + self._probe_wait
+
+    # -- flush and close ---------------------------------------------------------------------------------
+
+    def request_flush(self) -> int:
+        with self._cond:
+            self._flush_asked += 1
+            target = self._flush_asked
+        self._wake.set()
+        if self._thread is None:
+            self._start()
+        return target
+
+    def wait_flushed(self, target: int, deadline: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._flush_done >= target or self._closed,
+                                       max(0.0, deadline - time.monotonic())) and not self._closed
+
+    def _call_sink_flush(self) -> None:
+        flush = getattr(self.sink, "flush", None)
+        if callable(flush):
+            try:
+                flush(None)
+            except Exception as exc:
+                self.log.warn(f"flush() raised: {_describe(exc)}", 0)
+
+    def begin_close(self) -> None:
+        with self._cond:
+            self._closing = True
+        self._wake.set()
+
+    def wait_drained(self, until: float) -> bool:
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, until - time.monotonic()))
+            return not thread.is_alive()
+        return True
+
+    def take_over(self) -> None:
+        """Close time: spool (or count as dropped) whatever the worker has not finished, then stop it."""
+        self._stop.set()
+        self._wake.set()
+        with self._cond:
+            with self._qlock:
+                leftovers = list(self._overflow) + list(self._queue)
+                self._overflow.clear()
+                self._queue.clear()
+                self._closed = True
+            held = self._batcher.due(time.monotonic(), True) if self._batcher.held() else []
+            for batch in self._inflight:
+                self._orphaned.add(id(batch))
+            leftovers += [e for batch in self._inflight + held for e in batch.events]
+            self._inflight = []
+            self._cond.notify_all()
+        self._to_spool(leftovers, "sink closed before the event was sent")
+
+    def close_sink(self, timeout: float) -> None:
+        close = getattr(self.sink, "close", None)
+        if callable(close):
+            close(timeout)
+
+    def report(self) -> None:
+        stats = self.stats()
+        if stats["dropped"] or stats["failed"]:
+            logger.warning("guardtower sink %r: %d event(s) dropped %s, %d failed, %d in its spool",
+                           self.name, stats["dropped"], stats["dropped_reasons"], stats["failed"], stats["spooled"])
+
+    def stats(self) -> dict[str, Any]:
+        """delivered + spooled + dropped + failed + pending = published."""
+        with self._cond:
+            with self._qlock:
+                published = self._offered
+                reasons = self._dropped + self._refused
+            c = self._counts
+            dropped = sum(reasons.values())
+            done = c["delivered"] + c["spooled"] + dropped + c["failed"]
+            return {
+                "name": self.name,
+                "published": published,
+                "delivered": c["delivered"],
+                "spooled": c["spooled"],
+                "dropped": dropped,
+                "failed": c["failed"],
+                "pending": published - done,
+                "replayed": c["replayed"],
+                "backlog": self._backlog,
+                "dropped_reasons": dict(reasons),
+            }
+
+
+def close_all(deliveries: Iterable[Delivery], timeout: float | None) -> None:
+    """Close several sinks concurrently against one deadline (not the sum of their timeouts)."""
+    items = list(deliveries)
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else max(0.0, float(timeout))
+    deadline = time.monotonic() + timeout
+    spool_at = deadline - spool_reserve(timeout)
+    for d in items:
+        d.begin_close()
+    for d in items:
+        d.wait_drained(spool_at)
+    for d in items:
+        d.take_over()
+    threads = []
+    for d in items:
+        thread = threading.Thread(target=_quietly, args=(d, max(0.0, deadline - time.monotonic())),
+                                  name=f"guardtower-close-{d.name}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    for d in items:
+        d.report()
+
+
+def _quietly(delivery: Delivery, timeout: float) -> None:
+    try:
+        delivery.close_sink(timeout)
+    except Exception as exc:
+        delivery.log.warn(f"close() raised: {_describe(exc)}", 0)
+
+
+def _describe(exc: BaseException) -> str:
+    from guardtower.alerts._secret import redact
+
+    reason = getattr(exc, "reason", None)
+    text = reason if isinstance(reason, str) else f"{type(exc).__name__}: {exc}"
+    return redact(text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def check_spool_path(value: object, default: Path, argument: str = "spool_path") -> Path:
+    """The spool file a sink will use (created on first write); ``ConfigError`` now if it cannot be."""
+    chosen = _validate.path(argument, value, allow_none=True)
+    path = (default if chosen is None else chosen).absolute()
+    if path.is_dir():
+        raise ConfigError(argument, f"{str(path)!r} is a directory", "pass a file path such as spool.jsonl")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(argument, f"cannot create files under {str(path.parent)!r}", "pass a writable path")
+    return path
