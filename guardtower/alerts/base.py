@@ -35,8 +35,8 @@ __all__ = ["AlertSink", "DEFAULT_KINDS"]
 
 logger = logging.getLogger("guardtower.alerts")
 
-#: what alerts by default: failed pre-flights, spikes, rollbacks, halts
-DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt")
+#: what alerts by default: failed pre-flights, spikes, rollbacks, halts, stalls (only published with stall_after)
+DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt", "stall")
 _IDLE_WAIT_S = 1.0
 _LOGGED_FAILURES = 10
 _PREFLIGHT_STATUS = {"PASS": Severity.INFO, "WARN": Severity.WARN, "FAIL": Severity.ERROR}
