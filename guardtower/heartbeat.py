@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from guardtower.errors import ConfigError
-from guardtower.events import Event, StallEvent
+from guardtower.events import Event, StallEvent, default_run_name
 from guardtower.severity import Severity
 
 __all__ = ["Heartbeat", "check_stall_after"]
@@ -52,7 +52,7 @@ class Heartbeat:
         self.poll = min(found / 4, _MAX_POLL_S) if poll is None else float(poll)
         self._publish = publish
         self._clock = clock
-        self._run_kw = {} if run is None else {"run": run}
+        self._run = default_run_name() if run is None else run
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,8 +74,7 @@ class Heartbeat:
             self._stalled = False
             self._last_step, self._last_beat = step, now
         if resumed:
-            self._publish(StallEvent(**self._run_kw, step=step, severity=Severity.INFO, seconds=idle,
-                                     stall_after=self.stall_after, resolved=True))
+            self._publish(self._event(step, idle, resolved=True))
         if self._thread is None and not self._stop.is_set():
             self._thread = threading.Thread(target=self._watch, name="guardtower-heartbeat", daemon=True)
             self._thread.start()
@@ -91,8 +90,7 @@ class Heartbeat:
                 return False
             self._stalled = True
             step = self._last_step
-        self._publish(StallEvent(**self._run_kw, step=step, severity=Severity.WARN, seconds=idle,
-                                 stall_after=self.stall_after))
+        self._publish(self._event(step, idle, resolved=False))
         return True
 
     def stop(self) -> None:
@@ -101,6 +99,10 @@ class Heartbeat:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(_STOP_JOIN_S)
+
+    def _event(self, step: int, idle: float, *, resolved: bool) -> StallEvent:
+        return StallEvent(run=self._run, step=step, severity=Severity.INFO if resolved else Severity.WARN,
+                          seconds=idle, stall_after=self.stall_after, resolved=resolved)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
