@@ -59,6 +59,7 @@ class Heartbeat:
         self._last_step = 0
         self._last_beat = 0.0
         self._stalled = False
+        self._paused = False
 
     @property
     def stalled(self) -> bool:
@@ -71,7 +72,7 @@ class Heartbeat:
         with self._lock:
             resumed = self._stalled
             idle = now - self._last_beat
-            self._stalled = False
+            self._stalled = self._paused = False
             self._last_step, self._last_beat = step, now
         if resumed:
             self._publish(self._event(step, idle, resolved=True))
@@ -83,7 +84,7 @@ class Heartbeat:
         """One look by the watchdog: publish a stall if the last beat is too old. True if it published."""
         now = self._clock()
         with self._lock:
-            if self._stalled or self._thread is None:
+            if self._stalled or self._paused or self._thread is None:
                 return False
             idle = now - self._last_beat
             if idle < self.stall_after:
@@ -92,6 +93,11 @@ class Heartbeat:
             step = self._last_step
         self._publish(self._event(step, idle, resolved=False))
         return True
+
+    def pause(self) -> None:
+        """Watch nothing until the next beat (training stopped on purpose, e.g. on a halt)."""
+        with self._lock:
+            self._paused = True
 
     def stop(self) -> None:
         """Stop the watchdog (idempotent); later beats start nothing."""

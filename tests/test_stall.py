@@ -148,3 +148,44 @@ def test_stall_alerts_by_default_and_renders_both_states(tmp_path: Path) -> None
     header = [sink.render(Notification.single(e))["blocks"][0]["text"]["text"] for e in (stall, resumed)]
     assert header == ["Training stalled: no optimizer step for 612 s",
                       "Training resumed after 700 s without an optimizer step"]
+
+
+def test_a_halt_pauses_the_watchdog_until_the_next_step(tmp_path: Path) -> None:
+    from guardtower.errors import GradientSpikeError
+
+    model = nn.Linear(4, 1)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stall_after=30, verbose=False,
+                             nan_action="raise", log_dir=tmp_path)
+    clock = FakeClock()
+    assert guard.heartbeat is not None
+    guard.heartbeat._clock = clock  # the guard's watchdog, on a clock the test moves
+    model(torch.randn(2, 4)).sum().backward()
+    guard.step()
+    model.weight.grad.fill_(float("nan"))
+    with pytest.raises(GradientSpikeError):
+        guard.step()
+    clock.now += 3600
+    assert not guard.heartbeat.check()  # a stopped run is not a stalled one
+    guard.close()
+
+
+@pytest.mark.slow
+def test_wandb_gets_a_stall_alert_and_a_resumed_alert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import wandb
+
+    from _wandb_reader import find_run_dir, read_run
+    from guardtower.bridges import WandBBridge
+
+    for key, value in {"WANDB_MODE": "offline", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": ""}.items():
+        monkeypatch.setenv(key, value)
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="guardtower-tests")
+    bus = EventBus([WandBBridge()])
+    bus.publish(StallEvent(step=3, seconds=612.0, stall_after=600.0, severity="WARN"))
+    bus.publish(StallEvent(step=4, seconds=700.0, stall_after=600.0, resolved=True))
+    assert bus.flush(10)
+    run.finish()
+    bus.close(5)
+    alerts = read_run(find_run_dir(tmp_path)).alerts
+    assert [(a["title"], a["level"]) for a in alerts] == [("guardtower: training stalled", "WARN"),
+                                                          ("guardtower: training resumed", "INFO")]
+    assert "No optimizer step for 612 s" in alerts[0]["text"]

@@ -16,7 +16,16 @@ from typing import Any, Iterable
 from guardtower.bridges._common import check_prefix, incident_label, require, warn_once
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
-from guardtower.events import Event, HaltEvent, PreflightEvent, RollbackEvent, SkipEvent, SpikeEvent, SummaryEvent
+from guardtower.events import (
+    Event,
+    HaltEvent,
+    PreflightEvent,
+    RollbackEvent,
+    SkipEvent,
+    SpikeEvent,
+    StallEvent,
+    SummaryEvent,
+)
 
 __all__ = ["WandBBridge", "ALERT_KINDS", "ALERT_TITLES"]
 
@@ -28,7 +37,10 @@ ALERT_TITLES: dict[str, str] = {
     SpikeEvent.kind: "guardtower: gradient spike",
     RollbackEvent.kind: "guardtower: rolled back to a snapshot",
     HaltEvent.kind: "guardtower: training halted",
+    StallEvent.kind: "guardtower: training stalled",
 }
+#: the title of the alert that a stall is over (its own title, so W&B's wait_duration does not swallow it)
+RESUMED_TITLE = "guardtower: training resumed"
 ALERT_KINDS = frozenset(ALERT_TITLES)
 
 _FINDING_COLUMNS = ["check", "severity", "catalog_id", "message"]
@@ -37,7 +49,7 @@ _FINDING_COLUMNS = ["check", "severity", "catalog_id", "message"]
 class WandBBridge(BaseSink):
     """Forward guardtower events to a W&B run.
 
-    ``alerts``: True (failed pre-flight, spikes, rollbacks, halts), False, or an iterable of those kinds.
+    ``alerts``: True (failed pre-flight, spikes, rollbacks, halts, stalls), False, or an iterable of those kinds.
     ``alert_wait``: seconds W&B waits before sending another alert with the same title.
     """
 
@@ -171,10 +183,11 @@ class WandBBridge(BaseSink):
             return
         level = self._wandb.AlertLevel
         severe = isinstance(event, (PreflightEvent, HaltEvent))
+        resumed = isinstance(event, StallEvent) and event.resolved
         self.run.alert(
-            title=ALERT_TITLES[event.kind],
+            title=RESUMED_TITLE if resumed else ALERT_TITLES[event.kind],
             text=_alert_text(event),
-            level=level.ERROR if severe else level.WARN,
+            level=level.ERROR if severe else (level.INFO if resumed else level.WARN),
             wait_duration=self.alert_wait,
         )
 
@@ -219,6 +232,10 @@ def _alert_text(event: Event) -> str:
                 f"{event.reason} in {event.layer or '?'}; {event.total_rollbacks} rollback(s) so far.")
     if isinstance(event, HaltEvent):
         return f"Training halted ({where}): {event.message or event.reason} in {event.layer or '?'}."
+    if isinstance(event, StallEvent):
+        if event.resolved:
+            return f"Training resumed ({where}) after {event.seconds:.0f} s without an optimizer step."
+        return f"No optimizer step for {event.seconds:.0f} s ({where} was the last; stall_after {event.stall_after:g} s)."
     return incident_label(event)
 
 

@@ -468,6 +468,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                                     ratio=ratio, message=message))
             self.bus.flush(_RAISE_FLUSH_S)
             error = GradientSpikeError(record.step, layer, ratio, message)
+            if self.heartbeat is not None:  # training is stopping: its silence is not a stall
+                self.heartbeat.pause()
             if self.on_halt is not None:  # e.g. an integration marks the tracker run failed
                 self.on_halt(error)
             raise error
