@@ -122,3 +122,17 @@ def test_ddp_with_a_rank_local_spike_keeps_the_replicas_identical(tmp_path: Path
     assert [r["skipped"] for r in ranks] == [1, 1]  # rank 0's gradients were fine; it skipped with rank 1
     assert same(ranks[0]["weights"], ranks[1]["weights"])
     assert same(ranks[1]["after"], ranks[1]["before"])
+
+
+def test_resuming_from_a_checkpoint_restores_the_guards_state(tmp_path: Path) -> None:
+    first = guard_callback(tmp_path)
+    trainer = lightning_trainer(tmp_path, callbacks=[first], max_steps=6)
+    trainer.fit(TinyModule(spike_at=5))
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    assert first.counters()["guardtower/skipped_steps"] == 1.0
+
+    resumed = guard_callback(tmp_path)
+    lightning_trainer(tmp_path, callbacks=[resumed], max_steps=8).fit(TinyModule(), ckpt_path=tmp_path / "last.ckpt")
+    (guard,) = resumed.guards
+    assert resumed.counters()["guardtower/skipped_steps"] == 1.0  # the skip before the checkpoint counts
+    assert guard.step_count == 8
