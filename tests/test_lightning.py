@@ -113,7 +113,7 @@ def test_importing_without_lightning_names_the_extra() -> None:
     assert 'missing: lightning is not installed; install it with: pip install "guardtower[lightning]"' in out.stdout
 
 
-def test_ddp_with_a_rank_local_spike_keeps_the_replicas_identical(tmp_path: Path) -> None:
+def test_ddp_preflight_sees_the_wrapper_and_a_rank_local_spike_keeps_the_replicas_identical(tmp_path: Path) -> None:
     worker = Path(__file__).with_name("_lightning_ddp_worker.py")
     out = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=240,
                          cwd=str(tmp_path))
@@ -122,6 +122,8 @@ def test_ddp_with_a_rank_local_spike_keeps_the_replicas_identical(tmp_path: Path
     assert [r["skipped"] for r in ranks] == [1, 1]  # rank 0's gradients were fine; it skipped with rank 1
     assert same(ranks[0]["weights"], ranks[1]["weights"])
     assert same(ranks[1]["after"], ranks[1]["before"])
+    for rank in ranks:  # audited through DDP's wrapper on both ranks: no "process group but model not wrapped"
+        assert rank["preflight"] != "FAIL" and "dist_wrap" in rank["checks"] and "DDP-003" not in rank["ids"]
 
 
 def test_resuming_from_a_checkpoint_restores_the_guards_state(tmp_path: Path) -> None:
