@@ -47,7 +47,10 @@ class Heartbeat:
                  clock: Callable[[], float] = time.monotonic, poll: float | None = None,
                  run: str | None = None) -> None:
         found = check_stall_after(stall_after)
-        assert found is not None
+        if found is None:
+            raise ConfigError("stall_after", "is None", "pass a number of seconds (None means: build no Heartbeat)")
+        if poll is not None and (isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0):
+            raise ConfigError("poll", f"{poll!r} is not a positive number of seconds", "pass e.g. poll=1.0 or None")
         self.stall_after = found
         self.poll = min(found / 4, _MAX_POLL_S) if poll is None else float(poll)
         self._publish = publish
@@ -58,6 +61,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._last_step = 0
         self._last_beat = 0.0
+        self._beating = False  # no watch before the first step: start-up takes as long as it takes
         self._stalled = False
         self._paused = False
 
@@ -73,6 +77,7 @@ class Heartbeat:
             resumed = self._stalled
             idle = now - self._last_beat
             self._stalled = self._paused = False
+            self._beating = True
             self._last_step, self._last_beat = step, now
         if resumed:
             self._publish(self._event(step, idle, resolved=True))
@@ -84,7 +89,7 @@ class Heartbeat:
         """One look by the watchdog: publish a stall if the last beat is too old. True if it published."""
         now = self._clock()
         with self._lock:
-            if self._stalled or self._paused or self._thread is None:
+            if self._stalled or self._paused or not self._beating:
                 return False
             idle = now - self._last_beat
             if idle < self.stall_after:

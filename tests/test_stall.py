@@ -45,6 +45,8 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
 def test_no_stall_before_the_limit_one_after_it_and_a_resolved_one_when_steps_resume() -> None:
     clock, events = FakeClock(), []
     beat = Heartbeat(60, events.append, clock=clock, poll=3600)  # the test drives check() itself
+    clock.now += 10_000
+    assert not beat.check()  # nothing is watched before the first step
     beat.beat(1)
     clock.now += 59.0
     assert not beat.check() and events == []
