@@ -27,7 +27,8 @@ def main(out: Path) -> None:
     trainer.fit(module)
     assert preflight.report is not None
     torch.save({"preflight": preflight.report.status, "checks": list(preflight.report.checks_run),
-                "ids": [f.catalog_id for f in preflight.report.findings], "skipped": int(guard.counters()["guardtower/skipped_steps"]), "weights": dict(module.state_dict()),
+                "ids": [f.catalog_id for f in preflight.report.findings],
+                "skipped": int(guard.counters()["guardtower/skipped_steps"]), "weights": dict(module.state_dict()),
                 "before": module.before[SPIKE_AT], "after": module.after[SPIKE_AT]},
                out / f"rank{trainer.global_rank}.pt")
 

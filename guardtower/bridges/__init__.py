@@ -1,7 +1,7 @@
 """Experiment-tracker bridges: bus sinks that forward guardtower events to W&B, MLflow and TensorBoard.
 
-Names resolve lazily, and the bridge modules import ``wandb``/``mlflow``/``tensorboard`` only when a bridge is constructed,
-so ``import guardtower.bridges`` stays cheap and works without either package installed.
+Names resolve lazily, and the bridge modules import ``wandb``/``mlflow``/``tensorboard`` only when a bridge
+is constructed, so ``import guardtower.bridges`` stays cheap and works without any of them installed.
 """
 
 from __future__ import annotations

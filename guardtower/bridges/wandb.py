@@ -235,7 +235,8 @@ def _alert_text(event: Event) -> str:
     if isinstance(event, StallEvent):
         if event.resolved:
             return f"Training resumed ({where}) after {event.seconds:.0f} s without an optimizer step."
-        return f"No optimizer step for {event.seconds:.0f} s ({where} was the last; stall_after {event.stall_after:g} s)."
+        return (f"No optimizer step for {event.seconds:.0f} s ({where} was the last; "
+                f"stall_after {event.stall_after:g} s).")
     return incident_label(event)
 
 
