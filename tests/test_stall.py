@@ -191,3 +191,24 @@ def test_wandb_gets_a_stall_alert_and_a_resumed_alert(tmp_path: Path, monkeypatc
     assert [(a["title"], a["level"]) for a in alerts] == [("guardtower: training stalled", "WARN"),
                                                           ("guardtower: training resumed", "INFO")]
     assert "No optimizer step for 612 s" in alerts[0]["text"]
+
+
+@pytest.mark.slow
+def test_a_finished_hf_training_is_not_reported_as_a_stall(tmp_path: Path) -> None:
+    from transformers import Trainer
+
+    from _hf_helpers import TokenDataset, tiny_gpt2, training_args
+    from guardtower.integrations.huggingface import StabilityGuardCallback
+    from guardtower.testing import capture_events
+
+    guard = StabilityGuardCallback(stall_after=0.3, log_dir=str(tmp_path / "sg"), verbose=False)
+    trainer = Trainer(model=tiny_gpt2(), args=training_args(tmp_path, max_steps=3), train_dataset=TokenDataset(),
+                      callbacks=[guard])
+    with capture_events() as events:
+        trainer.train()
+        assert guard.guard is not None and guard.guard.heartbeat is not None
+        time.sleep(1.2)  # four stall periods after the last step: the watchdog looked and stayed quiet
+    assert [e for e in events if isinstance(e, StallEvent)] == []
+    assert watchdogs()  # still there for a second train(), just not watching
+    guard.close()
+    assert watchdogs() == []

@@ -272,6 +272,8 @@ class StabilityGuardCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         if self.guard is not None:
             self.guard.flush(10.0)
+            if self.guard.heartbeat is not None:  # the guard outlives train(); a finished run is not a stalled one
+                self.guard.heartbeat.pause()
         self._restore_clipping()
 
     def close(self) -> None:
