@@ -69,9 +69,10 @@ def test_stall_event_round_trips_through_strict_json() -> None:
     assert event_from_record(event.to_record()) == event
 
 
-def test_watchdog_starts_on_the_first_step_not_at_construction_and_close_stops_it() -> None:
+def test_watchdog_starts_on_the_first_step_not_at_construction_and_close_stops_it(tmp_path: Path) -> None:
     model = nn.Linear(4, 1)
-    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stall_after=30, verbose=False)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stall_after=30, verbose=False,
+                             log_dir=tmp_path)
     assert watchdogs() == []
     model(torch.randn(2, 4)).sum().backward()
     guard.step()
@@ -82,15 +83,17 @@ def test_watchdog_starts_on_the_first_step_not_at_construction_and_close_stops_i
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "10", True])
-def test_bad_stall_after_is_a_config_error_before_anything_starts(bad: object) -> None:
+def test_bad_stall_after_is_a_config_error_before_anything_starts(bad: object, tmp_path: Path) -> None:
     model = nn.Linear(4, 1)
     with pytest.raises(ConfigError, match="stall_after"):
-        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stall_after=bad, verbose=False)
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stall_after=bad, verbose=False,
+                         log_dir=tmp_path / "sg")
+    assert not (tmp_path / "sg").exists()  # rejected before the guard touched anything
 
 
-def test_a_guard_without_stall_after_has_no_watchdog() -> None:
+def test_a_guard_without_stall_after_has_no_watchdog(tmp_path: Path) -> None:
     model = nn.Linear(4, 1)
-    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, log_dir=tmp_path)
     model(torch.randn(2, 4)).sum().backward()
     guard.step()
     assert guard.heartbeat is None and watchdogs() == []
