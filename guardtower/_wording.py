@@ -28,6 +28,8 @@ def what(event: Event) -> str:
         return "skipped update"
     if event.kind == "nonfinite":
         return f"NaN/Inf {get('where') or 'value'}"
+    if event.kind == "stall":
+        return "training resumed" if get("resolved") else "training stalled"
     return event.kind
 
 
@@ -47,6 +49,10 @@ def title(event: Event) -> str:
         return f"Training halted: {get('reason') or 'error'} in {where}"
     if event.kind == "nonfinite":
         return f"NaN/Inf {get('where')} in {where}"
+    if event.kind == "stall":
+        if get("resolved"):
+            return f"Training resumed after {num(get('seconds'))} s without an optimizer step"
+        return f"Training stalled: no optimizer step for {num(get('seconds'))} s"
     if event.kind == "preflight":
         ids = ", ".join(get("error_ids") or get("warning_ids"))
         return f"Pre-flight {get('status')}: {get('errors')} error(s), {get('warnings')} warning(s)" + (

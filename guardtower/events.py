@@ -29,6 +29,7 @@ __all__ = [
     "SkipEvent",
     "RollbackEvent",
     "NonFiniteEvent",
+    "StallEvent",
     "HaltEvent",
     "SummaryEvent",
     "StartEvent",
@@ -211,6 +212,21 @@ class NonFiniteEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StallEvent(Event):
+    """No optimizer step for ``seconds`` (a hung rank, data loader or collective); ``resolved`` when steps resume.
+
+    ``step`` is the last step taken. ``resolved`` is a label, so the resumed event is its own incident.
+    """
+
+    kind: ClassVar[str] = "stall"
+    fingerprint_labels: ClassVar[tuple[str, ...]] = ("resolved",)
+
+    seconds: float = 0.0
+    stall_after: float = 0.0
+    resolved: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class HaltEvent(Event):
     """Training was stopped by a raise policy."""
 
@@ -264,6 +280,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         SkipEvent,
         RollbackEvent,
         NonFiniteEvent,
+        StallEvent,
         HaltEvent,
         SummaryEvent,
         StartEvent,

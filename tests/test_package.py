@@ -16,7 +16,7 @@ from guardtower.events import SkipEvent, SpikeEvent
 from guardtower.severity import Severity
 from guardtower.sinks import JsonlSink
 
-_HEAVY = ["wandb", "mlflow", "transformers", "peft", "requests", "tenacity"]
+_HEAVY = ["wandb", "mlflow", "transformers", "peft", "requests", "tenacity", "lightning", "tensorboard"]
 
 
 def _run(code: str) -> str:

@@ -35,8 +35,8 @@ from guardtower.alerts.policy import GroupPolicy, shared_throttle
 
 __all__ = ["AlertSink", "DEFAULT_KINDS"]
 
-#: what alerts by default: failed pre-flights, spikes, rollbacks, halts
-DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt")
+#: what alerts by default: failed pre-flights, spikes, rollbacks, halts, stalls (only published with stall_after)
+DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt", "stall")
 _PREFLIGHT_STATUS = {"PASS": Severity.INFO, "WARN": Severity.WARN, "FAIL": Severity.ERROR}
 #: keywords users reach for, and the argument they mean
 _ALIASES = {"webhook_url": "url", "webhook": "url", "endpoint": "url", "spool": "spool_path",

@@ -14,7 +14,7 @@ from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeE
 __all__ = ["require", "check_prefix", "incident_label", "safe_error", "warn_once", "INCIDENT_KINDS"]
 
 #: event kinds that are incidents: they update ``last_incident`` and the incident totals
-INCIDENT_KINDS = frozenset({SpikeEvent.kind, SkipEvent.kind, RollbackEvent.kind, HaltEvent.kind, "nonfinite"})
+INCIDENT_KINDS = frozenset({SpikeEvent.kind, SkipEvent.kind, RollbackEvent.kind, HaltEvent.kind, "nonfinite", "stall"})
 
 
 _warned: set[str] = set()

@@ -20,14 +20,23 @@ from guardtower._wording import what
 from guardtower.bridges._common import check_prefix, incident_label, require, warn_once
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
-from guardtower.events import Event, HaltEvent, PreflightEvent, RollbackEvent, SkipEvent, SpikeEvent, SummaryEvent
+from guardtower.events import (
+    Event,
+    HaltEvent,
+    PreflightEvent,
+    RollbackEvent,
+    SkipEvent,
+    SpikeEvent,
+    StallEvent,
+    SummaryEvent,
+)
 
 __all__ = ["WandBBridge", "ALERT_KINDS", "alert_title"]
 
 logger = logging.getLogger("guardtower.bridges.wandb")
 
 #: the incident kinds that raise a W&B alert
-ALERT_KINDS = frozenset({PreflightEvent.kind, SpikeEvent.kind, RollbackEvent.kind, HaltEvent.kind})
+ALERT_KINDS = frozenset({PreflightEvent.kind, SpikeEvent.kind, RollbackEvent.kind, HaltEvent.kind, StallEvent.kind})
 
 
 def alert_title(event: Event) -> str:
@@ -41,7 +50,7 @@ _FINDING_COLUMNS = ["check", "severity", "catalog_id", "message"]
 class WandBBridge(BaseSink):
     """Forward guardtower events to a W&B run.
 
-    ``alerts``: True (failed pre-flight, spikes, rollbacks, halts), False, or an iterable of those kinds.
+    ``alerts``: True (failed pre-flight, spikes, rollbacks, halts, stalls), False, or an iterable of those kinds.
     ``alert_wait``: seconds W&B waits before sending another alert with the same title. Only finite
     numbers are logged: a NaN/Inf value is left out and ``{prefix}/nonfinite`` is set to 1 instead.
     """
@@ -185,10 +194,11 @@ class WandBBridge(BaseSink):
             return
         level = self._wandb.AlertLevel
         severe = isinstance(event, (PreflightEvent, HaltEvent))
+        resumed = isinstance(event, StallEvent) and event.resolved
         self.run.alert(
             title=alert_title(event),
             text=_alert_text(event),
-            level=level.ERROR if severe else level.WARN,
+            level=level.ERROR if severe else (level.INFO if resumed else level.WARN),
             wait_duration=self.alert_wait,
         )
 
@@ -227,6 +237,11 @@ def _alert_text(event: Event) -> str:
                 f"{event.reason} in {event.layer or '?'}; {event.total_rollbacks} rollback(s) so far.")
     if isinstance(event, HaltEvent):
         return f"Training halted ({where}): {event.message or event.reason} in {event.layer or '?'}."
+    if isinstance(event, StallEvent):
+        if event.resolved:
+            return f"Training resumed ({where}) after {event.seconds:.0f} s without an optimizer step."
+        return (f"No optimizer step for {event.seconds:.0f} s ({where} was the last; "
+                f"stall_after {event.stall_after:g} s).")
     return incident_label(event)
 
 

@@ -40,6 +40,7 @@ from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, devi
 from guardtower.guard.detector import Detector, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
+from guardtower.heartbeat import Heartbeat, check_stall_after
 from guardtower.severity import Severity
 
 __all__ = ["GuardedOptimizer"]
@@ -94,10 +95,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``clip`` (``"global"``: one factor for all gradients, or ``"per_tensor"``, for ``nan_action="clip"``),
     ``max_consecutive_skips``/``escalate_to`` (a run that keeps failing stops or rolls back instead of
     skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
-    to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``.
+    to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``,
+    ``stall_after`` (seconds without a step before a ``stall`` event; ``guardtower.heartbeat``), ``on_halt(error)``
+    (called on the training thread right before ``GradientSpikeError`` is raised).
 
-    Constructing validates and creates nothing: the bus's sinks, the console box and the ``log_dir``
-    (created with the first spike report) come with the first ``step()``.
+    Constructing validates and creates nothing: the bus's sinks, the console box, the stall watchdog and the
+    ``log_dir`` (created with the first spike report) come with the first ``step()``.
     """
 
     def __init__(
@@ -124,6 +127,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         on_rollback: Callable[[int, int], Any] | None = None,
         process_group: Any = None,
         run: str | None = None,
+        stall_after: float | None = None,
+        on_halt: Callable[[GradientSpikeError], Any] | None = None,
     ) -> None:
         # --- validate everything before touching anything ---
         if not isinstance(base_optimizer, torch.optim.Optimizer):
@@ -141,10 +146,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         log_every = _positive_int(log_every, "log_every", "50")
         rollback_every = _positive_int(rollback_every, "rollback_every", "100")
         keep = _positive_int(keep, "keep", "2")
+        stall_after = check_stall_after(stall_after)
         if on_rollback is not None and not callable(on_rollback):
             raise ConfigError("on_rollback", "must be callable(from_step, to_step)", "pass a function or None")
         if run is not None and not isinstance(run, str):
             raise ConfigError("run", f"expected a str, got {type(run).__name__}", "pass a run name or None")
+        if on_halt is not None and not callable(on_halt):
+            raise ConfigError("on_halt", "must be callable(error)", "pass a function or None")
         params = [p for g in base_optimizer.param_groups for p in g["params"]]
         names = self._param_names(base_optimizer, model)
         _check_params(params, names)
@@ -174,6 +182,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.log_dir = log_path.resolve()
         self.verbose = verbose
         self.on_rollback = on_rollback
+        self.on_halt = on_halt
         self.process_group = process_group
         self.run = run
         self._run_kw: dict[str, Any] = {} if run is None else {"run": run}
@@ -214,6 +223,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._owns_bus = bus is None
         self.bus = bus if bus is not None else EventBus()
         self._report_sink: SpikeReportSink | None = None
+        self.heartbeat = None if stall_after is None else Heartbeat(stall_after, self.bus.publish, run=run)
 
     def _start(self) -> None:
         """The first step: attach the sinks and the console box, and publish the ``start`` event."""
@@ -435,6 +445,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             out = self._base_step(found_inf, grad_scale, base_closure)
         if self._snapshots is not None and self._snapshots.due(step):
             self._snapshots.take(step)
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step)
         return result if closure is not None else out
 
     def _base_step(self, found_inf: Tensor, grad_scale: Tensor | None, closure: Callable[[], Any] | None) -> Any:
@@ -628,7 +640,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, ratio=ratio, message=message))
             self.bus.flush(_RAISE_FLUSH_S)
-            raise GradientSpikeError(record.step, layer, ratio, message)
+            error = GradientSpikeError(record.step, layer, ratio, message)
+            if self.heartbeat is not None:  # training is stopping: its silence is not a stall
+                self.heartbeat.pause()
+            if self.on_halt is not None:  # e.g. an integration marks the tracker run failed
+                self.on_halt(error)
+            raise error
 
     def _rollback(self, from_step: int, layer: str, reason: str) -> None:
         store = self._snapshots
@@ -664,6 +681,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """
         if self._closed:
             return
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         try:
             self._drain(block=True)
             if self._started and self._last_summary != self._step_count:  # not twice for the same step

@@ -26,6 +26,8 @@ from torch import nn
 from guardtower._dist import current_rank
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, MissingDependencyError, PreflightFailed
+from guardtower.integrations._clip import deferred_clipper
+from guardtower.integrations._run_status import fail_mlflow_runs, failing_runs_on_halt
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -50,7 +52,8 @@ class GuardtowerCallback(TrainerCallback):
     ``raise_on_error=True`` stops ``trainer.train()`` with ``PreflightFailed`` when the audit finds a FAIL;
     otherwise the report is printed (``verbose``) and training goes on. The audit publishes its ``finding``
     and ``preflight`` events to ``sinks`` (e.g. an ``MLflowBridge`` tags the run). ``.report`` holds the
-    last report, ``None`` before the first audit.
+    last report, ``None`` before the first audit. On a failed pre-flight that stops training, the active
+    MLflow run is ended FAILED with a ``guardtower.failure_reason`` tag unless ``fail_mlflow_run=False``.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class GuardtowerCallback(TrainerCallback):
         verbose: bool = True,
         sinks: Iterable[Sink] | None = None,
         bus: EventBus | None = None,
+        fail_mlflow_run: bool = True,
     ) -> None:
         if not isinstance(raise_on_error, bool):
             raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
@@ -71,6 +75,7 @@ class GuardtowerCallback(TrainerCallback):
         self.checks = checks
         self.raise_on_error = raise_on_error
         self.verbose = bool(verbose)
+        self.fail_mlflow_run = bool(fail_mlflow_run)
         self._bus, self._owns_bus = resolve_bus(bus, sinks)
         self.report: Report | None = None
         self._handle: torch.utils.hooks.RemovableHandle | None = None
@@ -110,7 +115,10 @@ class GuardtowerCallback(TrainerCallback):
         report = self.run_audit(_calling_wrapper(module), args, kwargs)
         if report is not None and self.raise_on_error and not report.ok:
             self._bus.flush(10.0)  # the run's trackers get the failure before train() unwinds
-            raise PreflightFailed(report)
+            error = PreflightFailed(report)
+            if self.fail_mlflow_run:
+                fail_mlflow_runs(error)
+            raise error
         return None
 
     def run_audit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Report | None:
@@ -186,6 +194,7 @@ class StabilityGuardCallback(TrainerCallback):
     spike looks normal. The callback therefore sets ``args.max_grad_norm = 0`` for the run (the Trainer still
     logs the unclipped norm) and clips with the same norm right before each accepted update; the value is
     restored at the end of training. ``clip_in_guard=False`` keeps the Trainer's clipping as it is.
+    A halt (``nan_action="raise"``) ends the active MLflow run FAILED unless ``fail_mlflow_run=False``.
     """
 
     def __init__(
@@ -196,6 +205,7 @@ class StabilityGuardCallback(TrainerCallback):
         clip_in_guard: bool = True,
         sinks: Iterable[Sink] | None = None,
         bus: EventBus | None = None,
+        fail_mlflow_run: bool = True,
         **guard_kwargs: Any,
     ) -> None:
         from guardtower.guard import GuardedOptimizer
@@ -216,6 +226,8 @@ class StabilityGuardCallback(TrainerCallback):
         GuardedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), **self.guard_kwargs,
                          sinks=self._sinks).close()
         self.clip_in_guard = clip_in_guard
+        if fail_mlflow_run:
+            self.guard_kwargs["on_halt"] = failing_runs_on_halt(self.guard_kwargs.get("on_halt"))
         self._bus = bus
         self.guard: GuardedOptimizer | None = None
         self._holder: Any = None
@@ -250,7 +262,7 @@ class StabilityGuardCallback(TrainerCallback):
             self._saved_max_grad_norm = float(args.max_grad_norm)
             args.max_grad_norm = 0.0
             self._clip_handle = self.guard.base_optimizer.register_step_pre_hook(
-                _clipper(self.guard.base_optimizer, self._saved_max_grad_norm))
+                deferred_clipper(self.guard.base_optimizer, self._saved_max_grad_norm))
 
     def _record_loss(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook: add a training forward's loss (a device tensor) to this accumulation window's sum."""
@@ -290,6 +302,8 @@ class StabilityGuardCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         if self.guard is not None:
             self.guard.flush(10.0)
+            if self.guard.heartbeat is not None:  # the guard outlives train(); a finished run is not a stalled one
+                self.guard.heartbeat.pause()
         self._remove_loss_hook()
         self._restore_clipping()
 
@@ -342,12 +356,3 @@ def _swap_inner_optimizer(holder: Any, new: torch.optim.Optimizer) -> None:
 def _trainer_shards(args: TrainingArguments) -> bool:
     """FSDP and DeepSpeed clip sharded gradients themselves; the guard then sees clipped gradients."""
     return bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
-
-
-def _clipper(optimizer: torch.optim.Optimizer, max_norm: float) -> Any:
-    def clip(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if params:
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-    return clip

@@ -1,0 +1,267 @@
+"""PyTorch Lightning callbacks: a pre-flight audit on the first real batch, and a guarded optimizer.
+
+``GuardtowerPreflight`` audits the first training batch before the first optimizer step, with the module's
+own ``training_step`` (through the strategy, so DDP's wrapper and the Trainer's precision/autocast apply),
+the Trainer's optimizer and its GradScaler. The audit leaves every tensor as it found it, so the real step
+then runs unchanged; with ``raise_on_error=True`` a failed pre-flight raises ``PreflightFailed`` out of
+``trainer.fit()`` before any weight has changed.
+
+``GuardtowerGuard`` replaces each optimizer of the strategy by a ``GuardedOptimizer`` around it in
+``on_fit_start`` (before a checkpoint is restored, so the guard's own state comes back with it). Lightning
+calls ``optimizer.step(closure)`` with automatic and manual optimization alike, so every update goes
+through the guard; counters are logged with ``pl_module.log`` and show up in whatever logger is set.
+Lightning clips gradients inside that closure, before the guard would see them, and a clipped spike looks
+normal: the callback turns the Trainer's clipping off for the run and clips with the same setting right
+before each accepted update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+
+from guardtower._dist import current_rank
+from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower.errors import ConfigError, GradientSpikeError, MissingDependencyError, PreflightFailed
+from guardtower.integrations._clip import deferred_clipper
+from guardtower.integrations._run_status import fail_mlflow_runs
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess without lightning
+    raise MissingDependencyError("lightning", "lightning") from exc
+
+if TYPE_CHECKING:
+    from guardtower.guard import GuardedOptimizer
+    from guardtower.report import Report
+
+__all__ = ["GuardtowerPreflight", "GuardtowerGuard"]
+
+logger = logging.getLogger("guardtower.integrations.lightning")
+
+#: the metric names the guard's counters are logged under
+COUNTER_KEYS = ("guardtower/spikes", "guardtower/skipped_steps", "guardtower/rollbacks")
+
+
+class GuardtowerPreflight(Callback):
+    """Run ``guardtower.audit`` on the Trainer's first training batch, before the first optimizer step.
+
+    ``raise_on_error=True`` stops ``trainer.fit()`` with ``PreflightFailed`` when the audit finds a FAIL;
+    otherwise the report is printed (``verbose``) and training goes on. Events go to ``sinks``/``bus``.
+    ``.report`` holds the last report (None before). On a failed pre-flight that stops training, the MLflow
+    runs (the active one and the Trainer's ``MLFlowLogger``) are set FAILED with a ``guardtower.failure_reason``
+    tag unless ``fail_mlflow_run=False``. Manual optimization is not audited: its ``training_step`` steps
+    the optimizer itself.
+    """
+
+    def __init__(
+        self,
+        *,
+        raise_on_error: bool = False,
+        checks: str | Iterable[str] = "all",
+        verbose: bool = True,
+        sinks: Iterable[Sink] | None = None,
+        bus: EventBus | None = None,
+        fail_mlflow_run: bool = True,
+    ) -> None:
+        if not isinstance(raise_on_error, bool):
+            raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
+                              "pass raise_on_error=True to stop training on a failed pre-flight")
+        from guardtower.audit._runner import select_checks
+
+        select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
+        self.checks = checks
+        self.raise_on_error = raise_on_error
+        self.verbose = bool(verbose)
+        self.fail_mlflow_run = bool(fail_mlflow_run)
+        self._bus, self._owns_bus = resolve_bus(bus, sinks)
+        self.report: Report | None = None
+        self._pending = False
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pending = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        if not pl_module.automatic_optimization:
+            logger.warning("guardtower: pre-flight skipped: manual optimization steps inside training_step")
+            return
+        report = self.run_audit(trainer, pl_module, batch, batch_idx)
+        if report is not None and self.raise_on_error and not report.ok:
+            self._bus.flush(10.0)  # the run's trackers get the failure before fit() unwinds
+            raise PreflightFailed(report)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, PreflightFailed) and self.fail_mlflow_run:
+            fail_mlflow_runs(exception, _mlflow_logger_runs(trainer))
+
+    def run_audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                  batch_idx: int) -> Report | None:
+        """Audit one ``training_step`` on ``batch`` with the Trainer's optimizer and scaler; keep and print."""
+        from guardtower import audit
+
+        optimizer = _base_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        model = trainer.strategy.model if isinstance(trainer.strategy.model, torch.nn.Module) else pl_module
+
+        def step_fn() -> Any:  # the loss exactly as the training loop gets it, under the Trainer's precision
+            out = trainer.strategy.training_step(batch, batch_idx)
+            return out["loss"] if isinstance(out, Mapping) else out
+
+        try:
+            with _no_logging(pl_module):
+                report = audit(model, step_fn, optimizer=optimizer, inputs=batch, checks=self.checks,
+                               scaler=scaler, bus=self._bus)
+        except ConfigError:
+            raise
+        except Exception:  # a bug in a check must not stop a training run the user did not ask to stop
+            logger.warning("guardtower: the pre-flight audit itself failed; training continues", exc_info=True)
+            return None
+        self.report = report
+        if self.verbose and current_rank() == 0:
+            print(report, flush=True)
+        return report
+
+    def close(self) -> None:
+        """Close the event bus if this callback created it."""
+        if self._owns_bus:
+            self._bus.close(5.0)
+
+
+class GuardtowerGuard(Callback):
+    """Guard every optimizer step of a Lightning ``Trainer`` with a ``GuardedOptimizer``.
+
+    Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step). ``.guards`` holds one
+    guard per optimizer of the strategy. The counters are logged every training batch as
+    ``guardtower/spikes``, ``guardtower/skipped_steps`` and ``guardtower/rollbacks`` (``log_counters=False``
+    turns that off). ``clip_in_guard=False`` leaves Lightning's gradient clipping before the guard. A halt
+    (``nan_action="raise"``) sets the MLflow runs FAILED unless ``fail_mlflow_run=False``.
+    """
+
+    def __init__(
+        self,
+        spike_threshold: float = 10.0,
+        nan_action: str = "skip",
+        *,
+        clip_in_guard: bool = True,
+        log_counters: bool = True,
+        sinks: Iterable[Sink] | None = None,
+        bus: EventBus | None = None,
+        fail_mlflow_run: bool = True,
+        **guard_kwargs: Any,
+    ) -> None:
+        from guardtower.guard import GuardedOptimizer
+
+        for reserved in ("base_optimizer", "model"):
+            if reserved in guard_kwargs:
+                raise ConfigError(reserved, "is set by the callback from the Trainer",
+                                  f"remove {reserved}= from GuardtowerGuard(...)")
+        self.guard_kwargs: dict[str, Any] = dict(spike_threshold=spike_threshold, nan_action=nan_action,
+                                                 **guard_kwargs)
+        # build a throwaway guard now so a bad argument fails here, not after the Trainer has started
+        probe = GuardedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0), **self.guard_kwargs)
+        probe.close()
+        self.clip_in_guard = bool(clip_in_guard)
+        self.log_counters = bool(log_counters)
+        self.fail_mlflow_run = bool(fail_mlflow_run)
+        self._bus, self._owns_bus = resolve_bus(bus, sinks)
+        self.guards: list[GuardedOptimizer] = []
+        self._clip_handles: list[Any] = []
+        self._saved_clip: tuple[Any, Any] | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from guardtower.guard import GuardedOptimizer
+
+        self.guards = [opt if isinstance(opt, GuardedOptimizer)
+                       else GuardedOptimizer(opt, pl_module, **self.guard_kwargs, bus=self._bus)
+                       for opt in trainer.strategy.optimizers]
+        trainer.strategy.optimizers = list(self.guards)  # also rebuilds the LightningOptimizer wrappers
+        clip_val = trainer.gradient_clip_val
+        if self.clip_in_guard and clip_val:
+            algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
+            self._saved_clip = (clip_val, trainer.gradient_clip_algorithm)
+            trainer.gradient_clip_val = None
+            self._clip_handles = [guard.base_optimizer.register_step_pre_hook(
+                deferred_clipper(guard.base_optimizer, float(clip_val), algorithm)) for guard in self.guards]
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if len(self.guards) == 1 and optimizer is self.guards[0]:
+            # the guard numbers its steps from step_count; this update is the Trainer's global_step + 1
+            self.guards[0].step_count = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.log_counters and self.guards:
+            pl_module.log_dict(self.counters(), on_step=True, on_epoch=False, batch_size=1)
+
+    def counters(self) -> dict[str, float]:
+        """Spikes, skipped steps and rollbacks so far, summed over the guards."""
+        totals = (sum(g.total_spikes for g in self.guards), sum(g.total_skips for g in self.guards),
+                  sum(g.total_rollbacks for g in self.guards))
+        return {key: float(value) for key, value in zip(COUNTER_KEYS, totals)}
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._finish(trainer)
+        if isinstance(exception, GradientSpikeError) and self.fail_mlflow_run:
+            fail_mlflow_runs(exception, _mlflow_logger_runs(trainer))
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        """Publish what is pending, stop the guards' watchdogs and give the Trainer its clipping back."""
+        for handle in self._clip_handles:
+            handle.remove()
+        self._clip_handles = []
+        if self._saved_clip is not None:
+            trainer.gradient_clip_val, trainer.gradient_clip_algorithm = self._saved_clip
+            self._saved_clip = None
+        for guard in self.guards:
+            guard.close()
+
+    def close(self) -> None:
+        """Close the guards, and the event bus if this callback created it."""
+        for guard in self.guards:
+            guard.close()
+        if self._owns_bus:
+            self._bus.close(5.0)
+
+
+def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The user's optimizer under a GuardedOptimizer (the audit must not count a guarded step)."""
+    inner = getattr(optimizer, "base_optimizer", optimizer)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
+def _mlflow_logger_runs(trainer: pl.Trainer) -> list[tuple[Any, str]]:
+    """(client, run id) of each ``MLFlowLogger`` of the Trainer whose run exists."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    runs = []
+    for found in trainer.loggers:
+        if isinstance(found, MLFlowLogger) and found.run_id is not None:
+            runs.append((found.experiment, found.run_id))
+    return runs
+
+
+@contextlib.contextmanager
+def _no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Silence ``self.log`` while the audit runs ``training_step``: its metrics are not a training step's."""
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    pl_module.log, pl_module.log_dict = ignore, ignore  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
