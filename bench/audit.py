@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from guardtower.monitor import monitor  # noqa: E402
+from guardtower.nonfinite_watch import monitor  # noqa: E402
 
 
 # -- models and steps -------------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def bench_monitor(kind: str, device: torch.device, repeats: int, steps: int) -> 
 # -- part 2: audit cost -----------------------------------------------------------------------------------
 def load_audit() -> Callable[..., Any] | None:
     try:
-        from guardtower.audit import audit
+        from guardtower.preflight import audit
     except ImportError:
         return None
     return audit
@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  target for monitor: <= {target:.2f}\n")
     if "audit" not in args.skip:
         if load_audit() is None:
-            print("audit(): guardtower.audit.audit is not available in this checkout - not measured")
-            results["audit"] = "not measured: guardtower.audit.audit missing"
+            print("audit(): guardtower.preflight.audit is not available in this checkout - not measured")
+            results["audit"] = "not measured: guardtower.preflight.audit missing"
         else:
             print(f"audit() cost as a ratio to one plain training step ({device}; targets: time <= 3x, "
                   "peak memory <= 1.5x):")

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import guardtower
-from guardtower.audit import _registry, audit, run_static
+from guardtower.preflight import _registry, audit, run_static
 from guardtower.bus import EventBus
-from guardtower.catalog import CATALOG
+from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError, PreflightFailed
 from guardtower.events import FindingEvent, PreflightEvent
 from guardtower.report import Finding
@@ -129,7 +129,7 @@ def test_check_emitting_an_unknown_catalog_id_becomes_audit_001(monkeypatch: pyt
     report = audit(m, step, checks=["sloppy", "loss"])
     (finding,) = report.by_id("AUDIT-001")
     assert finding.check == "sloppy" and "NOPE-999" in finding.message
-    assert not report.by_id("NOPE-999")
+    assert all(f.catalog_id != "NOPE-999" for f in report)
 
 
 def test_no_crash_means_no_audit_001() -> None:
@@ -226,10 +226,11 @@ def test_clean_cnn_with_batchnorm_has_no_warnings() -> None:
 
 
 def test_public_audit_is_callable_whichever_import_came_first() -> None:
-    import guardtower.audit as audit_package  # binds guardtower.audit to the subpackage
+    import guardtower.preflight as preflight_package
+    import guardtower.preflight.lora  # noqa: F401  (a submodule import must not rebind guardtower.audit)
 
     m, step = _mlp_step()
-    for fn in (guardtower.audit, audit_package, audit):
+    for fn in (guardtower.audit, preflight_package.audit, audit):
         report = fn(m, step, checks="loss")
         assert report.checks_run == ["loss"] and all(f.catalog_id in CATALOG for f in report.findings)
 
@@ -258,7 +259,7 @@ def test_a_hanging_sink_delays_the_audit_by_the_flush_bound_only(monkeypatch: py
     import threading
     import time
 
-    from guardtower.audit import _runner
+    from guardtower.preflight import _runner
     from guardtower.bus import BaseSink
 
     release = threading.Event()
@@ -281,3 +282,65 @@ def test_a_hanging_sink_delays_the_audit_by_the_flush_bound_only(monkeypatch: py
     release.set()
     assert report.status == "PASS"
     assert 2.5 < added < 4.5  # one 3 s bound for flush + close together, not 3 s each
+
+
+# --- the seed's API -----------------------------------------------------------------------------------------
+def test_every_module_of_the_package_imports_by_its_dotted_path() -> None:
+    import importlib
+    import pkgutil
+
+    optional = ("guardtower.integrations.", "guardtower.bridges.")  # need their extras, installed here
+    names = [m.name for m in pkgutil.walk_packages(guardtower.__path__, "guardtower.") if m.name != "guardtower.__main__"]
+    assert "guardtower.preflight.lora" in names and "guardtower.nonfinite_watch" in names
+    for name in names:
+        module = importlib.import_module(name)
+        assert module.__name__ == name, name
+        if not name.startswith(optional):
+            assert callable(guardtower.audit) and callable(guardtower.monitor) and callable(guardtower.catalog)
+    public = {n for n in guardtower.__all__ if callable(getattr(guardtower, n))}
+    clashing = [n for n in names if n.rsplit(".", 1)[-1] in public]
+    assert not clashing, f"modules named like a public function: {clashing}"
+
+
+def test_catalog_is_a_function_after_every_import() -> None:
+    import guardtower.failure_modes  # noqa: F401
+
+    entries = guardtower.catalog()
+    assert [m.id for m in entries] == sorted(CATALOG) and all(isinstance(m, guardtower.FailureMode) for m in entries)
+
+
+def test_a_report_iterates_and_counts_its_findings_and_has_no_truth_value() -> None:
+    m, _ = _mlp_step()
+    report = audit(m, lambda: F.mse_loss(m(X), Y).detach())
+    assert len(report) == len(report.findings) >= 1
+    assert list(report) == report.findings and [f.catalog_id for f in report if f.severity is Severity.ERROR]
+    with pytest.raises(TypeError, match="report.ok"):
+        bool(report)
+    with pytest.raises(TypeError, match="report.ok"):
+        assert report
+
+
+def test_by_id_rejects_an_id_that_is_not_in_the_catalog() -> None:
+    m, step = _mlp_step()
+    report = audit(m, step)
+    assert report.by_id("GRAD-001") == []  # a real id that did not fire
+    with pytest.raises(ConfigError, match="catalog_id") as err:
+        report.by_id("GRAD-999")
+    assert "GRAD-001" in str(err.value)
+
+
+def test_frozen_parameters_are_reported_as_info_and_do_not_fail() -> None:
+    m = mlp()
+    first = next(m.parameters())
+    first.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    report = audit(m, lambda: F.mse_loss(m(X), Y), optimizer=opt)
+    (frozen,) = report.by_check("frozen")
+    assert frozen.catalog_id == "OPT-006" and frozen.severity is Severity.INFO
+    assert frozen.details["count"] == 1 and "frozen" in frozen.message
+    assert report.ok and not report.warnings, str(report)
+
+
+def test_nothing_frozen_means_no_frozen_finding() -> None:
+    m, step = _mlp_step()
+    assert audit(m, step, optimizer=torch.optim.SGD(m.parameters(), lr=0.01)).by_check("frozen") == []

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from guardtower.audit import audit
-from guardtower.catalog import _CORE
+from guardtower.preflight import audit
+from guardtower.failure_modes import _CORE
 from guardtower.severity import Severity
 
 from tests._audit_core_helpers import SmallCNN, VOCAB, gpt2, mlp, regression_batch, token_batch
@@ -349,6 +349,38 @@ def _decay_on_norms(bug: bool) -> Case:
                                 lr=1e-4)
     batch = token_batch()
     return m, lambda: m(**batch), {"optimizer": opt}
+
+
+@case("OPT-006")
+def _frozen_layer(bug: bool) -> Case:
+    m = mlp()
+    if bug:
+        next(m.parameters()).requires_grad_(False)  # a leftover freeze from a feature-extraction phase
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+@case("OPT-007")
+def _no_decay_filter_misses_a_norm(bug: bool) -> Case:
+    m = gpt2()
+    # the usual name filter; GPT-2 calls its norms ln_1/ln_2/ln_f, so "LayerNorm.weight" matches none of them
+    skip = ("bias", "LayerNorm.weight") if bug else ("bias", "ln_")
+    named = list(m.named_parameters())
+    decay = [p for n, p in named if not any(k in n for k in skip)]
+    no_decay = [p for n, p in named if any(k in n for k in skip)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4)
+    batch = token_batch()
+    return m, lambda: m(**batch), {"optimizer": opt}
+
+
+def test_opt_007_is_a_warning_and_plain_decay_everywhere_stays_info() -> None:
+    model, step, kwargs = CASES["OPT-007"](True)
+    (finding,) = audit(model, step, **kwargs).by_id("OPT-007")
+    assert finding.severity is Severity.WARN and any("ln_f" in n for n in finding.details["params"])
+    model, step, kwargs = CASES["OPT-005"](True)
+    report = audit(model, step, **kwargs)
+    assert report.by_id("OPT-005") and not report.by_id("OPT-007")
 
 
 # --- numerics -------------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ from _audit_lora_helpers import (
     tiny_llama,
     tiny_llama_cls,
 )
-from guardtower.audit.lora import is_peft_model, lora_summary
-from guardtower.catalog import CATALOG
+from guardtower.preflight.lora import is_peft_model, lora_summary
+from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
 from guardtower.severity import Severity
 
@@ -378,7 +378,7 @@ def test_is_peft_model_detects_peft_and_hand_rolled_lora_only() -> None:
 @pytest.mark.slow
 def test_is_peft_model_never_imports_peft() -> None:
     code = (
-        "import sys, torch; from guardtower.audit.lora import is_peft_model, lora_summary;"
+        "import sys, torch; from guardtower.preflight.lora import is_peft_model, lora_summary;"
         "m = torch.nn.Sequential(torch.nn.Linear(2, 2));"
         "print(is_peft_model(m), lora_summary(m).ok, 'peft' in sys.modules, 'transformers' in sys.modules)"
     )

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from guardtower.audit import _registry, audit
+from guardtower.preflight import _registry, audit
 from guardtower.report import Finding
 
 from tests._audit_core_helpers import (
@@ -211,7 +211,7 @@ def test_audit_called_under_no_grad_still_audits_the_training_step() -> None:
 def test_lora_audit_clones_only_trainable_tensors_and_restores_exactly() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from guardtower.audit._state import TrainingState
+    from guardtower.preflight._state import TrainingState
 
     model = get_peft_model(gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -263,7 +263,7 @@ def test_optimizer_state_is_isolated_not_copied() -> None:
         seen.append(len(opt.state))
         return step()
 
-    from guardtower.audit._state import TrainingState
+    from guardtower.preflight._state import TrainingState
 
     snapshot = TrainingState(model, opt, inputs)
     held = [v for o in snapshot.optimizers for g, _ in o.groups for v in g.values() if isinstance(v, torch.Tensor)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from guardtower.catalog import CATALOG, FailureMode, _CORE, catalog, catalog_markdown
+from guardtower.failure_modes import CATALOG, FailureMode, _CORE, catalog, catalog_markdown
 from guardtower.cli import main
 from guardtower.severity import Severity
 

@@ -238,6 +238,26 @@ _CORE: tuple[FailureMode, ...] = (
         ("optimizer",),
     ),
     FailureMode(
+        "OPT-006", "Frozen parameters (info)", Severity.INFO,
+        "Some parameters have requires_grad=False: the step will not train them.",
+        "Freezing is usually deliberate (a frozen backbone, a LoRA base), but a layer frozen by a stale "
+        "requires_grad_(False) or a name filter trains nothing and raises no error; the list says which.",
+        "Check that the listed tensors are the ones you meant to freeze.",
+        "https://pytorch.org/docs/stable/notes/autograd.html#locally-disabling-gradient-computation",
+        ("optimizer", "frozen"),
+    ),
+    FailureMode(
+        "OPT-007", "Weight decay on a tensor the no-decay group was meant to hold", Severity.WARN,
+        "The optimizer has an explicit weight_decay=0 group for biases and normalisation weights, yet a decayed "
+        "group still holds 1-D tensors (a name filter such as 'LayerNorm.weight' missed 'ln_f.weight').",
+        "The user meant to exclude them, so nobody looks again; the norm gains are pulled toward zero every step "
+        "and the result is a quiet quality gap.",
+        "Build the groups by tensor shape or module type (p.ndim < 2, isinstance(m, nn.LayerNorm)) instead of "
+        "by name, and check the listed tensors.",
+        "https://github.com/karpathy/nanoGPT/blob/master/model.py",
+        ("optimizer",),
+    ),
+    FailureMode(
         "NAN-001", "NaN/Inf in the forward pass", Severity.ERROR,
         "A module's output holds NaN or +Inf (-Inf is ignored: attention masks use it); the finding names the "
         "first such module in execution order and whether its input was already non-finite.",
@@ -623,7 +643,7 @@ def catalog_markdown() -> str:
     lines = [
         "# guardtower catalog of silent training bugs",
         "",
-        "Generated from `guardtower/catalog.py` by `guardtower catalog`; do not edit by hand.",
+        "Generated from `guardtower/failure_modes.py` by `guardtower catalog`; do not edit by hand.",
         "",
         "| id | severity | title |",
         "| --- | --- | --- |",

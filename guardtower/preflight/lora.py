@@ -16,8 +16,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._checkpoint import reentrant_layers, watch_checkpointing
-from guardtower.audit._peft import (
+from guardtower.preflight._checkpoint import reentrant_layers, watch_checkpointing
+from guardtower.preflight._peft import (
     AdapterPair,
     adapter_pairs,
     block_lists,
@@ -31,7 +31,7 @@ from guardtower.audit._peft import (
     storage_key,
     unwrap_parallel,
 )
-from guardtower.audit._registry import AuditContext, check, probe
+from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.errors import ConfigError
 from guardtower.report import Finding, Report
 from guardtower.severity import Severity
@@ -432,7 +432,7 @@ def lora_summary(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
 
     The report's title carries the trainable-parameter count, the number people look for first.
     """
-    from guardtower.audit._runner import run_static  # the package imports this module: import at call time
+    from guardtower.preflight._runner import run_static  # the package imports this module: import at call time
 
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}", "pass the (peft) model")

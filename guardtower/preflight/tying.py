@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from guardtower.audit._registry import AuditContext, check
+from guardtower.preflight._registry import AuditContext, check
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

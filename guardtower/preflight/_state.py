@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._util import iter_tensors
+from guardtower.preflight._util import iter_tensors
 
 __all__ = ["TrainingState", "OptimizerState", "TensorFlags", "clone_value", "restore_value"]
 
@@ -57,7 +57,7 @@ class OptimizerState:
     The state (Adam moments: twice the trainable parameters) is never copied: ``isolated()`` swaps in an
     empty state dict while ``step_fn`` runs, so an ``optimizer.step()`` inside it cannot touch the real
     moments, and ``restore()`` puts the very same dict back. The trial update saves one tensor's state at a
-    time (``guardtower.audit._update``).
+    time (``guardtower.preflight._update``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:

@@ -7,8 +7,8 @@ from typing import Iterable
 
 import torch
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._util import fmt_names, optimizer_tensors
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._util import fmt_names, optimizer_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -50,28 +50,45 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
 
 @check("frozen", static=True)
 def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-002: parameters with ``requires_grad=False`` that still sit in the optimizer."""
+    """OPT-006 (info): which parameters are frozen; OPT-002: frozen parameters that still sit in the optimizer."""
+    findings = []
+    all_frozen = [n for n, p in ctx.params.items() if not p.requires_grad]
+    if all_frozen:
+        numel = sum(ctx.params[n].numel() for n in all_frozen)
+        total = sum(p.numel() for p in ctx.params.values())
+        findings.append(Finding(
+            "frozen", Severity.INFO,
+            f"{len(all_frozen)} frozen parameter tensor(s) ({numel:,} of {total:,} elements, requires_grad=False) "
+            f"will not train: {fmt_names(all_frozen)}",
+            "OPT-006", {"params": all_frozen[:200], "count": len(all_frozen), "numel": numel},
+        ))
     if ctx.optimizer is None:
-        return []
+        return findings
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     frozen = [names[id(t)] for _, t in optimizer_tensors(ctx.optimizer) if id(t) in names and not t.requires_grad]
-    if not frozen:
-        return []
-    return [Finding(
-        "frozen", Severity.WARN,
-        f"{len(frozen)} frozen parameter(s) (requires_grad=False) are in the optimizer: {fmt_names(frozen)}; "
-        "they cost optimizer memory, and unfreezing them later silently resumes stale moments",
-        "OPT-002", {"params": frozen},
-    )]
+    if frozen:
+        findings.append(Finding(
+            "frozen", Severity.WARN,
+            f"{len(frozen)} frozen parameter(s) (requires_grad=False) are in the optimizer: {fmt_names(frozen)}; "
+            "they cost optimizer memory, and unfreezing them later silently resumes stale moments",
+            "OPT-002", {"params": frozen},
+        ))
+    return findings
 
 
 @check("optimizer_hparams", static=True)
 def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-004 learning rate zero, OPT-005 weight decay on biases and normalisation weights."""
+    """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights."""
     if ctx.optimizer is None:
         return []
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     findings = []
+    # a weight_decay=0 group holding 1-D tensors says the user meant to exclude them all from decay
+    no_decay_group = any(
+        not group.get("weight_decay", 0.0) and any(isinstance(p, torch.Tensor) and p.requires_grad and p.dim() <= 1
+                                                   for p in group.get("params", ()))
+        for group in ctx.optimizer.param_groups
+    )
     for gi, group in enumerate(ctx.optimizer.param_groups):
         params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
         trainable = [p for p in params if p.requires_grad]
@@ -89,7 +106,15 @@ def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
         wd = group.get("weight_decay", 0.0)
         if isinstance(wd, (int, float)) and wd > 0:
             decayed = [names.get(id(p), "?") for p in trainable if p.dim() <= 1]
-            if decayed:
+            if decayed and no_decay_group:
+                findings.append(Finding(
+                    "optimizer_hparams", Severity.WARN,
+                    f"param group {gi} applies weight_decay={wd:g} to {len(decayed)} bias/normalisation tensor(s) "
+                    f"although another group holds them with weight_decay=0: {fmt_names(decayed)} (the filter "
+                    "that builds the no-decay group missed them)",
+                    "OPT-007", {"group": gi, "weight_decay": wd, "params": decayed[:50]},
+                ))
+            elif decayed:
                 findings.append(Finding(
                     "optimizer_hparams", Severity.INFO,
                     f"param group {gi} applies weight_decay={wd:g} to {len(decayed)} bias/normalisation tensor(s): "

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from guardtower.audit._registry import AuditContext, check
+from guardtower.preflight._registry import AuditContext, check
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from guardtower._dist import is_distributed, world_size
-from guardtower.audit._peft import unwrap_parallel
-from guardtower.audit._registry import AuditContext, check, probe
-from guardtower.audit._walk import iter_tensors
+from guardtower.preflight._peft import unwrap_parallel
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._walk import iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._walk import iter_tensors
+from guardtower.preflight._walk import iter_tensors
 
 __all__ = ["reentrant_layers", "CheckpointWatch", "watch_checkpointing"]
 

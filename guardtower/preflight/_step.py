@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._registry import PROBES, AuditContext, StepTrace
-from guardtower.audit._state import TensorFlags
-from guardtower.audit._util import LABEL_KEYS, iter_tensors
+from guardtower.preflight._registry import PROBES, AuditContext, StepTrace
+from guardtower.preflight._state import TensorFlags
+from guardtower.preflight._util import LABEL_KEYS, iter_tensors
 
 __all__ = ["RootCall", "run_step", "confirm_input_independence", "extract_loss", "MODE_SENSITIVE"]
 

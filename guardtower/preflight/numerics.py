@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from guardtower.audit._registry import AuditContext, check, probe
-from guardtower.audit._util import fmt_names, iter_tensors
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._util import fmt_names, iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._step import MODE_SENSITIVE, RootCall
-from guardtower.audit._util import fmt_names
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._step import MODE_SENSITIVE, RootCall
+from guardtower.preflight._util import fmt_names
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

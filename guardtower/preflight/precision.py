@@ -7,11 +7,11 @@ from typing import Any, Iterable
 
 import torch
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._step import RootCall
-from guardtower.audit._update import UpdateStats
-from guardtower.audit._util import fmt_names
-from guardtower.audit.numerics import ActivationRecord
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._step import RootCall
+from guardtower.preflight._update import UpdateStats
+from guardtower.preflight._util import fmt_names
+from guardtower.preflight.numerics import ActivationRecord
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

@@ -9,9 +9,9 @@ from typing import Iterable
 
 import torch
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._update import UpdateStats
-from guardtower.audit._util import fmt_names, is_lora_factor
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._update import UpdateStats
+from guardtower.preflight._util import fmt_names, is_lora_factor
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

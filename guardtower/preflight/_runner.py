@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from guardtower.audit._registry import CHECKS, AuditContext, CheckSpec, StepTrace
-from guardtower.audit._state import TrainingState
-from guardtower.audit._step import confirm_input_independence, run_step
-from guardtower.audit._update import measure_update
-from guardtower.audit._util import unique_params
+from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec, StepTrace
+from guardtower.preflight._state import TrainingState
+from guardtower.preflight._step import confirm_input_independence, run_step
+from guardtower.preflight._update import measure_update
+from guardtower.preflight._util import unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
-from guardtower.catalog import CATALOG
+from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
 from guardtower.events import FindingEvent, PreflightEvent
 from guardtower.report import Finding, Report

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from guardtower.audit._registry import AuditContext, check, probe
-from guardtower.audit._step import RootCall
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._step import RootCall
 from guardtower.report import Finding
 from guardtower.severity import Severity
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from guardtower.audit._registry import AuditContext
-from guardtower.audit._state import clone_value, restore_value
-from guardtower.audit._util import base_optimizer
+from guardtower.preflight._registry import AuditContext
+from guardtower.preflight._state import clone_value, restore_value
+from guardtower.preflight._util import base_optimizer
 
 __all__ = ["UpdateStats", "measure_update"]
 
