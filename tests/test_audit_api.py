@@ -110,7 +110,7 @@ def test_single_check_and_iterable_selection() -> None:
 
 def test_all_runs_every_registered_check() -> None:
     m, step = _mlp_step()
-    assert audit(m, step).checks_run == list(_registry.CHECKS)
+    assert audit(m, step).checks_run == sorted(_registry.CHECKS)  # name order, whatever registered first
 
 
 def test_contract_check_names_are_registered() -> None:
@@ -130,6 +130,41 @@ def test_check_emitting_an_unknown_catalog_id_becomes_audit_001(monkeypatch: pyt
     (finding,) = report.by_id("AUDIT-001")
     assert finding.check == "sloppy" and "NOPE-999" in finding.message
     assert all(f.catalog_id != "NOPE-999" for f in report)
+
+
+def test_check_emitting_an_id_it_did_not_declare_becomes_audit_001(monkeypatch: pytest.MonkeyPatch) -> None:
+    def overreach(ctx: _registry.AuditContext) -> list[Finding]:
+        return [Finding("overreach", Severity.WARN, "not mine", "GRAD-002")]
+
+    monkeypatch.setitem(_registry.CHECKS, "overreach",
+                        _registry.CheckSpec("overreach", overreach, False, emits=frozenset({"GRAD-003"})))
+    m, step = _mlp_step()
+    (finding,) = audit(m, step, checks=["overreach"]).by_id("AUDIT-001")
+    assert finding.check == "overreach" and "GRAD-002" in finding.message and "emits=" in finding.message
+
+
+def test_a_step_that_raises_is_reported_whatever_checks_were_chosen() -> None:
+    m = mlp()
+
+    def step() -> torch.Tensor:
+        raise KeyError("labels")
+
+    report = audit(m, step, checks="grad_norms")
+    assert report.checks_run == ["grad_norms", "loss"] and [f.catalog_id for f in report] == ["LOSS-006"]
+
+
+def test_only_the_measurements_the_chosen_checks_need_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    from guardtower.preflight import _runner
+
+    calls: list[str] = []
+    real = _runner.measure_update
+    monkeypatch.setattr(_runner, "measure_update", lambda ctx: calls.append("update") or real(ctx))
+    m, step = _mlp_step()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    audit(m, step, optimizer=opt, checks="grad_norms")
+    assert calls == []
+    audit(m, step, optimizer=opt, checks="update_ratio")  # declares needs=("update",)
+    assert calls == ["update"]
 
 
 def test_no_crash_means_no_audit_001() -> None:

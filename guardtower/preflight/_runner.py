@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec, StepTrace
+from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
 from guardtower.preflight._state import TrainingState
 from guardtower.preflight._step import confirm_input_independence, run_step
 from guardtower.preflight._update import measure_update
@@ -30,25 +30,25 @@ __all__ = ["audit", "run_static", "select_checks", "FLUSH_TIMEOUT_S"]
 
 #: how long ``audit()`` waits (in total) for the sinks of the bus it made before returning
 FLUSH_TIMEOUT_S = 5.0
-#: checks that read the optimizer step the runner measures
-_UPDATE_CHECKS = frozenset({"update_ratio", "mixed_precision"})
 
 
 def select_checks(checks: str | Iterable[str], *, static_only: bool = False) -> list[CheckSpec]:
-    """Resolve ``checks`` ("all", a name, or names) to registered checks; ``ConfigError`` for unknown names."""
+    """Resolve ``checks`` ("all", a name, or names) to registered checks, plus those that always run; ``ConfigError``
+    for unknown names. "all" is in name order, so the report does not depend on which module registered first."""
     pool = {name: spec for name, spec in CHECKS.items() if spec.static or not static_only}
     if isinstance(checks, str):
-        names = list(pool) if checks == "all" else [checks]
+        names = sorted(pool) if checks == "all" else [checks]
     else:
         try:
             names = list(checks)
         except TypeError:
             raise ConfigError("checks", f"expected 'all', a check name or an iterable of names, got {type(checks).__name__}",
                               "pass checks='all' or e.g. checks=['loss', 'grad_connectivity']") from None
-    unknown = [n for n in names if n not in pool]
+    unknown = [n for n in names if not isinstance(n, str) or n not in pool]
     if unknown:
         kind = "static check" if static_only else "check"
         raise ConfigError("checks", f"unknown {kind} name(s) {unknown}", f"use 'all' or any of: {', '.join(sorted(pool))}")
+    names += sorted(n for n, spec in pool.items() if spec.always)
     return [pool[n] for n in dict.fromkeys(names)]  # first occurrence order, duplicates dropped
 
 
@@ -90,6 +90,7 @@ def audit(
     inputs: Any = None,
     checks: str | Iterable[str] = "all",
     scaler: Any = None,
+    lr_scheduler: Any = None,
     sinks: Iterable[Sink] | None = None,
     bus: EventBus | None = None,
 ) -> Report:
@@ -108,7 +109,7 @@ def audit(
     specs = select_checks(checks)
     event_bus, owned = resolve_bus(bus, sinks)
     try:
-        report = _audit(model, step_fn, optimizer, inputs, scaler, specs)
+        report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, specs)
         _publish(event_bus, report)
     finally:
         if owned:
@@ -119,35 +120,33 @@ def audit(
 
 
 def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs: Any, scaler: Any,
-           specs: list[CheckSpec]) -> Report:
-    ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model))
+           lr_scheduler: Any, specs: list[CheckSpec]) -> Report:
+    ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
+                       lr_scheduler=lr_scheduler)
     report = Report(checks_run=[s.name for s in specs])
+    needs = {n for s in specs for n in s.needs}
     state = TrainingState(model, optimizer, inputs, scaler)
     try:
         state.clear_grads()
         # a training step runs with autograd on, whatever context audit() was called from
         with torch.enable_grad(), state.isolated_optimizers():
-            trace = run_step(ctx, step_fn, state.inputs,
-                             leak_analysis=any(s.name == "input_dependency" for s in specs))
+            trace = run_step(ctx, step_fn, state.inputs, leak_analysis="leak" in needs)
         state.restore_values()
-        if optimizer is not None and trace.extras["backward"] and any(s.name in _UPDATE_CHECKS for s in specs):
+        if optimizer is not None and trace.backward and "update" in needs:
             for name, p in ctx.params.items():  # the trial step uses the audit's gradients
                 p.grad = trace.grads.get(name)
             try:
-                trace.extras["update"] = measure_update(ctx)
+                trace.update = measure_update(ctx)
             except Exception as exc:
-                trace.extras["update_error"] = exc
+                trace.update_error = exc
             state.restore_values()
-        grads = trace.extras.get("input_grads")
-        if grads and all(not g for g in grads.values()) and isinstance(trace.loss, torch.Tensor) and any(
-            s.name == "input_dependency" for s in specs
-        ):
+        grads = trace.input_grads
+        if ("input_independence" in needs and grads and all(not g for g in grads.values())
+                and isinstance(trace.loss, torch.Tensor)):
             with state.isolated_optimizers():
-                trace.extras["input_independent"] = confirm_input_independence(
-                    model, step_fn, trace.loss, state.restore_rng)
+                trace.input_independent = confirm_input_independence(model, step_fn, trace.loss, state.restore_rng)
             state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
-        report.findings.extend(_step_findings(trace))
         for spec in specs:
             report.findings.extend(_run_check(spec, ctx))
     finally:
@@ -155,36 +154,16 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
     return report
 
 
-def _step_findings(trace: StepTrace) -> list[Finding]:
-    """LOSS-006/LOSS-007: the step itself did not produce a usable loss. Reported whatever checks were chosen."""
-    if trace.error is not None:
-        phase = trace.extras.get("phase") or "step_fn"
-        err = trace.error
-        where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
-        return [Finding(
-            "loss", Severity.ERROR,
-            f"the training step raised in {phase}: {type(err).__name__}: {err}",
-            "LOSS-006",
-            {"phase": phase, "exception": type(err).__name__, "error": str(err)[:2000],
-             "where": f"{where.filename}:{where.lineno} in {where.name}" if where else None},
-        )]
-    if not isinstance(trace.loss, torch.Tensor):
-        out = trace.raw_output
-        has_loss_attr = hasattr(out, "loss") or (isinstance(out, dict) and "loss" in out)
-        hint = ("its .loss is None (Hugging Face models compute a loss only when labels are passed)"
-                if has_loss_attr else f"it returned {type(out).__name__}")
-        return [Finding("loss", Severity.ERROR, f"step_fn returned no loss tensor: {hint}", "LOSS-007",
-                        {"returned": type(out).__name__})]
-    return []
-
-
 def _run_check(spec: CheckSpec, ctx: AuditContext) -> list[Finding]:
-    """Run one check; a check that raises, or emits something that is not a catalogued finding, becomes AUDIT-001."""
+    """Run one check; a check that raises, or emits something that is not a catalogued finding it declared,
+    becomes AUDIT-001."""
     try:
         findings = list(spec.fn(ctx))
         for f in findings:
             if not isinstance(f, Finding) or f.catalog_id not in CATALOG:
                 raise TypeError(f"check emitted {f!r}, which is not a Finding with a catalog id")
+            if f.catalog_id not in spec.emits:
+                raise TypeError(f"check emitted {f.catalog_id}, which it does not declare in emits=")
         return findings
     except Exception as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None

@@ -15,11 +15,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from guardtower.preflight._registry import PROBES, AuditContext, StepTrace
+from guardtower.preflight._registry import PROBES, AuditContext
 from guardtower.preflight._state import TensorFlags
+from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace
 from guardtower.preflight._util import LABEL_KEYS, iter_tensors
 
-__all__ = ["RootCall", "run_step", "confirm_input_independence", "extract_loss", "MODE_SENSITIVE"]
+__all__ = ["run_step", "confirm_input_independence", "extract_loss", "MODE_SENSITIVE"]
 
 #: mapping keys that are neither inputs nor targets (their gradient says nothing about input dependency)
 _NOT_INPUT_KEYS = LABEL_KEYS | {"attention_mask", "position_ids", "token_type_ids", "head_mask", "decoder_attention_mask"}
@@ -28,19 +29,6 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 #: module types whose behaviour depends on ``training``
 MODE_SENSITIVE: tuple[type[nn.Module], ...] = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
-
-
-@dataclass
-class RootCall:
-    """One call of the audited model's own ``forward`` during the step."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    training: dict[str, bool]
-    """``training`` of the root (``""``) and of mode-sensitive submodules at call time"""
-    autocast: dict[str, torch.dtype]
-    """device type -> autocast dtype, for devices where autocast was on"""
-    output: Any = None
 
 
 @dataclass
@@ -130,7 +118,7 @@ def _primary_output(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[dict[str, Any]]:
+def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
     """Gradient of sample 0's prediction w.r.t. every sample's input; rows other than 0 must be zero."""
     if not calls:
         return []
@@ -152,25 +140,16 @@ def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[dict[str, Any]]
         per_sample = g.norm(dim=1)
         own = float(per_sample[0])
         leaking = [int(j) for j in torch.nonzero(per_sample[1:] > 1e-6 * max(own, 1e-30)).flatten() + 1]
-        result.append({"input": label, "own": own, "other": float(per_sample[1:].norm()), "leaking_samples": leaking})
+        result.append(LeakEntry(label, own, float(per_sample[1:].norm()), leaking))
     return result
 
 
 def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, *, leak_analysis: bool = True) -> StepTrace:
-    """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``.
-
-    ``trace.extras`` keys checks may read: ``calls`` (list of ``RootCall``), ``phase`` (``"step_fn"`` or
-    ``"backward"`` when ``trace.error`` is set), ``backward`` (True when gradients were produced, by the audit
-    or by ``step_fn`` itself), ``loss_requires_grad``, ``input_grads`` (watched input -> gradient norm or
-    None), ``leak`` (per watched input: samples whose input reaches sample 0's prediction). The runner adds
-    ``update`` (param name -> ``UpdateStats`` of the trial optimizer step), ``update_error`` and
-    ``input_independent``.
-    """
+    """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``."""
     trace = StepTrace()
     ctx.trace = trace
-    calls: list[RootCall] = []
+    calls = trace.calls
     watch = _Watch()
-    trace.extras.update(calls=calls, phase=None, backward=False, input_grads=None, leak=[])
     output: Any = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(_instrument(ctx.model, flags, calls, watch))
@@ -180,25 +159,25 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
             output = step_fn()
         except Exception as exc:
             trace.error = exc
-            trace.extras["phase"] = "step_fn"
+            trace.phase = "step_fn"
     trace.raw_output = output
     loss = extract_loss(output)
     if not isinstance(loss, torch.Tensor):
         return trace
     trace.loss = loss.detach()
-    trace.extras["loss_requires_grad"] = loss.requires_grad
+    trace.loss_requires_grad = loss.requires_grad
     already = any(p.grad is not None for p in ctx.params.values())
     if already:
         # step_fn ran backward itself; its gradients are the ones to judge
-        trace.extras["backward"] = True
+        trace.backward = trace.user_backward = True
     elif loss.requires_grad and trace.error is None:
         target = loss if loss.numel() == 1 else loss.float().mean()
         if leak_analysis:  # one extra backward from sample 0's prediction; only input_dependency reads it
             try:
-                trace.extras["leak"] = _leak_analysis(calls, watch)
+                trace.leak = _leak_analysis(calls, watch)
             except RuntimeError:
                 # torch.autograd.grad is refused by reentrant checkpointing; the real backward below is not
-                trace.extras["leak"] = []
+                trace.leak = []
         try:
             captured: dict[str, torch.Tensor] = {}
             handles = [
@@ -211,15 +190,15 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
             finally:
                 for h in handles:
                     h.remove()
-            trace.extras["backward"] = True
-            trace.extras["input_grads"] = {
+            trace.backward = True
+            trace.input_grads = {
                 label: (float(captured[label].float().norm()) if label in captured else None)
                 for label, t in watch.tensors
                 if t.requires_grad
             }
         except Exception as exc:
             trace.error = exc
-            trace.extras["phase"] = "backward"
+            trace.phase = "backward"
     trace.grads = {name: (None if p.grad is None else p.grad.detach()) for name, p in ctx.params.items()}
     for call in calls:
         call.output = None  # the graph and the logits are not needed any more

@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 
 from guardtower.preflight._registry import AuditContext, check
-from guardtower.preflight._update import UpdateStats
+from guardtower.preflight._trace import UpdateStats
 from guardtower.preflight._util import fmt_names, is_lora_factor
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -37,10 +37,10 @@ UPDATE_RATIO_LOW = 1e-6
 
 
 def _grads_ready(ctx: AuditContext) -> bool:
-    return ctx.trace is not None and bool(ctx.trace.extras.get("backward"))
+    return ctx.trace is not None and ctx.trace.backward
 
 
-@check("grad_connectivity")
+@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"))
 def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-001 trainable parameters without a gradient, GRAD-004 gradients that are exactly zero."""
     if not _grads_ready(ctx):
@@ -89,7 +89,7 @@ def _norms(ctx: AuditContext) -> list[tuple[str, float, float, int]]:
     return out
 
 
-@check("grad_norms")
+@check("grad_norms", emits=("GRAD-002", "GRAD-003"))
 def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-002 exploding and GRAD-003 vanishing gradients, judged absolutely and relative to the weights."""
     if not _grads_ready(ctx):
@@ -126,15 +126,15 @@ def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("update_ratio")
+@check("update_ratio", emits=("GRAD-005",), needs=("update",))
 def check_update_ratio(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-005: one real optimizer step (undone afterwards) moves the weights far more or less than ~1e-3."""
     if ctx.trace is None:
         return []
-    error = ctx.trace.extras.get("update_error")
+    error = ctx.trace.update_error
     if error is not None:
         raise RuntimeError(f"the trial optimizer step failed: {type(error).__name__}: {error}")
-    stats: dict[str, UpdateStats] = ctx.trace.extras.get("update") or {}
+    stats: dict[str, UpdateStats] = ctx.trace.update
     ratios = {n: s.ratio for n, s in stats.items() if s.ndim >= 2 and math.isfinite(s.ratio) and not is_lora_factor(n)}
     if not ratios:
         return []

@@ -129,7 +129,7 @@ def _is_peft(ctx: AuditContext) -> bool:
     return bool(ctx.memo["is_peft"])
 
 
-@check("lora_base_frozen", static=True)
+@check("lora_base_frozen", emits=("LORA-001",), static=True)
 def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-001: base weights still trainable next to the adapters."""
     if not _is_peft(ctx) or not any(True for _ in lora_layers(ctx.model)):
@@ -156,7 +156,7 @@ def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_adapter", static=True)
+@check("lora_adapter", emits=("LORA-002", "LORA-007", "LORA-011"), static=True)
 def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range."""
     if not _is_peft(ctx):
@@ -224,7 +224,7 @@ def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_optimizer", static=True)
+@check("lora_optimizer", emits=("LORA-003",), static=True)
 def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-003: trainable adapter factors the optimizer does not hold."""
     if ctx.optimizer is None or not _is_peft(ctx):
@@ -244,7 +244,7 @@ def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
     yield Finding("lora_optimizer", Severity.ERROR, message, "LORA-003", {"params": _names(missing), "count": len(missing)})
 
 
-@check("lora_trainable_pct", static=True)
+@check("lora_trainable_pct", emits=("LORA-005",), static=True)
 def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-005: adapters plus saved modules are a large share of the model."""
     if not _is_peft(ctx):
@@ -265,7 +265,7 @@ def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_dtype", static=True)
+@check("lora_dtype", emits=("LORA-010",), static=True)
 def check_dtype(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-010: trainable adapter weights stored in fp16/bf16."""
     if not _is_peft(ctx):
@@ -291,7 +291,7 @@ def check_dtype(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_gradient_flow")
+@check("lora_gradient_flow", emits=("LORA-004", "LORA-006"))
 def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-006 zero-init factor got no gradient (ERROR); LORA-004 random factor's zero gradient (expected)."""
     state = ctx.probes.get("lora_state")
@@ -354,7 +354,7 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_head", static=True)
+@check("lora_head", emits=("LORA-008",), static=True)
 def check_head(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-008: the new classification head is frozen, so it stays at its random initialisation."""
     if not _is_peft(ctx):
@@ -371,7 +371,7 @@ def check_head(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_coverage", static=True)
+@check("lora_coverage", emits=("LORA-009",), static=True)
 def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-009: target_modules matched only some of the transformer blocks."""
     config = peft_config(ctx.model)
@@ -391,7 +391,7 @@ def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
             )
 
 
-@check("lora_tied", static=True)
+@check("lora_tied", emits=("LORA-012",), static=True)
 def check_tied(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-012: a tied embedding / lm_head pair split by modules_to_save, so the copies drift apart."""
     if not _is_peft(ctx):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from guardtower.preflight._registry import AuditContext, check, probe
-from guardtower.preflight._step import RootCall
+from guardtower.preflight._trace import RootCall, StepTrace
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -90,16 +91,19 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
             setattr(F, name, fn)
 
 
-@check("loss")
+@check("loss", emits=("LOSS-001", "LOSS-002", "LOSS-003", "LOSS-006", "LOSS-007"), always=True)
 def check_loss(ctx: AuditContext) -> Iterable[Finding]:
-    """LOSS-001 detached, LOSS-002 not scalar, LOSS-003 not finite."""
+    """LOSS-006 the step raised, LOSS-007 no loss tensor, LOSS-001 detached, LOSS-002 not scalar, LOSS-003 not
+    finite. Runs whatever ``checks=`` selects: without a usable loss no other verdict means anything."""
     trace = ctx.trace
-    if trace is None or trace.loss is None:
+    if trace is None:
         return []
+    if trace.error is not None or not isinstance(trace.loss, torch.Tensor):
+        return _step_failed(trace)
     loss = trace.loss
     findings = []
     trainable = any(p.requires_grad for p in ctx.params.values())
-    if trainable and not trace.extras.get("loss_requires_grad", False) and not trace.extras.get("backward"):
+    if trainable and not trace.loss_requires_grad and not trace.backward:
         findings.append(Finding(
             "loss", Severity.ERROR,
             "the loss does not require grad: it was detached (.detach(), .item(), torch.tensor(...), or computed "
@@ -121,7 +125,28 @@ def check_loss(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("loss_inputs")
+def _step_failed(trace: StepTrace) -> list[Finding]:
+    """LOSS-006/LOSS-007: the step itself did not produce a usable loss."""
+    if trace.error is not None:
+        phase = trace.phase or "step_fn"
+        err = trace.error
+        where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+        return [Finding(
+            "loss", Severity.ERROR,
+            f"the training step raised in {phase}: {type(err).__name__}: {err}",
+            "LOSS-006",
+            {"phase": phase, "exception": type(err).__name__, "error": str(err)[:2000],
+             "where": f"{where.filename}:{where.lineno} in {where.name}" if where else None},
+        )]
+    out = trace.raw_output
+    has_loss_attr = hasattr(out, "loss") or (isinstance(out, dict) and "loss" in out)
+    hint = ("its .loss is None (Hugging Face models compute a loss only when labels are passed)"
+            if has_loss_attr else f"it returned {type(out).__name__}")
+    return [Finding("loss", Severity.ERROR, f"step_fn returned no loss tensor: {hint}", "LOSS-007",
+                    {"returned": type(out).__name__})]
+
+
+@check("loss_inputs", emits=("LOSS-004", "LOSS-005", "LOSS-008"))
 def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
     """LOSS-004 probabilities fed to a logits loss, LOSS-005 broadcasting targets, LOSS-008 NLL on logits."""
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
@@ -178,14 +203,14 @@ def _batch_mapping(ctx: AuditContext) -> Mapping[str, Any] | None:
     """The batch as a mapping: ``inputs`` when it is one, else the keyword arguments of the model call."""
     if isinstance(ctx.inputs, Mapping):
         return ctx.inputs
-    calls: list[RootCall] = ctx.trace.extras.get("calls", []) if ctx.trace is not None else []
+    calls: list[RootCall] = ctx.trace.calls if ctx.trace is not None else []
     for call in calls:
         if "labels" in call.kwargs:
             return call.kwargs
     return None
 
 
-@check("data")
+@check("data", emits=("DATA-001", "DATA-002"))
 def check_data(ctx: AuditContext) -> Iterable[Finding]:
     """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels."""
     findings = []

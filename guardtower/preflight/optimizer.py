@@ -15,7 +15,7 @@ from guardtower.severity import Severity
 __all__: list[str] = []
 
 
-@check("optimizer_coverage", static=True)
+@check("optimizer_coverage", emits=("OPT-001", "OPT-003"), static=True)
 def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-001 trainable parameters the optimizer does not update, OPT-003 a stale optimizer."""
     if ctx.optimizer is None:
@@ -48,7 +48,7 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("frozen", static=True)
+@check("frozen", emits=("OPT-002", "OPT-006"), static=True)
 def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-006 (info): which parameters are frozen; OPT-002: frozen parameters that still sit in the optimizer."""
     findings = []
@@ -76,7 +76,7 @@ def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("optimizer_hparams", static=True)
+@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007"), static=True)
 def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights."""
     if ctx.optimizer is None:
