@@ -458,10 +458,11 @@ _LORA: tuple[FailureMode, ...] = (
         id="LORA-005",
         title="Trainable share too high for LoRA",
         severity=Severity.WARN,
-        summary="Adapters plus modules_to_save make up more than 10% of the model's parameters.",
+        summary="The LoRA adapters make up more than 10% of the model's parameters (modules_to_save copies, which "
+        "the user asked to train whole, are not counted).",
         why="Nothing fails; memory, optimizer state and checkpoint size approach a full fine-tune, typically "
-        "from a very large rank or from saving whole embeddings / lm_head with modules_to_save.",
-        fix="Lower r, target fewer modules, or prefer trainable_token_indices over saving whole embeddings.",
+        "from a rank far larger than intended.",
+        fix="Lower r or target fewer modules.",
         reference=_PEFT_LORA,
         tags=("lora", "peft", "efficiency"),
     ),

@@ -165,6 +165,13 @@ def test_lora_005_clean_for_small_rank() -> None:
     assert "trainable" in report.title and "3.2" in report.title
 
 
+def test_lora_005_not_fooled_by_modules_to_save_the_user_asked_for() -> None:
+    saved = gpt2_lora(r=4, modules_to_save=["wte"])  # a whole embedding copy: a large share, chosen on purpose
+    trainable = sum(p.numel() for p in saved.parameters() if p.requires_grad)
+    assert trainable / sum(p.numel() for p in saved.parameters()) > 0.10
+    assert not lora_summary(saved).by_id("LORA-005")
+
+
 # --- LORA-006 zero-init factor gets no gradient (reentrant checkpointing) -------------------------------------------
 
 

@@ -270,3 +270,41 @@ def test_optimizer_state_is_isolated_not_copied() -> None:
     assert not held  # hyper-parameters only (Adam keeps its moments in opt.state)
     audit(model, step_fn, optimizer=opt, inputs=inputs)
     assert seen == [0] and opt.state is real_state and len(real_state) == len(list(model.parameters()))
+
+
+def test_a_guarded_optimizer_counts_no_step_and_keeps_its_baselines(tmp_path: Any) -> None:
+    import guardtower
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    guard = guardtower.GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), m, verbose=False,
+                                        log_dir=str(tmp_path), warmup_steps=0)
+    for _ in range(3):  # a few real guarded steps, so the guard has baselines and a count
+        guard.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        guard.step()
+    before = guard.state_dict()
+
+    def step() -> torch.Tensor:  # a full training step that calls the guard, as a user's loop would
+        guard.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        guard.step()
+        return loss
+
+    audit(m, step, optimizer=guard)
+    after = guard.state_dict()
+    assert guard.step_count == 3
+    assert _same_state(before, after)
+    guard.close()
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return bool(a == b) or (a != a and b != b)

@@ -246,20 +246,23 @@ def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
 
 @check("lora_trainable_pct", emits=("LORA-005",), static=True)
 def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
-    """LORA-005: adapters plus saved modules are a large share of the model."""
+    """LORA-005: the adapters are a large share of the model. ``modules_to_save`` copies are excluded: the user
+    asked for those whole modules to train, so their size is a choice, not a rank accident."""
     if not _is_peft(ctx):
         return
-    total = sum(p.numel() for p in ctx.params.values())
-    extra = {n: p for n, p in ctx.params.items() if p.requires_grad and (is_adapter_param(n) or is_saved_param(n))}
-    trainable = sum(p.numel() for p in extra.values())
+    saved_names = {n for n, p in ctx.params.items() if is_saved_param(n)}
+    # the share is of the model proper: the saved copies and the originals they shadow are not counted
+    total = sum(p.numel() for n, p in ctx.params.items() if n not in saved_names and ".original_module." not in n)
+    adapters = {n: p for n, p in ctx.params.items() if p.requires_grad and is_adapter_param(n) and n not in saved_names}
+    trainable = sum(p.numel() for p in adapters.values())
     pct = 100.0 * trainable / total if total else 0.0
     if pct > TRAINABLE_PCT_HIGH:
-        saved = sum(p.numel() for n, p in extra.items() if is_saved_param(n))
+        saved = sum(ctx.params[n].numel() for n in saved_names if ctx.params[n].requires_grad)
         yield Finding(
             "lora_trainable_pct",
             Severity.WARN,
-            f"adapters and modules_to_save make up {pct:.1f}% of the parameters ({trainable:,} of {total:,}; "
-            f"{saved:,} in modules_to_save): memory and optimizer state approach a full fine-tune",
+            f"the adapters make up {pct:.1f}% of the parameters ({trainable:,} of {total:,}; modules_to_save, "
+            f"{saved:,} more, not counted): memory and optimizer state approach a full fine-tune (rank too high?)",
             "LORA-005",
             {"trainable": trainable, "total": total, "percent": pct, "modules_to_save_numel": saved},
         )
