@@ -288,6 +288,17 @@ _CORE: tuple[FailureMode, ...] = (
         ("numerics", "initialisation"),
     ),
     FailureMode(
+        "NAN-004", "One optimizer step turns the weights non-finite", Severity.ERROR,
+        "The audit's trial optimizer step (undone afterwards) left NaN/Inf in weights that were finite and "
+        "received finite gradients.",
+        "Typical with fp16 weights under Adam/AdamW: eps=1e-8 underflows to 0 in fp16, so a zero gradient gives "
+        "0/0 = NaN. The forward of this step was fine; the damage shows up one step later as a NaN loss.",
+        "Keep trainable weights (LoRA adapters included) in fp32 and let autocast run the compute in fp16/bf16, "
+        "or use an optimizer with fp32 master weights.",
+        "https://pytorch.org/docs/stable/amp.html",
+        ("numerics", "optimizer", "precision"),
+    ),
+    FailureMode(
         "RELU-001", "Dead ReLUs", Severity.WARN,
         "At least half of a ReLU layer's units output zero for every sample in the batch (judged on at least 4 "
         "rows per unit); nn.ReLU-style modules and F.relu calls are both measured.",

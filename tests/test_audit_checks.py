@@ -337,6 +337,39 @@ def test_opt_004_warmup_scheduler_starting_at_zero_is_fine() -> None:
     assert not audit(m, lambda: F.mse_loss(m(_X), _Y), optimizer=opt).by_id("OPT-004")
 
 
+@case("OPT-004/schedule")
+def _schedule_stuck_at_zero(bug: bool) -> Case:
+    from transformers import get_linear_schedule_with_warmup
+
+    m = mlp()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    # num_training_steps computed from len(dataloader) // accumulation = 0: the schedule decays from 0 to 0
+    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=0 if bug else 10, num_training_steps=0 if bug else 100)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt, "lr_scheduler": sched}
+
+
+def test_opt_004_schedule_look_ahead_leaves_scheduler_and_lr_as_they_were() -> None:
+    m, step, kwargs = _schedule_stuck_at_zero(False)
+    sched, opt = kwargs["lr_scheduler"], kwargs["optimizer"]
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    before = (sched.state_dict(), [g["lr"] for g in opt.param_groups])
+    assert not audit(m, step, **kwargs).by_id("OPT-004")
+    assert (sched.state_dict(), [g["lr"] for g in opt.param_groups]) == before
+    trained = [g["lr"] for g in opt.param_groups]
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] != trained  # the scheduler keeps going from where it was
+
+
+def test_lr_scheduler_must_be_a_scheduler() -> None:
+    from guardtower.errors import ConfigError
+
+    m = mlp()
+    with pytest.raises(ConfigError, match="lr_scheduler"):
+        audit(m, lambda: F.mse_loss(m(_X), _Y), lr_scheduler=0.1)
+
+
 @case("OPT-005")
 def _decay_on_norms(bug: bool) -> Case:
     m = gpt2()
@@ -381,6 +414,27 @@ def test_opt_007_is_a_warning_and_plain_decay_everywhere_stays_info() -> None:
     model, step, kwargs = CASES["OPT-005"](True)
     report = audit(model, step, **kwargs)
     assert report.by_id("OPT-005") and not report.by_id("OPT-007")
+
+
+@case("NAN-004")
+def _fp16_weights_under_adamw(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = _X.clone()
+    x[:, 0] = 0.0  # a feature that is always 0 in this batch (padding, a constant column): zero gradient
+    if bug:
+        m.half()  # "to save memory" the trainable weights themselves are fp16
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return m, lambda: F.mse_loss(m(x.half()).float(), _Y.repeat(1, 4)), {"optimizer": opt}
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    return m, lambda: F.mse_loss(m(x), _Y.repeat(1, 4)), {"optimizer": opt}
+
+
+def test_nan_004_the_bug_is_real() -> None:
+    model, step, kwargs = _fp16_weights_under_adamw(True)
+    step().backward()
+    kwargs["optimizer"].step()
+    assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 # --- numerics -------------------------------------------------------------------------------------------------

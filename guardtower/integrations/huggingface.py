@@ -141,7 +141,7 @@ class GuardtowerCallback(TrainerCallback):
 
         try:
             report = audit(model, step_fn, optimizer=optimizer, inputs=kwargs or args, checks=self.checks,
-                           scaler=scaler, bus=self._bus)
+                           scaler=scaler, lr_scheduler=self._lr_scheduler, bus=self._bus)
         except ConfigError:
             raise
         except Exception:  # a bug in a check must not stop a training run the user did not ask to stop

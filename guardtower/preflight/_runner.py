@@ -99,13 +99,18 @@ def audit(
     ``step_fn`` is a zero-argument callable returning the loss (a scalar tensor, or an object with ``.loss``
     such as a Hugging Face output); the audit runs backward itself. Parameters, buffers, gradients,
     optimizer state, RNG streams, ``training`` flags and the inputs' ``requires_grad`` are restored bitwise,
-    also when ``step_fn`` or a check raises.
+    also when ``step_fn`` or a check raises. ``lr_scheduler`` (optional) is looked ahead to catch a schedule
+    that never leaves 0, and put back as it was.
     """
     _validate_model(model)
     if not callable(step_fn):
         raise ConfigError("step_fn", f"expected a zero-argument callable, got {type(step_fn).__name__}",
                           "pass e.g. step_fn=lambda: loss_fn(model(x), y)")
     _validate_optimizer(optimizer)
+    if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+        raise ConfigError("lr_scheduler", f"expected an LR scheduler with .step(), got {type(lr_scheduler).__name__}",
+                          "pass the scheduler you step during training (e.g. get_linear_schedule_with_warmup(...)), "
+                          "or leave it out")
     specs = select_checks(checks)
     event_bus, owned = resolve_bus(bus, sinks)
     try:

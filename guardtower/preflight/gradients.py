@@ -126,15 +126,32 @@ def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("update_ratio", emits=("GRAD-005",), needs=("update",))
+def _finite_grad(ctx: AuditContext, name: str) -> bool:
+    assert ctx.trace is not None
+    g = ctx.trace.grads.get(name)
+    return g is not None and bool(torch.isfinite(g).all())
+
+
+@check("update_ratio", emits=("GRAD-005", "NAN-004"), needs=("update",))
 def check_update_ratio(ctx: AuditContext) -> Iterable[Finding]:
-    """GRAD-005: one real optimizer step (undone afterwards) moves the weights far more or less than ~1e-3."""
+    """GRAD-005: one real optimizer step (undone afterwards) moves the weights far more or less than ~1e-3;
+    NAN-004: that step turns finite weights non-finite."""
     if ctx.trace is None:
         return []
     error = ctx.trace.update_error
     if error is not None:
         raise RuntimeError(f"the trial optimizer step failed: {type(error).__name__}: {error}")
     stats: dict[str, UpdateStats] = ctx.trace.update
+    broken = [n for n, s in stats.items() if not s.finite and _finite_grad(ctx, n)]
+    if broken:
+        dtypes = sorted({stats[n].dtype for n in broken})
+        return [Finding(
+            "update_ratio", Severity.ERROR,
+            f"one optimizer step turns {len(broken)} finite {'/'.join(dtypes)} weight tensor(s) with finite "
+            f"gradients into NaN/Inf: {fmt_names(broken)} (fp16 weights under Adam: eps underflows; keep "
+            "trainable weights in fp32)",
+            "NAN-004", {"params": broken, "dtypes": dtypes},
+        )]
     ratios = {n: s.ratio for n, s in stats.items() if s.ndim >= 2 and math.isfinite(s.ratio) and not is_lora_factor(n)}
     if not ratios:
         return []

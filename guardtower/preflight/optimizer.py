@@ -8,7 +8,8 @@ from typing import Iterable
 import torch
 
 from guardtower.preflight._registry import AuditContext, check
-from guardtower.preflight._util import fmt_names, optimizer_tensors
+from guardtower.preflight._schedule import LOOKAHEAD_STEPS, peak_lrs
+from guardtower.preflight._util import base_optimizer, fmt_names, optimizer_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -89,19 +90,26 @@ def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
                                                    for p in group.get("params", ()))
         for group in ctx.optimizer.param_groups
     )
+    peaks = peak_lrs(ctx.lr_scheduler, base_optimizer(ctx.optimizer)) if ctx.lr_scheduler is not None else None
     for gi, group in enumerate(ctx.optimizer.param_groups):
         params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
         trainable = [p for p in params if p.requires_grad]
         lr = group.get("lr")
         lr_value = float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
-        initial = group.get("initial_lr")
-        warming_up = isinstance(initial, (int, float, torch.Tensor)) and float(initial) > 0
-        if trainable and lr_value == 0.0 and not warming_up:
+        if peaks is not None and gi < len(peaks):
+            never = trainable and peaks[gi] == 0.0
+            why = f"and the LR schedule keeps it at 0 for the next {LOOKAHEAD_STEPS} steps (0 total/warmup steps?)"
+        else:
+            initial = group.get("initial_lr")
+            warming_up = isinstance(initial, (int, float, torch.Tensor)) and float(initial) > 0
+            never = bool(trainable) and lr_value == 0.0 and not warming_up
+            why = "and no scheduler raising it"
+        if never:
             findings.append(Finding(
                 "optimizer_hparams", Severity.WARN,
-                f"param group {gi} has lr=0 for {len(trainable)} trainable tensor(s) and no scheduler raising it: "
-                "nothing in it will train",
-                "OPT-004", {"group": gi, "params": [names.get(id(p), "?") for p in trainable][:50]},
+                f"param group {gi} has lr=0 for {len(trainable)} trainable tensor(s) {why}: nothing in it will train",
+                "OPT-004", {"group": gi, "params": [names.get(id(p), "?") for p in trainable][:50],
+                            "schedule_checked": peaks is not None},
             ))
         wd = group.get("weight_decay", 0.0)
         if isinstance(wd, (int, float)) and wd > 0:
