@@ -16,10 +16,11 @@ LOOKAHEAD_STEPS = 1000
 def peak_lrs(scheduler: Any, optimizer: Any, steps: int = LOOKAHEAD_STEPS) -> list[float] | None:
     """The largest lr each param group reaches over the next ``steps`` scheduler steps (now included), or None
     when the scheduler cannot be stepped on its own (it needs a metric, or it drives another optimizer)."""
-    groups = getattr(optimizer, "param_groups", None)
+    found = getattr(optimizer, "param_groups", None)
     sched_opt = getattr(scheduler, "optimizer", None)
-    if not isinstance(groups, list) or getattr(sched_opt, "param_groups", None) is not groups:
+    if not isinstance(found, list) or getattr(sched_opt, "param_groups", None) is not found:
         return None
+    groups: list[dict[str, Any]] = list(found)  # the same group dicts
     if not callable(getattr(scheduler, "state_dict", None)) or not callable(getattr(scheduler, "load_state_dict", None)):
         return None
     saved_sched = copy.deepcopy(scheduler.state_dict())
