@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["LOOKAHEAD_STEPS", "peak_lrs"]
 
@@ -17,10 +17,11 @@ def peak_lrs(scheduler: Any, optimizer: Any, steps: int = LOOKAHEAD_STEPS) -> li
     """The largest lr each param group reaches over the next ``steps`` scheduler steps (now included), or None
     when the scheduler cannot be stepped on its own (it needs a metric, or it drives another optimizer)."""
     found = getattr(optimizer, "param_groups", None)
-    sched_opt = getattr(scheduler, "optimizer", None)
-    if not isinstance(found, list) or getattr(sched_opt, "param_groups", None) is not found:
+    if not isinstance(found, list):
         return None
-    groups: list[dict[str, Any]] = list(found)  # the same group dicts
+    groups = cast("list[dict[str, Any]]", found)
+    if getattr(getattr(scheduler, "optimizer", None), "param_groups", None) is not groups:
+        return None
     if not callable(getattr(scheduler, "state_dict", None)) or not callable(getattr(scheduler, "load_state_dict", None)):
         return None
     saved_sched = copy.deepcopy(scheduler.state_dict())
