@@ -258,6 +258,36 @@ _CORE: tuple[FailureMode, ...] = (
         ("optimizer",),
     ),
     FailureMode(
+        "LOOP-001", "Gradients cleared between backward() and step()", Severity.ERROR,
+        "The step runs loss.backward(), then optimizer.zero_grad(), then optimizer.step(): every gradient is None "
+        "(or zero) when the optimizer steps.",
+        "Forward, loss and logging all look normal and nothing raises; the optimizer simply has nothing to apply, "
+        "so the model \"does not optimize at all\".",
+        "Order the step zero_grad() -> forward -> backward() -> step().",
+        "https://discuss.pytorch.org/t/model-does-not-optimize-model-parameters-at-all/",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
+        "LOOP-002", "optimizer.step() before backward()", Severity.ERROR,
+        "The step calls optimizer.step() before loss.backward(), so each update applies the previous batch's "
+        "gradients (nothing at all on the first step).",
+        "The model still trains, one batch late, and with zero_grad() in between it does not train at all; both "
+        "look like a merely poor run.",
+        "Call backward() first, then step().",
+        "https://pytorch.org/tutorials/beginner/basics/optimization_tutorial.html",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
+        "LOOP-003", "Gradients never cleared", Severity.WARN,
+        "The step runs backward() and optimizer.step() but never zero_grad(): gradients accumulate across steps.",
+        "Each update is the sum of every gradient so far, so the effective learning rate keeps growing; training "
+        "usually still moves, then diverges or plateaus.",
+        "Call optimizer.zero_grad() (or model.zero_grad()) once per step; when accumulating on purpose, clear "
+        "right after each optimizer step.",
+        "https://pytorch.org/docs/stable/generated/torch.optim.Optimizer.zero_grad.html",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
         "NAN-001", "NaN/Inf in the forward pass", Severity.ERROR,
         "A module's output holds NaN or +Inf (-Inf is ignored: attention masks use it); the finding names the "
         "first such module in execution order and whether its input was already non-finite.",

@@ -133,6 +133,38 @@ def _input_ignored(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(_X), _Y), {"checks": ["input_dependency", "loss"]}
 
 
+@case("INPUT-001/stale-floats")
+def _stale_float_batch(bug: bool) -> Case:
+    m = mlp()
+    stale, fresh = _X, torch.randn(16, 8, generator=torch.Generator().manual_seed(9))
+    # the loop fetched a new batch into `fresh` but the step still closes over the first one
+    return m, lambda: F.mse_loss(m(stale if bug else fresh), _Y), {"inputs": fresh}
+
+
+@case("INPUT-001/stale-tokens")
+def _stale_token_batch(bug: bool) -> Case:
+    m = gpt2()
+    stale, fresh = token_batch(), token_batch(seed=7)
+    return m, lambda: m(**(stale if bug else fresh)), {"inputs": fresh}
+
+
+@case("INPUT-001/params-only")
+def _loss_from_parameters_only(bug: bool) -> Case:
+    m = mlp()
+    weights = list(m.parameters())
+    # an L2 "regulariser" returned instead of the task loss plus it
+    reg = lambda: sum(w.pow(2).sum() for w in weights) * 1e-4  # noqa: E731
+    return m, (lambda: reg()) if bug else (lambda: F.mse_loss(m(_X), _Y) + reg()), {"inputs": _X}
+
+
+def test_input_001_given_inputs_are_put_back_exactly() -> None:
+    m, step, kwargs = _stale_token_batch(True)
+    batch = kwargs["inputs"]
+    before = {k: v.clone() for k, v in batch.items()}
+    assert audit(m, step, **kwargs).by_id("INPUT-001")
+    assert all(torch.equal(before[k], batch[k]) for k in before)
+
+
 class _LinearProbe(nn.Module):
     """Frozen backbone under no_grad + trained head: no input gradient, but the loss depends on the input."""
 
@@ -435,6 +467,54 @@ def test_nan_004_the_bug_is_real() -> None:
     step().backward()
     kwargs["optimizer"].step()
     assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# --- training-loop order inside step_fn ---------------------------------------------------------------------
+def _full_step(order: tuple[str, ...]) -> Case:
+    """A step_fn that is the user's whole training step, its calls in the given order."""
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step() -> torch.Tensor:
+        loss = F.mse_loss(m(_X), _Y)
+        for call in order:
+            {"zero_grad": opt.zero_grad, "backward": loss.backward, "step": opt.step}[call]()
+        return loss
+
+    return m, step, {"optimizer": opt}
+
+
+@case("LOOP-001")
+def _zero_grad_between_backward_and_step(bug: bool) -> Case:
+    return _full_step(("backward", "zero_grad", "step") if bug else ("zero_grad", "backward", "step"))
+
+
+@case("LOOP-002")
+def _step_before_backward(bug: bool) -> Case:
+    return _full_step(("zero_grad", "step", "backward") if bug else ("zero_grad", "backward", "step"))
+
+
+@case("LOOP-003")
+def _zero_grad_never_called(bug: bool) -> Case:
+    return _full_step(("backward", "step") if bug else ("backward", "step", "zero_grad"))
+
+
+@pytest.mark.parametrize("key", ["LOOP-001", "LOOP-002"])
+def test_loop_bugs_are_real_the_weights_never_move(key: str) -> None:
+    model, step, _ = CASES[key](True)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()  # the first real step of the run: nothing to apply yet
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model, step, _ = CASES[key](False)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_loop_001_is_not_a_crash_of_the_step() -> None:
+    model, step, kwargs = CASES["LOOP-001"](True)
+    report = audit(model, step, **kwargs)
+    assert not report.by_id("LOSS-006") and not report.by_id("GRAD-001"), str(report)  # no second backward
 
 
 # --- numerics -------------------------------------------------------------------------------------------------

@@ -9,11 +9,12 @@ imported here.
 from __future__ import annotations
 
 
-# check modules register their checks and probes on import; the order here is the report's order
+# check modules register their checks and probes on import (the report orders checks by name, not by this)
 from guardtower.preflight import loss as _loss  # noqa: F401
 from guardtower.preflight import inputs as _inputs  # noqa: F401
 from guardtower.preflight import gradients as _gradients  # noqa: F401
 from guardtower.preflight import optimizer as _optimizer  # noqa: F401
+from guardtower.preflight import loop as _loop  # noqa: F401
 from guardtower.preflight import numerics as _numerics  # noqa: F401
 from guardtower.preflight import precision as _precision  # noqa: F401
 from guardtower.preflight import modes as _modes  # noqa: F401

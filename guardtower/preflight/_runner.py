@@ -16,7 +16,12 @@ from torch import nn
 
 from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
 from guardtower.preflight._state import TrainingState
-from guardtower.preflight._step import confirm_input_independence, run_step
+from guardtower.preflight._step import (
+    confirm_given_inputs_ignored,
+    confirm_input_independence,
+    given_inputs_unused,
+    run_step,
+)
 from guardtower.preflight._update import measure_update
 from guardtower.preflight._util import unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
@@ -150,6 +155,12 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 and isinstance(trace.loss, torch.Tensor)):
             with state.isolated_optimizers():
                 trace.input_independent = confirm_input_independence(model, step_fn, trace.loss, state.restore_rng)
+            state.restore_values()
+        if ("input_independence" in needs and inputs is not None and isinstance(trace.loss, torch.Tensor)
+                and trace.error is None and given_inputs_unused(inputs, trace.calls)):
+            with state.isolated_optimizers():
+                trace.given_inputs_ignored = confirm_given_inputs_ignored(step_fn, inputs, trace.loss,
+                                                                          state.restore_rng)
             state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
         for spec in specs:

@@ -18,9 +18,9 @@ from torch import nn
 from guardtower.preflight._registry import PROBES, AuditContext
 from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace
-from guardtower.preflight._util import LABEL_KEYS, iter_tensors
+from guardtower.preflight._util import LABEL_KEYS, base_optimizer, iter_tensors
 
-__all__ = ["run_step", "confirm_input_independence", "extract_loss", "MODE_SENSITIVE"]
+__all__ = ["run_step", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
 #: mapping keys that are neither inputs nor targets (their gradient says nothing about input dependency)
 _NOT_INPUT_KEYS = LABEL_KEYS | {"attention_mask", "position_ids", "token_type_ids", "head_mask", "decoder_attention_mask"}
@@ -144,6 +144,48 @@ def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
     return result
 
 
+@contextlib.contextmanager
+def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch.Tensor]]:
+    """Record, in order, the ``backward``, ``zero_grad`` and ``step`` that ``step_fn`` runs itself, and the
+    gradients each backward left (by reference: a later ``zero_grad(set_to_none=True)`` cannot hide them)."""
+    names = {id(p): n for n, p in ctx.params.items()}
+    left: dict[str, torch.Tensor] = {}
+
+    def on_grad(p: torch.Tensor) -> None:
+        if not trace.loop_events or trace.loop_events[-1] != "backward":
+            trace.loop_events.append("backward")
+        if p.grad is not None and id(p) in names:
+            left[names[id(p)]] = p.grad
+
+    def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trace.loop_events.append("step")
+        tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        trace.step_grads.append(sum(1 for p in tracked if p.grad is not None and bool(p.grad.any())))
+
+    def zero_grad_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not trace.loop_events or trace.loop_events[-1] != "zero_grad":
+                trace.loop_events.append("zero_grad")
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad) for p in ctx.params.values() if p.requires_grad]
+    base = base_optimizer(ctx.optimizer)
+    if base is not None:
+        handles.append(base.register_step_pre_hook(pre_step))
+    originals = [(cls, cls.zero_grad) for cls in (torch.optim.Optimizer, nn.Module)]
+    try:
+        for cls, original in originals:
+            cls.zero_grad = zero_grad_wrapper(original)  # type: ignore[method-assign]
+        yield left
+    finally:
+        for cls, original in originals:
+            cls.zero_grad = original  # type: ignore[method-assign]
+        for h in handles:
+            h.remove()
+
+
 def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, *, leak_analysis: bool = True) -> StepTrace:
     """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``."""
     trace = StepTrace()
@@ -153,6 +195,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
     output: Any = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(_instrument(ctx.model, flags, calls, watch))
+        left_by_backward = stack.enter_context(_watch_loop(ctx, trace))
         for factory in PROBES.values():
             stack.enter_context(factory(ctx))
         try:
@@ -166,9 +209,8 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         return trace
     trace.loss = loss.detach()
     trace.loss_requires_grad = loss.requires_grad
-    already = any(p.grad is not None for p in ctx.params.values())
-    if already:
-        # step_fn ran backward itself; its gradients are the ones to judge
+    if "backward" in trace.loop_events or any(p.grad is not None for p in ctx.params.values()):
+        # step_fn ran backward itself; its gradients are the ones to judge (never a second backward on its graph)
         trace.backward = trace.user_backward = True
     elif loss.requires_grad and trace.error is None:
         target = loss if loss.numel() == 1 else loss.float().mean()
@@ -199,7 +241,9 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         except Exception as exc:
             trace.error = exc
             trace.phase = "backward"
-    trace.grads = {name: (None if p.grad is None else p.grad.detach()) for name, p in ctx.params.items()}
+    # a gradient step_fn's own zero_grad() dropped after its backward is still the one that backward produced
+    grads = {name: (p.grad if p.grad is not None else left_by_backward.get(name)) for name, p in ctx.params.items()}
+    trace.grads = {name: (None if g is None else g.detach()) for name, g in grads.items()}
     for call in calls:
         call.output = None  # the graph and the logits are not needed any more
     return trace
@@ -244,5 +288,46 @@ def confirm_input_independence(model: nn.Module, step_fn: Callable[[], Any], los
     finally:
         handle.remove()
     if not replaced or not isinstance(other, torch.Tensor) or other.shape != loss.shape:
+        return None
+    return bool(torch.equal(other.detach(), loss.detach()))
+
+
+def given_inputs_unused(inputs: Any, calls: list[RootCall]) -> bool:
+    """True when ``inputs=`` holds model inputs and none of them (by storage) reached a call of the model."""
+    given = {t.untyped_storage().data_ptr() for _, t in iter_tensors(inputs, depth=6, skip_keys=_NOT_INPUT_KEYS)
+             if t.device.type != "meta"}
+    if not given:
+        return False
+    used = {t.untyped_storage().data_ptr() for call in calls for _, t in iter_tensors((call.args, call.kwargs), depth=6)
+            if t.device.type != "meta"}
+    return not (given & used)
+
+
+def confirm_given_inputs_ignored(step_fn: Callable[[], Any], inputs: Any, loss: torch.Tensor,
+                                 rng: Callable[[], None]) -> bool | None:
+    """Re-run ``step_fn`` without gradients after perturbing the tensors of ``inputs=`` in place (labels
+    untouched; values put back afterwards) and the same RNG stream; True when the loss is bitwise unchanged.
+
+    This catches a step that never reads the batch it was handed (a stale batch from an earlier iteration, a
+    loss built from parameters only), which the model's own inputs cannot reveal.
+    """
+    tensors = [t for _, t in iter_tensors(inputs, depth=6, skip_keys=_NOT_INPUT_KEYS)
+               if t.dtype != torch.bool and not t.is_complex() and t.device.type != "meta" and t.numel() > 0]
+    if not tensors:
+        return None
+    saved = [t.detach().clone() for t in tensors]
+    try:
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(_perturb(t.detach()))
+            rng()
+            other = extract_loss(step_fn())
+    except Exception:
+        return None
+    finally:
+        with torch.no_grad():
+            for t, original in zip(tensors, saved):
+                t.copy_(original)
+    if not isinstance(other, torch.Tensor) or other.shape != loss.shape:
         return None
     return bool(torch.equal(other.detach(), loss.detach()))

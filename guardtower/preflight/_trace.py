@@ -75,6 +75,10 @@ class StepTrace:
     """gradients were produced (by the audit's backward, or by ``step_fn`` itself)"""
     user_backward: bool = False
     """``step_fn`` ran backward itself"""
+    loop_events: list[str] = field(default_factory=list)
+    """``"backward"``, ``"zero_grad"`` and ``"step"`` as ``step_fn`` itself ran them, in order (repeats merged)"""
+    step_grads: list[int] = field(default_factory=list)
+    """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
     loss_requires_grad: bool = False
     input_grads: dict[str, float | None] | None = None
     """watched input (float input or embedding output) -> norm of the gradient the loss sent it, or None"""
@@ -84,3 +88,6 @@ class StepTrace:
     update_error: BaseException | None = None
     input_independent: bool | None = None
     """the loss was bitwise unchanged on perturbed inputs (``input_independence`` need); None: not asked/unknown"""
+    given_inputs_ignored: bool | None = None
+    """the loss was bitwise unchanged after perturbing ``inputs=`` itself, which never reached the model
+    (``input_independence`` need); None: not asked/unknown"""

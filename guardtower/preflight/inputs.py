@@ -11,6 +11,7 @@ from typing import Iterable
 from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._util import iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -24,8 +25,16 @@ def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
     if trace is None or not trace.backward:
         return []
     findings = []
+    if trace.given_inputs_ignored:
+        findings.append(Finding(
+            "input_dependency", Severity.ERROR,
+            "the loss does not depend on inputs=: none of its tensors reached the model and perturbing them leaves "
+            "the loss bitwise unchanged (the step reads another, stale batch, or builds the loss from parameters "
+            "only)",
+            "INPUT-001", {"inputs": [path for path, _ in iter_tensors(ctx.inputs, depth=6)][:16], "given": True},
+        ))
     input_grads = trace.input_grads
-    if input_grads and trace.input_independent:
+    if input_grads and trace.input_independent and not trace.given_inputs_ignored:
         if all(not g for g in input_grads.values()):
             findings.append(Finding(
                 "input_dependency", Severity.ERROR,
