@@ -420,6 +420,27 @@ _CORE: tuple[FailureMode, ...] = (
         ("data", "huggingface"),
     ),
     FailureMode(
+        "DATA-003", "Every end-of-sequence token is masked from the labels", Severity.WARN,
+        "In a causal-LM batch every real EOS (attention_mask 1) has label -100 and no label is EOS, typically "
+        "because pad_token = eos_token and the collator masks padding by token id.",
+        "Loss and perplexity look fine; the model simply never sees a target to stop on, so it generates until "
+        "max_new_tokens.",
+        "Give the tokenizer a distinct pad token (e.g. add '<pad>' or use unk), or build labels from the "
+        "attention mask rather than from token ids.",
+        "https://github.com/huggingface/transformers/issues/23530",
+        ("data", "labels", "llm"),
+    ),
+    FailureMode(
+        "DATA-004", "Causal-LM labels shifted twice", Severity.WARN,
+        "labels[t] == input_ids[t+1] almost everywhere, and the model (a Hugging Face *ForCausalLM) shifts the "
+        "labels again inside its loss, so each position is trained to predict the token after next.",
+        "The loss still falls (next-next-token prediction is learnable), just to a worse value; generations "
+        "come out garbled.",
+        "Pass labels = input_ids (with -100 on padding / prompt) and let the model shift them.",
+        "https://huggingface.co/docs/transformers/tasks/language_modeling",
+        ("data", "labels", "llm"),
+    ),
+    FailureMode(
         "DEV-001", "Tensors on the meta device or on mixed devices", Severity.ERROR,
         "Some parameters/buffers are on the meta device (never materialised), or the model is spread over "
         "devices without a device map.",

@@ -469,6 +469,51 @@ def test_nan_004_the_bug_is_real() -> None:
     assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+# --- causal-LM labels ----------------------------------------------------------------------------------------
+_EOS = 0  # the tiny GPT-2's eos_token_id; pad_token_id is the same id
+
+
+def _sequences_with_eos() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two real sequences, each ending in EOS, right-padded (with pad = eos) to one length."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (4, 10), generator=g)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((10, 8, 7, 9)):
+        ids[row, length - 1] = _EOS
+        ids[row, length:] = _EOS
+        mask[row, length:] = 0
+    return ids, mask
+
+
+def _eos_batch(bug: bool) -> dict[str, torch.Tensor]:
+    ids, mask = _sequences_with_eos()
+    # DataCollatorForLanguageModeling: labels[labels == pad_token_id] = -100, with pad_token = eos_token
+    labels = ids.masked_fill(ids == _EOS, -100) if bug else ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@case("DATA-003")
+def _pad_equals_eos_masks_every_eos(bug: bool) -> Case:
+    m = gpt2()
+    batch = _eos_batch(bug)
+    return m, lambda: m(**batch), {}
+
+
+def test_data_003_the_bug_is_real_no_target_is_eos() -> None:
+    assert int((_eos_batch(True)["labels"] == _EOS).sum()) == 0
+    assert int((_eos_batch(False)["labels"] == _EOS).sum()) == 4  # one stop target per sequence
+
+
+@case("DATA-004")
+def _labels_shifted_twice(bug: bool) -> Case:
+    m = gpt2()
+    batch = token_batch(seq=12)
+    if bug:  # "shift for next-token prediction" done by hand, then GPT2LMHeadModel shifts again
+        ids = batch["input_ids"]
+        batch["labels"] = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    return m, lambda: m(**batch), {}
+
+
 # --- training-loop order inside step_fn ---------------------------------------------------------------------
 def _full_step(order: tuple[str, ...]) -> Case:
     """A step_fn that is the user's whole training step, its calls in the given order."""

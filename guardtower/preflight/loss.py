@@ -199,6 +199,60 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _is_causal_lm(model: Any) -> bool:
+    """A Hugging Face language model that shifts ``labels`` itself (``*ForCausalLM``, ``*LMHeadModel``)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    name = type(model).__name__
+    return "CausalLM" in name or name.endswith("LMHeadModel")
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    eos = eos if isinstance(eos, (list, tuple)) else [eos]
+    return {int(e) for e in eos if isinstance(e, int)}
+
+
+def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
+    """DATA-003 every real EOS masked to -100 (pad_token = eos_token), DATA-004 labels already shifted by the
+    user and shifted again inside the model."""
+    batch = _batch_mapping(ctx)
+    if batch is None or not _is_causal_lm(ctx.model):
+        return []
+    ids, labels, mask = batch.get("input_ids"), batch.get("labels"), batch.get("attention_mask")
+    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor) and ids.shape == labels.shape
+            and ids.dim() == 2 and not labels.is_floating_point()):
+        return []
+    findings = []
+    eos = _eos_ids(ctx.model)
+    if eos and isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        real_eos = torch.isin(ids, torch.tensor(sorted(eos), device=ids.device)) & (mask != 0)
+        n_eos = int(real_eos.sum())
+        if n_eos and not bool((labels[real_eos] != -100).any()) and not bool(torch.isin(
+                labels, torch.tensor(sorted(eos), device=labels.device)).any()):
+            findings.append(Finding(
+                "data", Severity.WARN,
+                f"all {n_eos} real end-of-sequence token(s) (attention_mask 1) are labelled -100: with pad_token = "
+                "eos_token the collator masks every EOS as padding, so the model never learns to stop; use a "
+                "distinct pad token, or mask by attention_mask instead of by token id",
+                "DATA-003", {"eos_token_ids": sorted(eos), "real_eos": n_eos},
+            ))
+    supervised = labels[:, :-1] != -100
+    n = int(supervised.sum())
+    if n >= 4 and ids.shape[1] >= 3:
+        shifted = int(((labels[:, :-1] == ids[:, 1:]) & supervised).sum())
+        same = int(((labels == ids) & (labels != -100)).sum())
+        if shifted >= 0.9 * n and same < 0.5 * n:
+            findings.append(Finding(
+                "data", Severity.WARN,
+                f"labels[t] equals input_ids[t+1] at {shifted} of {n} supervised positions: the labels are already "
+                f"shifted, and {type(ctx.model).__name__} shifts them again, so it learns to predict the token after "
+                "next; pass labels = input_ids (masked) and let the model shift",
+                "DATA-004", {"shifted_matches": shifted, "supervised": n},
+            ))
+    return findings
+
+
 def _batch_mapping(ctx: AuditContext) -> Mapping[str, Any] | None:
     """The batch as a mapping: ``inputs`` when it is one, else the keyword arguments of the model call."""
     if isinstance(ctx.inputs, Mapping):
@@ -210,10 +264,11 @@ def _batch_mapping(ctx: AuditContext) -> Mapping[str, Any] | None:
     return None
 
 
-@check("data", emits=("DATA-001", "DATA-002"))
+@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004"))
 def check_data(ctx: AuditContext) -> Iterable[Finding]:
-    """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels."""
-    findings = []
+    """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels,
+    DATA-003/DATA-004 causal-LM labels that mask every EOS or are shifted twice."""
+    findings = _causal_lm_labels(ctx)
     batch = _batch_mapping(ctx)
     labels = batch.get("labels") if batch is not None else None
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
