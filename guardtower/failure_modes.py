@@ -191,6 +191,17 @@ _CORE: tuple[FailureMode, ...] = (
         ("optimizer", "gradients"),
     ),
     FailureMode(
+        "GRAD-006", "Reentrant checkpoint cuts trainable weights off from the gradient", Severity.ERROR,
+        "A torch.utils.checkpoint(..., use_reentrant=True) call wraps layers with trainable weights, but none of "
+        "its tensor inputs requires grad, so its output has no gradient and those weights never train.",
+        "The forward and the loss are unchanged and nothing raises; with LoRA on a frozen base (or inputs "
+        "detached before the block) the adapters silently stay at their initial values.",
+        "Pass use_reentrant=False (recommended), or make the block's input require grad "
+        "(model.enable_input_require_grads() for Hugging Face models).",
+        "https://pytorch.org/docs/stable/checkpoint.html",
+        ("gradients", "checkpointing"),
+    ),
+    FailureMode(
         "OPT-001", "Trainable parameter missing from the optimizer", Severity.ERROR,
         "A parameter with requires_grad=True is in no optimizer param group.",
         "It receives gradients (so gradient checks pass) but is never updated.",

@@ -379,3 +379,15 @@ def test_frozen_parameters_are_reported_as_info_and_do_not_fail() -> None:
 def test_nothing_frozen_means_no_frozen_finding() -> None:
     m, step = _mlp_step()
     assert audit(m, step, optimizer=torch.optim.SGD(m.parameters(), lr=0.01)).by_check("frozen") == []
+
+
+def test_a_torch_compiled_model_is_audited_without_a_false_step_failure() -> None:
+    m = mlp()
+    compiled = torch.compile(m, backend="eager")  # dynamo tracing, no code generation: cheap on CPU
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    report = audit(compiled, lambda: F.mse_loss(compiled(X), Y), optimizer=opt)
+    assert report.ok and not report.by_id("LOSS-006"), str(report)
+    half = torch.optim.SGD(list(m.parameters())[:2], lr=0.01)  # the same model with a real bug is still caught
+    assert audit(compiled, lambda: F.mse_loss(compiled(X), Y), optimizer=half).by_id("OPT-001")
+    m.eval()  # no dropout: the compiled and the eager model must agree
+    assert torch.equal(compiled(X), m(X))  # and it still runs afterwards

@@ -469,6 +469,58 @@ def test_nan_004_the_bug_is_real() -> None:
     assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+# --- reentrant checkpointing called directly ---------------------------------------------------------------------
+class _CheckpointedBlocks(nn.Module):
+    """A frozen token embedding, trainable blocks each wrapped in a direct torch.utils.checkpoint call."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.embed = nn.Embedding(VOCAB, 16).requires_grad_(False)  # pretrained, frozen
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _checkpointed_step(bug: bool) -> tuple[_CheckpointedBlocks, Callable[[], torch.Tensor], torch.optim.Optimizer]:
+    m = _CheckpointedBlocks(reentrant=bug)
+    ids = token_batch()["input_ids"]
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    return m, lambda: F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()), opt
+
+
+@case("GRAD-006")
+def _direct_reentrant_checkpoint(bug: bool) -> Case:
+    m, step, opt = _checkpointed_step(bug)
+    return m, step, {"optimizer": opt}
+
+
+def test_grad_006_the_bug_is_real_the_blocks_never_train() -> None:
+    for bug in (True, False):
+        m, step, opt = _checkpointed_step(bug)
+        before = [p.detach().clone() for p in m.blocks.parameters()]
+        for _ in range(2):
+            opt.zero_grad()
+            step().backward()
+            opt.step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, m.blocks.parameters()))
+        assert unchanged is bug
+
+
+def test_grad_006_names_the_starved_parameters() -> None:
+    model, step, kwargs = CASES["GRAD-006"](True)
+    (finding,) = audit(model, step, **kwargs).by_id("GRAD-006")
+    assert finding.details["count"] == 4 and all(p.startswith("blocks.") for p in finding.details["params"])
+
+
 # --- causal-LM labels ----------------------------------------------------------------------------------------
 _EOS = 0  # the tiny GPT-2's eos_token_id; pad_token_id is the same id
 

@@ -119,7 +119,10 @@ def audit(
     specs = select_checks(checks)
     event_bus, owned = resolve_bus(bus, sinks)
     try:
-        report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, specs)
+        # torch.compile'd code runs eagerly under the audit: dynamo must not trace the audit's own hooks, and
+        # the eager step is the same computation
+        with torch.compiler.set_stance("force_eager"):
+            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, specs)
         _publish(event_bus, report)
     finally:
         if owned:
