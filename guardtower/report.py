@@ -45,6 +45,9 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     checks_run: list[str] = field(default_factory=list)
     title: str = "guardtower pre-flight"
+    step_fn_calls: int = 0
+    """how many times the audit called ``step_fn`` (1 normally; ``notes`` says why when more)"""
+    notes: list[str] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Finding]:
         return iter(self.findings)
@@ -106,6 +109,8 @@ class Report:
             "status": self.status,
             "summary": self.summary(),
             "checks_run": list(self.checks_run),
+            "step_fn_calls": self.step_fn_calls,
+            "notes": list(self.notes),
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -116,6 +121,7 @@ class Report:
             lines.append(f"[{f.severity.label:<4}] {f.catalog_id:<9} {f.check}: {f.message}")
         if not ordered:
             lines.append("no findings")
+        lines += [f"note: {note}" for note in self.notes]
         return box(f"{self.title}: {self.status}", lines)
 
 

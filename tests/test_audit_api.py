@@ -391,3 +391,22 @@ def test_a_torch_compiled_model_is_audited_without_a_false_step_failure() -> Non
     assert audit(compiled, lambda: F.mse_loss(compiled(X), Y), optimizer=half).by_id("OPT-001")
     m.eval()  # no dropout: the compiled and the eager model must agree
     assert torch.equal(compiled(X), m(X))  # and it still runs afterwards
+
+
+def test_step_fn_is_called_once_and_a_second_call_is_explained() -> None:
+    m, step = _mlp_step()
+    drawn: list[int] = []
+
+    def counted() -> torch.Tensor:
+        drawn.append(1)  # a step that draws next(iterator) would consume a batch here
+        return step()
+
+    report = audit(m, counted, optimizer=torch.optim.SGD(m.parameters(), lr=0.01))
+    assert len(drawn) == report.step_fn_calls == 1 and report.notes == []
+    ignored = mlp()
+    drawn.clear()
+    report = audit(ignored, lambda: drawn.append(1) or F.mse_loss(ignored(torch.zeros_like(X)) * 0 + Y.mean(), Y),
+                   inputs=X)
+    assert report.step_fn_calls == len(drawn) >= 2 and len(report.notes) == report.step_fn_calls - 1  # one note each
+    assert any("inputs=" in note for note in report.notes) and report.by_id("INPUT-001")
+    assert report.to_dict()["step_fn_calls"] == report.step_fn_calls and "note:" in str(report)

@@ -137,6 +137,12 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
     ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
                        lr_scheduler=lr_scheduler)
     report = Report(checks_run=[s.name for s in specs])
+    user_step = step_fn
+
+    def step_fn() -> Any:  # counted: a step drawing next(iterator) consumes one batch per call
+        report.step_fn_calls += 1
+        return user_step()
+
     needs = {n for s in specs for n in s.needs}
     state = TrainingState(model, optimizer, inputs, scaler)
     try:
@@ -156,11 +162,15 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         grads = trace.input_grads
         if ("input_independence" in needs and grads and all(not g for g in grads.values())
                 and isinstance(trace.loss, torch.Tensor)):
+            report.notes.append("step_fn ran a second time, without gradients and with the model's input replaced: "
+                                "no gradient reached the input, so the audit checked whether the loss depends on it")
             with state.isolated_optimizers():
                 trace.input_independent = confirm_input_independence(model, step_fn, trace.loss, state.restore_rng)
             state.restore_values()
         if ("input_independence" in needs and inputs is not None and isinstance(trace.loss, torch.Tensor)
                 and trace.error is None and given_inputs_unused(inputs, trace.calls)):
+            report.notes.append("step_fn ran once more, without gradients and with inputs= perturbed (then put back): "
+                                "no tensor of inputs= reached the model, so the audit checked whether the loss reads them")
             with state.isolated_optimizers():
                 trace.given_inputs_ignored = confirm_given_inputs_ignored(step_fn, inputs, trace.loss,
                                                                           state.restore_rng)
