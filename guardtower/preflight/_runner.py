@@ -137,11 +137,9 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
     ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
                        lr_scheduler=lr_scheduler)
     report = Report(checks_run=[s.name for s in specs])
-    user_step = step_fn
-
-    def step_fn() -> Any:  # counted: a step drawing next(iterator) consumes one batch per call
+    def counted_step() -> Any:  # counted: a step drawing next(iterator) consumes one batch per call
         report.step_fn_calls += 1
-        return user_step()
+        return step_fn()
 
     needs = {n for s in specs for n in s.needs}
     state = TrainingState(model, optimizer, inputs, scaler)
@@ -149,7 +147,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         state.clear_grads()
         # a training step runs with autograd on, whatever context audit() was called from
         with torch.enable_grad(), state.isolated_optimizers():
-            trace = run_step(ctx, step_fn, state.inputs, leak_analysis="leak" in needs)
+            trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs)
         state.restore_values()
         if optimizer is not None and trace.backward and "update" in needs:
             for name, p in ctx.params.items():  # the trial step uses the audit's gradients
@@ -165,14 +163,14 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             report.notes.append("step_fn ran a second time, without gradients and with the model's input replaced: "
                                 "no gradient reached the input, so the audit checked whether the loss depends on it")
             with state.isolated_optimizers():
-                trace.input_independent = confirm_input_independence(model, step_fn, trace.loss, state.restore_rng)
+                trace.input_independent = confirm_input_independence(model, counted_step, trace.loss, state.restore_rng)
             state.restore_values()
         if ("input_independence" in needs and inputs is not None and isinstance(trace.loss, torch.Tensor)
                 and trace.error is None and given_inputs_unused(inputs, trace.calls)):
             report.notes.append("step_fn ran once more, without gradients and with inputs= perturbed (then put back): "
                                 "no tensor of inputs= reached the model, so the audit checked whether the loss reads them")
             with state.isolated_optimizers():
-                trace.given_inputs_ignored = confirm_given_inputs_ignored(step_fn, inputs, trace.loss,
+                trace.given_inputs_ignored = confirm_given_inputs_ignored(counted_step, inputs, trace.loss,
                                                                           state.restore_rng)
             state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
