@@ -122,6 +122,19 @@ _CORE: tuple[FailureMode, ...] = (
         ("loss", "wiring"),
     ),
     FailureMode(
+        "LOSS-009", "The loss does not fall when overfitting one batch", Severity.ERROR,
+        "audit(steps=N) ran N real optimizer steps on the audited batch and its loss did not fall by at least 5% "
+        "(or went non-finite).",
+        "Any correctly wired model memorises a single batch; when it cannot, something upstream is broken: labels "
+        "that do not match the inputs (shuffled separately, re-drawn every step), a loss that does not measure the "
+        "model's output, parameters that never train, or a learning rate orders of magnitude too small. The "
+        "one-step checks can all pass in those cases.",
+        "Look at the recorded loss curve in the finding's details; check the label pipeline, the loss, the frozen "
+        "parameters (OPT-006) and the learning rate. Karpathy's recipe: 'overfit one batch' before anything else.",
+        "https://karpathy.github.io/2019/04/25/recipe/",
+        ("loss", "training"),
+    ),
+    FailureMode(
         "INPUT-001", "Loss does not depend on the input", Severity.ERROR,
         "The gradient of the loss with respect to the model's input (or the embedding of its token ids) is zero "
         "or absent.",

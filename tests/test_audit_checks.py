@@ -257,6 +257,15 @@ def _exploding(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(_X * scale), _Y * scale), {}
 
 
+def test_grad_002_not_raised_by_biases_initialised_near_zero() -> None:
+    m = mlp()
+    with torch.no_grad():
+        for layer in (m[0], m[3]):
+            layer.bias.normal_(0.0, 1e-6)  # a common "small bias" initialisation
+    report = audit(m, lambda: F.mse_loss(m(_X), _Y), optimizer=torch.optim.SGD(m.parameters(), lr=0.01))
+    assert not report.by_id("GRAD-002") and not report.warnings, str(report)
+
+
 def _deep_sigmoid(depth: int) -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -564,6 +573,17 @@ def _labels_shifted_twice(bug: bool) -> Case:
         ids = batch["input_ids"]
         batch["labels"] = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     return m, lambda: m(**batch), {}
+
+
+@case("LOSS-009")
+def _labels_redrawn_every_step(bug: bool) -> Case:
+    m = _classifier()
+    gen = torch.Generator().manual_seed(6)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    # bug: a "random crop" augmentation that also re-draws the labels, so they never belong to the inputs
+    step = (lambda: F.cross_entropy(m(_X), torch.randint(0, 5, (16,), generator=gen))) if bug else (
+        lambda: F.cross_entropy(m(_X), _LABELS))
+    return m, step, {"optimizer": opt, "steps": 20}
 
 
 # --- training-loop order inside step_fn ---------------------------------------------------------------------

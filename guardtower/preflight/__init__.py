@@ -16,6 +16,7 @@ from guardtower.preflight import gradients as _gradients  # noqa: F401
 from guardtower.preflight import optimizer as _optimizer  # noqa: F401
 from guardtower.preflight import loop as _loop  # noqa: F401
 from guardtower.preflight import checkpointing as _checkpointing  # noqa: F401
+from guardtower.preflight import fitting as _fitting  # noqa: F401
 from guardtower.preflight import numerics as _numerics  # noqa: F401
 from guardtower.preflight import precision as _precision  # noqa: F401
 from guardtower.preflight import modes as _modes  # noqa: F401

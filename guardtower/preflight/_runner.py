@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from guardtower.preflight._overfit import overfit_losses
+from guardtower.preflight._batch import batch_mapping, confirm_padded_labels_ignored, labelled_padding
 from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
 from guardtower.preflight._state import TrainingState
 from guardtower.preflight._step import (
@@ -96,6 +98,7 @@ def audit(
     checks: str | Iterable[str] = "all",
     scaler: Any = None,
     lr_scheduler: Any = None,
+    steps: int = 0,
     sinks: Iterable[Sink] | None = None,
     bus: EventBus | None = None,
 ) -> Report:
@@ -105,7 +108,8 @@ def audit(
     such as a Hugging Face output); the audit runs backward itself. Parameters, buffers, gradients,
     optimizer state, RNG streams, ``training`` flags and the inputs' ``requires_grad`` are restored bitwise,
     also when ``step_fn`` or a check raises. ``lr_scheduler`` (optional) is looked ahead to catch a schedule
-    that never leaves 0, and put back as it was.
+    that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
+    one batch and checks that its loss falls (LOSS-009); everything is restored afterwards as well.
     """
     _validate_model(model)
     if not callable(step_fn):
@@ -116,13 +120,19 @@ def audit(
         raise ConfigError("lr_scheduler", f"expected an LR scheduler with .step(), got {type(lr_scheduler).__name__}",
                           "pass the scheduler you step during training (e.g. get_linear_schedule_with_warmup(...)), "
                           "or leave it out")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigError("steps", f"expected a whole number of overfitting steps >= 0, got {steps!r}",
+                          "pass e.g. steps=30 to check that 30 steps on this batch drive its loss down, or leave it out")
+    if steps and optimizer is None:
+        raise ConfigError("steps", "overfitting one batch needs the optimizer",
+                          "pass optimizer= together with steps=")
     specs = select_checks(checks)
     event_bus, owned = resolve_bus(bus, sinks)
     try:
         # torch.compile'd code runs eagerly under the audit: dynamo must not trace the audit's own hooks, and
         # the eager step is the same computation
         with torch.compiler.set_stance("force_eager"):
-            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, specs)
+            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, specs)
         _publish(event_bus, report)
     finally:
         if owned:
@@ -133,7 +143,7 @@ def audit(
 
 
 def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs: Any, scaler: Any,
-           lr_scheduler: Any, specs: list[CheckSpec]) -> Report:
+           lr_scheduler: Any, steps: int, specs: list[CheckSpec]) -> Report:
     ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
                        lr_scheduler=lr_scheduler)
     report = Report(checks_run=[s.name for s in specs])
@@ -149,6 +159,17 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         with torch.enable_grad(), state.isolated_optimizers():
             trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs)
         state.restore_values()
+        if trace.phase == "step_fn" and trace.marked_inputs:
+            # the model refuses inputs that require grad (wav2vec2 sets requires_grad on a view of its input):
+            # the failure is the audit's own doing, so the step runs again as the user runs it
+            report.notes.append(f"step_fn ran a second time, with the model's inputs left as given: the first run "
+                                f"raised {type(trace.error).__name__} once the audit made them require grad")
+            state.inputs.restore()
+            state.restore_rng()
+            state.clear_grads()
+            with torch.enable_grad(), state.isolated_optimizers():
+                trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs, mark_inputs=False)
+            state.restore_values()
         if optimizer is not None and trace.backward and "update" in needs:
             for name, p in ctx.params.items():  # the trial step uses the audit's gradients
                 p.grad = trace.grads.get(name)
@@ -173,6 +194,24 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 trace.given_inputs_ignored = confirm_given_inputs_ignored(counted_step, inputs, trace.loss,
                                                                           state.restore_rng)
             state.restore_values()
+        padding = labelled_padding(model, batch_mapping(inputs, trace.calls)) if "padded_labels" in needs else None
+        if padding is not None and isinstance(trace.loss, torch.Tensor) and trace.error is None:
+            report.notes.append("step_fn ran once more, without gradients and with the labels on padding changed "
+                                "(then put back): padding carries labels, so the audit checked whether the loss uses them")
+            with state.isolated_optimizers():
+                trace.padded_labels_ignored = confirm_padded_labels_ignored(counted_step, *padding, trace.loss,
+                                                                            state.restore_rng)
+            state.restore_values()
+        if steps and "overfit" in needs and trace.backward and trace.error is None:
+            if trace.user_backward:
+                report.notes.append(f"steps={steps} skipped: step_fn runs backward itself, so the audit cannot "
+                                    "drive the overfitting steps")
+            else:
+                report.notes.append(f"step_fn ran {steps + 1} more times: steps={steps} overfits this batch with "
+                                    "real optimizer steps (then every value is put back)")
+                with state.isolated_optimizers():
+                    trace.overfit_losses = overfit_losses(ctx, counted_step, steps)
+                state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
         for spec in specs:
             report.findings.extend(_run_check(spec, ctx))

@@ -37,6 +37,8 @@ class _Watch:
 
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     token_ptrs: set[int] = field(default_factory=set)
+    marked: bool = False
+    """the audit made a float input require grad"""
 
 
 def extract_loss(output: Any) -> Any:
@@ -50,7 +52,8 @@ def extract_loss(output: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], watch: _Watch) -> Iterator[None]:
+def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], watch: _Watch,
+                mark_inputs: bool) -> Iterator[None]:
     sensitive = [(n, m) for n, m in model.named_modules() if n and isinstance(m, MODE_SENSITIVE)]
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -63,9 +66,10 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
         calls.append(RootCall(args=args, kwargs=dict(kwargs), training=training, autocast=autocast))
         for path, t in iter_tensors((args, kwargs), skip_keys=_NOT_INPUT_KEYS):
             if t.is_floating_point():
-                if t.is_leaf and not t.requires_grad:
+                if mark_inputs and t.is_leaf and not t.requires_grad:
                     flags.add(t)
                     t.requires_grad_(True)
+                    watch.marked = True
                 if t.requires_grad:
                     watch.tensors.append((f"input {path}", t))
             elif not t.is_complex() and t.dtype != torch.bool and t.device.type != "meta":
@@ -107,8 +111,16 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
             h.remove()
 
 
+#: contrastive outputs (CLIP, SigLIP): ``logits_per_*`` is batch x batch by design; the embeddings are per sample
+_PER_SAMPLE_EMBEDS = ("image_embeds", "text_embeds")
+
+
 def _primary_output(output: Any) -> torch.Tensor | None:
-    """The per-sample prediction of a model call: ``.logits`` of HF outputs, else the first tensor."""
+    """The per-sample prediction of a model call: ``.logits`` of HF outputs (a contrastive model's embeddings),
+    else the first tensor."""
+    if any(isinstance(getattr(output, name, None), torch.Tensor) for name in ("logits_per_image", "logits_per_text")):
+        return next((e for e in (getattr(output, n, None) for n in _PER_SAMPLE_EMBEDS) if isinstance(e, torch.Tensor)),
+                    None)
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
@@ -186,7 +198,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             h.remove()
 
 
-def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, *, leak_analysis: bool = True) -> StepTrace:
+def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, *, leak_analysis: bool = True,
+             mark_inputs: bool = True) -> StepTrace:
     """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``."""
     trace = StepTrace()
     ctx.trace = trace
@@ -194,7 +207,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
     watch = _Watch()
     output: Any = None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_instrument(ctx.model, flags, calls, watch))
+        stack.enter_context(_instrument(ctx.model, flags, calls, watch, mark_inputs))
         left_by_backward = stack.enter_context(_watch_loop(ctx, trace))
         for factory in PROBES.values():
             stack.enter_context(factory(ctx))
@@ -204,6 +217,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
             trace.error = exc
             trace.phase = "step_fn"
     trace.raw_output = output
+    trace.marked_inputs = watch.marked
     loss = extract_loss(output)
     if not isinstance(loss, torch.Tensor):
         return trace

@@ -13,9 +13,10 @@ __all__ = ["Need", "NEEDS", "RootCall", "UpdateStats", "LeakEntry", "StepTrace"]
 #: extra work a check can declare: ``leak`` one more backward from sample 0's prediction (batch mixing),
 #: ``update`` a trial optimizer step on the audit's gradients (undone), ``input_independence`` a second,
 #: gradient-free run of ``step_fn`` on perturbed inputs when no gradient reached the input,
-#: ``overfit`` N optimizer steps on the one batch (only with ``audit(steps=N)``)
-Need = Literal["leak", "update", "input_independence", "overfit"]
-NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "overfit"})
+#: ``padded_labels`` a gradient-free run with the labels on padding changed, when padding carries labels
+#: (does the loss drop padding itself?), ``overfit`` N optimizer steps on the one batch (``audit(steps=N)``)
+Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit"]
+NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit"})
 
 
 @dataclass
@@ -67,6 +68,8 @@ class StepTrace:
     """param name -> gradient the step produced (None when the param got no gradient)"""
     error: BaseException | None = None
     """the exception step_fn (or backward) raised, if any"""
+    marked_inputs: bool = False
+    """the audit made float inputs of the model require grad (to measure input dependency)"""
     phase: str | None = None
     """where ``error`` was raised: ``"step_fn"`` or ``"backward"``"""
     calls: list[RootCall] = field(default_factory=list)
@@ -88,6 +91,10 @@ class StepTrace:
     update_error: BaseException | None = None
     input_independent: bool | None = None
     """the loss was bitwise unchanged on perturbed inputs (``input_independence`` need); None: not asked/unknown"""
+    padded_labels_ignored: bool | None = None
+    """the loss was bitwise unchanged with the labels on padding changed (``padded_labels`` need)"""
+    overfit_losses: list[float] = field(default_factory=list)
+    """the batch's loss before each overfitting step and after the last (``overfit`` need, ``audit(steps=N)``)"""
     given_inputs_ignored: bool | None = None
     """the loss was bitwise unchanged after perturbing ``inputs=`` itself, which never reached the model
     (``input_independence`` need); None: not asked/unknown"""

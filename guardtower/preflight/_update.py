@@ -16,7 +16,7 @@ from guardtower.preflight._state import clone_value, restore_value
 from guardtower.preflight._trace import UpdateStats
 from guardtower.preflight._util import base_optimizer
 
-__all__ = ["measure_update"]
+__all__ = ["measure_update", "unhooked_step"]
 
 #: elements stepped at once: a small model takes one step, a large one never copies more than this at a time
 _CHUNK_ELEMENTS = 1 << 23
@@ -29,8 +29,7 @@ def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
     opt = base_optimizer(ctx.optimizer)
     if opt is None or isinstance(opt, torch.optim.LBFGS):  # LBFGS steps need a closure re-evaluating the loss
         return {}
-    step: Any = type(opt).step
-    raw = step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
+    raw = unhooked_step(opt)
     names = {id(p): n for n, p in ctx.params.items()}
     groups = opt.param_groups
     lists = [g["params"] for g in groups]
@@ -46,6 +45,12 @@ def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
         for group, params in zip(groups, lists):
             group["params"] = params
     return stats
+
+
+def unhooked_step(opt: torch.optim.Optimizer) -> Any:
+    """The optimizer class's own ``step`` below the hook wrapper (no step hooks fire for an undone update)."""
+    step: Any = type(opt).step
+    return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
 
 
 def _chunks(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

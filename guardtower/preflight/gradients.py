@@ -50,6 +50,16 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     trainable = [n for n, p in ctx.params.items() if p.requires_grad]
     missing = [n for n in trainable if grads.get(n) is None]
     findings = []
+    skipped = _skipped_by_design(ctx, missing)
+    if skipped:
+        findings.append(Finding(
+            "grad_connectivity", Severity.INFO,
+            f"{len(skipped)} trainable parameter(s) got no gradient in this step because their layer or expert "
+            f"did not run (the model drops layers at random or routes tokens to experts): {fmt_names(skipped)}; "
+            "they get gradients in other steps",
+            "GRAD-001", {"params": skipped, "conditional": True},
+        ))
+        missing = [n for n in missing if n not in set(skipped)]
     if missing:
         findings.append(Finding(
             "grad_connectivity", Severity.ERROR,
@@ -71,6 +81,39 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
             "GRAD-004", {"params": zero},
         ))
     return findings
+
+
+#: config fields that make a layer or expert skip a step by design (layerdrop, mixture-of-experts routing)
+_STOCHASTIC_DEPTH = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _skipped_by_design(ctx: AuditContext, missing: list[str]) -> list[str]:
+    """The gradient-less parameters that sit in one entry of a layer or expert list whose siblings did get a
+    gradient, in a model that drops layers (layerdrop) or routes tokens to experts: skipped this step, not
+    disconnected. Empty when the model does neither."""
+    config = getattr(ctx.model, "config", None)
+    conditional = any(_number(getattr(config, k, 0)) > 0 for k in _STOCHASTIC_DEPTH) or any(
+        _number(getattr(config, k, 0)) > 1 for k in _EXPERTS)
+    if not missing or not conditional:
+        return []
+    assert ctx.trace is not None
+    with_grad = [n for n, g in ctx.trace.grads.items() if g is not None]
+    lists = [name for name, m in ctx.model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    skipped = []
+    for n in missing:
+        entry = next((f"{prefix}.{n[len(prefix) + 1:].split('.')[0]}." for prefix in lists
+                      if prefix and n.startswith(prefix + ".")), None)
+        if entry is None:
+            continue
+        prefix = entry.rsplit(".", 2)[0] + "."
+        if any(w.startswith(prefix) and not w.startswith(entry) for w in with_grad):
+            skipped.append(n)
+    return skipped
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _norms(ctx: AuditContext) -> list[tuple[str, float, float, int]]:
@@ -99,12 +142,14 @@ def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
         return []
     total = math.sqrt(sum(gn * gn for _, gn, _, _ in norms))
     findings = []
-    exploding = [(n, gn, pn) for n, gn, pn, _ in norms if pn > 0 and gn / pn > EXPLODING_RATIO]
+    # the ratio is judged on weight matrices only: a bias initialised at (or near) zero has a tiny norm, so any
+    # healthy gradient is "100x its weight"
+    exploding = [(n, gn, pn) for n, gn, pn, nd in norms if nd >= 2 and pn > 0 and gn / pn > EXPLODING_RATIO]
     if total > EXPLODING_GLOBAL_NORM or exploding:
         worst = max(exploding, key=lambda e: e[1] / e[2], default=None)
         findings.append(Finding(
             "grad_norms", Severity.WARN,
-            f"exploding gradients: global norm {total:.3g}"
+            f"exploding gradients: global gradient norm {total:.3g}"
             + (f"; {len(exploding)} tensor(s) with ||grad||/||param|| > {EXPLODING_RATIO:g}, worst {worst[0]} "
                f"({worst[1] / worst[2]:.3g})" if worst else "")
             + " (unnormalised inputs/targets, bad init, or a loss scaled up)",

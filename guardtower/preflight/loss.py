@@ -10,15 +10,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import traceback
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 
+from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._registry import AuditContext, check, probe
-from guardtower.preflight._trace import RootCall, StepTrace
+from guardtower.preflight._trace import StepTrace
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -216,7 +216,7 @@ def _eos_ids(model: Any) -> set[int]:
 def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     """DATA-003 every real EOS masked to -100 (pad_token = eos_token), DATA-004 labels already shifted by the
     user and shifted again inside the model."""
-    batch = _batch_mapping(ctx)
+    batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     if batch is None or not _is_causal_lm(ctx.model):
         return []
     ids, labels, mask = batch.get("input_ids"), batch.get("labels"), batch.get("attention_mask")
@@ -253,23 +253,12 @@ def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     return findings
 
 
-def _batch_mapping(ctx: AuditContext) -> Mapping[str, Any] | None:
-    """The batch as a mapping: ``inputs`` when it is one, else the keyword arguments of the model call."""
-    if isinstance(ctx.inputs, Mapping):
-        return ctx.inputs
-    calls: list[RootCall] = ctx.trace.calls if ctx.trace is not None else []
-    for call in calls:
-        if "labels" in call.kwargs:
-            return call.kwargs
-    return None
-
-
-@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004"))
+@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004"), needs=("padded_labels",))
 def check_data(ctx: AuditContext) -> Iterable[Finding]:
     """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels,
     DATA-003/DATA-004 causal-LM labels that mask every EOS or are shifted twice."""
     findings = _causal_lm_labels(ctx)
-    batch = _batch_mapping(ctx)
+    batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     labels = batch.get("labels") if batch is not None else None
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
     all_ignored = any(c.all_ignored for c in calls)
@@ -282,24 +271,15 @@ def check_data(ctx: AuditContext) -> Iterable[Finding]:
             "or zero, and the step teaches nothing; check truncation and the completion-only masking",
             "DATA-001", {},
         ))
-    # labels align with the decoder in encoder-decoder models, so only the decoder's mask says what is padding
-    config = getattr(ctx.model, "config", None)
-    mask_key = "decoder_attention_mask" if getattr(config, "is_encoder_decoder", False) else "attention_mask"
-    mask = batch.get(mask_key) if batch is not None else None
-    if (
-        isinstance(labels, torch.Tensor)
-        and isinstance(mask, torch.Tensor)
-        and labels.shape == mask.shape
-        and not labels.is_floating_point()
-    ):
-        padded = mask == 0
-        leaked = padded & (labels != -100)
+    padding = labelled_padding(ctx.model, batch)
+    ignored = ctx.trace is not None and ctx.trace.padded_labels_ignored
+    if padding is not None and not ignored:
+        _, leaked = padding
         n = int(leaked.sum())
-        if n:
-            findings.append(Finding(
-                "data", Severity.WARN,
-                f"{n} of {int(padded.sum())} padding positions (attention_mask == 0) carry labels: the model is "
-                "trained to predict padding; set labels to -100 where attention_mask is 0",
-                "DATA-002", {"labelled_padding": n, "padding": int(padded.sum())},
-            ))
+        findings.append(Finding(
+            "data", Severity.WARN,
+            f"{n} padding positions (attention_mask == 0) carry labels, and the loss changes when they change: "
+            "the model is trained to predict padding; set labels to -100 where attention_mask is 0",
+            "DATA-002", {"labelled_padding": n},
+        ))
     return findings
