@@ -202,6 +202,8 @@ def check_update_ratio(ctx: AuditContext) -> Iterable[Finding]:
         return []
     median = statistics.median(ratios.values())
     lrs = sorted({float(g["lr"]) for g in getattr(ctx.optimizer, "param_groups", []) if "lr" in g})
+    if lrs and max(lrs) == 0.0:
+        return []  # a warmup that starts at 0 (or an lr that stays 0: OPT-004 judges that, with the schedule)
     if median > UPDATE_RATIO_HIGH:
         verdict = f"far above ~1e-3: the first steps will overwrite the initialisation (lr {lrs} too high?)"
     elif median < UPDATE_RATIO_LOW:
