@@ -421,3 +421,11 @@ def test_lora_catalog_entries_are_complete() -> None:
         assert entry.reference.startswith("https://")
     assert CATALOG["LORA-004"].severity is Severity.INFO
     assert CATALOG["LORA-006"].severity is Severity.ERROR
+
+
+def test_lora_005_silent_on_a_toy_model_where_any_rank_is_a_large_share() -> None:
+    from guardtower.preflight.lora import MIN_PARAMS_FOR_SHARE
+
+    toy = lora(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), target_modules=["0"], r=2)
+    assert sum(p.numel() for p in toy.parameters()) < MIN_PARAMS_FOR_SHARE
+    assert not lora_summary(toy).by_id("LORA-005")

@@ -40,6 +40,8 @@ __all__ = ["LoraStepState", "is_peft_model", "lora_summary"]
 
 TRAINABLE_PCT_HIGH = 10.0
 """percent of all parameters above which a LoRA run is hardly parameter-efficient any more (LORA-005)"""
+MIN_PARAMS_FOR_SHARE = 10_000
+"""below this many parameters any rank is a large share and memory is no concern: LORA-005 stays silent"""
 SCALING_RANGE = (0.1, 8.0)
 """alpha/r (alpha/sqrt(r) with rsLoRA) outside this range shrinks or blows up the update (LORA-011)"""
 _LIST_LIMIT = 10
@@ -256,7 +258,7 @@ def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
     adapters = {n: p for n, p in ctx.params.items() if p.requires_grad and is_adapter_param(n) and n not in saved_names}
     trainable = sum(p.numel() for p in adapters.values())
     pct = 100.0 * trainable / total if total else 0.0
-    if pct > TRAINABLE_PCT_HIGH:
+    if pct > TRAINABLE_PCT_HIGH and total >= MIN_PARAMS_FOR_SHARE:
         saved = sum(ctx.params[n].numel() for n in saved_names if ctx.params[n].requires_grad)
         yield Finding(
             "lora_trainable_pct",
