@@ -123,7 +123,7 @@ _CORE: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "LOSS-009", "The loss does not fall when overfitting one batch", Severity.ERROR,
-        "audit(steps=N) ran N real optimizer steps on the audited batch and its loss did not fall by at least 5% "
+        "audit(steps=N) ran N real optimizer steps on the audited batch and its loss did not fall by at least 1%, lowered by at least 60% of the steps "
         "(or went non-finite).",
         "Any correctly wired model memorises a single batch; when it cannot, something upstream is broken: labels "
         "that do not match the inputs (shuffled separately, re-drawn every step), a loss that does not measure the "
