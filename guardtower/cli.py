@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _catalog(*, as_json: bool) -> int:
-    from guardtower.catalog import catalog, catalog_markdown
+    from guardtower.failure_modes import catalog, catalog_markdown
 
     if as_json:
         entries = [

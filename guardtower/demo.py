@@ -237,7 +237,7 @@ def _preflight(corpus: Corpus, seed: int, bus: Any) -> None:
 
 
 def _show_audit(title: str, model: Any, optimizer: Any, batch: Any, bus: Any) -> None:
-    from guardtower.audit import audit
+    from guardtower.preflight import audit
 
     print(f"-> {title}")
     print(audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=optimizer, bus=bus))

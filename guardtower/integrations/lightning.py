@@ -72,7 +72,7 @@ class GuardtowerPreflight(Callback):
         if not isinstance(raise_on_error, bool):
             raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
                               "pass raise_on_error=True to stop training on a failed pre-flight")
-        from guardtower.audit._runner import select_checks
+        from guardtower.preflight._runner import select_checks
 
         select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
         self.checks = checks
