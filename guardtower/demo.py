@@ -12,7 +12,6 @@ Everything lands in ``--out``: the JSONL event log, the spike reports, an MLflow
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -24,6 +23,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
+
+from guardtower._argparse import ArgumentParser
 
 __all__ = ["main"]
 
@@ -338,7 +339,7 @@ def _section(title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="guardtower demo", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser = ArgumentParser(prog="guardtower demo", description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--out", default="./guardtower-demo", help="where the logs, runs and plot go")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     parser.add_argument("--rollback", action="store_true", help="also show a burst of bad batches rolled back")

@@ -100,7 +100,7 @@ def test_log_dir_of_a_real_guarded_run_lists_each_incident_once(tmp_path: Path,
     assert {15, 20} <= log.skipped_steps
     assert set(range(1, 26)) <= set(log.global_norms)  # summaries every step (log_every=1)
     assert cli_main(["report", str(tmp_path)]) == 0
-    assert "2 incident(s)" in capsys.readouterr().out
+    assert "25 steps, 2 incidents in" in capsys.readouterr().out
 
 
 def test_spike_reports_alone_are_enough(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_cli_errors_on_missing_path_and_reports_quiet_runs(tmp_path: Path, capsy
     bus.publish(PreflightEvent(step=0, status="PASS"))
     bus.close(5)
     assert cli_main(["report", str(quiet)]) == 0
-    assert "no incidents" in capsys.readouterr().out
+    assert "1 step, 0 incidents in" in capsys.readouterr().out
 
 
 def test_plot_writes_a_png_with_one_panel_per_incident(tmp_path: Path) -> None:
