@@ -210,6 +210,7 @@ def _incident(event: Event) -> Incident | None:
 
 def format_table(incidents: Sequence[Incident]) -> str:
     """A plain-text table: step, kind, layer, ratio, action (plus run/rank when there are several)."""
+    incidents = _incident_list(incidents)
     multi = len({(i.run, i.rank) for i in incidents}) > 1
     header = ["step", "kind", "layer", "ratio", "action"] + (["run", "rank"] if multi else [])
     rows = [header]
@@ -222,6 +223,18 @@ def format_table(incidents: Sequence[Incident]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _incident_list(value: Any) -> list[Incident]:
+    """``value`` as a list, or a ConfigError when it is not a sequence of Incident."""
+    try:
+        items = None if isinstance(value, (str, bytes)) else list(value)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(i, Incident) for i in items):
+        raise ConfigError("incidents", f"expected a sequence of Incident, got {type(value).__name__}",
+                          "pass load_run_log(path).incidents")
+    return items
 
 
 def _fmt_ratio(ratio: float | None) -> str:

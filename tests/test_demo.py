@@ -56,7 +56,7 @@ def test_demo_shows_preflight_guarded_and_unguarded_runs_and_writes_everything(t
     assert math.isfinite(guarded_loss) and math.isnan(unguarded_loss)
 
     # the event log: the pre-flight failed then passed, both faults were skipped, the burst was rolled back
-    events = list(read_events(out / "events.jsonl"))
+    events: list[Any] = list(read_events(out / "events.jsonl"))
     assert [e.status for e in events if e.kind == "preflight"] == ["FAIL", "PASS"]
     spikes = {e.step: e for e in events if e.kind == "spike"}
     assert spikes[16].reason == "nonfinite" and spikes[16].action == "skip"
