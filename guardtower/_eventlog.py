@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Sequence, Union
 
 from guardtower.errors import ConfigError
-from guardtower.events import EVENT_TYPES, Event, _decode, event_from_record
+from guardtower.events import EVENT_TYPES, Event, _decode, _type_hints, event_from_record
 from guardtower.severity import Severity
 
-__all__ = ["Malformed", "EventLog", "read_event_log", "event_files", "describe_malformed", "parse_record"]
+__all__ = ["Malformed", "EventLog", "read_event_log", "describe_malformed"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,6 @@ class EventLog:
     #: files that held at least one event
     files: list[Path] = field(default_factory=list)
     malformed: list[Malformed] = field(default_factory=list)
-    #: files under a directory that hold no guardtower event at all (another tool's JSONL)
-    foreign: list[Path] = field(default_factory=list)
 
 
 def describe_malformed(malformed: Sequence[Malformed]) -> str:
@@ -55,7 +53,7 @@ def describe_malformed(malformed: Sequence[Malformed]) -> str:
     return f"skipped {len(malformed)} malformed line(s){where}; first: {malformed[0]}"
 
 
-def event_files(path: Path) -> list[Path]:
+def _event_files(path: Path) -> list[Path]:
     """The file itself, or every ``*.jsonl`` under a directory, sorted."""
     return [path] if path.is_file() else sorted(p for p in path.rglob("*.jsonl") if p.is_file())
 
@@ -64,16 +62,14 @@ def read_event_log(path: Path) -> EventLog:
     """Read an event file, or every ``*.jsonl`` under a directory.
 
     A file named on the command line counts each bad line as malformed. Under a directory, a file with no
-    event at all is another tool's and is listed in ``foreign`` instead; its lines are not malformed.
+    event at all is another tool's (or a spool's acknowledgements): it is left out, its lines not counted.
     """
     log = EventLog()
     explicit = path.is_file()
-    for file in event_files(path):
+    for file in _event_files(path):
         events, malformed = _read_file(file)
         if events or explicit:
             log.malformed.extend(malformed)
-        else:
-            log.foreign.append(file)
         if events:
             log.files.append(file)
             log.events.extend(events)
@@ -117,24 +113,26 @@ def _parse_line(raw: bytes) -> Event:
         record = json.loads(text)
     except json.JSONDecodeError:
         raise _TornLine() from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {_JSON_NAMES.get(type(record), 'value')}, not an event object")
     if "kind" not in record and "event" in record:  # a dead-letter spool entry
         record = record["event"]
         if not isinstance(record, dict):
             raise ValueError("the spool entry's 'event' is not an event object")
-    return parse_record(record)
+    return _parse_record(record)
 
 
-def parse_record(record: dict[str, Any]) -> Event:
+def _parse_record(record: dict[str, Any]) -> Event:
     """The event a record describes; ValueError saying what is wrong when it describes none."""
     kind = record.get("kind")
     if kind is None:
         raise ValueError("no 'kind' field")
-    if kind not in EVENT_TYPES:
-        raise ValueError(f"unknown kind {kind!r}")
+    if not isinstance(kind, str) or kind not in EVENT_TYPES:
+        raise ValueError(f"unknown kind {_short(kind)}")
     cls = EVENT_TYPES[kind]
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in record and not _conforms(_decode(record[f.name]), hints[f.name]):
             raise ValueError(f"{kind} field {f.name!r} is {_short(record[f.name])}, not {_hint_name(hints[f.name])}")

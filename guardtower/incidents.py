@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from guardtower._argparse import ArgumentParser
 from guardtower._eventlog import Malformed, describe_malformed, read_event_log

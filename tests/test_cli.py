@@ -177,7 +177,7 @@ _json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                        st.sampled_from(["ERROR", "FAIL", "warn", "spike", "nonfinite"]))
 _json = st.recursive(_json_leaf, lambda inner: st.lists(inner, max_size=3)
                      | st.dictionaries(st.sampled_from(_FIELDS + ["$float"]), inner, max_size=3), max_leaves=8)
-_record = st.fixed_dictionaries({"kind": st.sampled_from(sorted(EVENT_TYPES) + ["bogus"])},
+_record = st.fixed_dictionaries({"kind": st.sampled_from(sorted(EVENT_TYPES) + ["bogus"]) | _json},
                                 optional={name: _json for name in _FIELDS if name != "kind"})
 
 
