@@ -35,6 +35,8 @@ from guardtower.severity import Severity
 __all__ = ["Incident", "RunLog", "load_run_log", "format_table", "main"]
 
 _REPORT_PREFIX = "guardtower.spike-report/"
+#: the most steps one rollback can undo that the report shades (rollback_every is 100 by default)
+_MAX_UNDONE = 100_000
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,10 @@ def _merge(log: RunLog, events: list[Event]) -> None:
                 log.layer_norms.setdefault(name, {})[step] = norm
             _merge_event_history(log, event)
         if isinstance(event, RollbackEvent):
-            log.skipped_steps.update(range(event.to_step + 1, event.from_step + 1))
+            undone = event.from_step - event.to_step
+            # a damaged record must not make the reader build an absurd range
+            log.skipped_steps.update(range(event.to_step + 1, event.from_step + 1) if 0 <= undone <= _MAX_UNDONE
+                                     else [event.from_step])
 
 
 def _merge_event_history(log: RunLog, event: SpikeEvent) -> None:

@@ -97,6 +97,14 @@ def test_a_spike_without_an_action_is_not_shown_as_skip(tmp_path: Path) -> None:
     assert code == 0 and "skip" not in out and "unknown" in out
 
 
+def test_a_damaged_rollback_record_cannot_make_report_hang(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    record = {"kind": "rollback", "step": 2**62, "from_step": 2**62, "to_step": 0, "layer": "fc"}
+    events.write_text(json.dumps(record) + "\n")
+    code, out, _ = _run("report", str(events))
+    assert code == 0 and "rollback" in out
+
+
 def test_a_torn_last_line_is_expected_after_a_crash_and_not_reported(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
     _write_events(events)
