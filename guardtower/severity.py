@@ -1,8 +1,9 @@
 """Severity levels shared by findings and events.
 
-People read ``FAIL``; ``events.jsonl`` and ``to_dict()`` write the enum name ``ERROR`` (files and dashboards
-written since the first release keep parsing). Every input (``Severity.parse``, ``--min-severity``, sink
-arguments, event records) accepts both spellings, case-insensitively.
+People read ``FAIL`` (``label``, also in ``Report.to_dict()``); an event record's ``severity`` in
+``events.jsonl`` is the enum name ``ERROR``, as it always was, so existing files and dashboards keep
+parsing. Every input (``Severity.parse``, ``--min-severity``, sink arguments, event records) accepts both
+spellings, case-insensitively.
 """
 
 from __future__ import annotations
