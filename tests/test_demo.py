@@ -102,9 +102,11 @@ def test_demo_trackers_keep_the_failed_preflight_visible_next_to_the_fix(tmp_pat
     assert "guardtower.preflight" not in training.tags and training.metrics["guardtower.skipped_steps"] >= 2
     assert {"loss", "unguarded_loss"} <= set(training.metrics)
 
-    summaries = [read_run(d).summary for d in sorted(out.glob("wandb/offline-run-*"))]
-    assert [s.get("guardtower/preflight") for s in summaries] == ["FAIL", "PASS", None]
-    assert summaries[2]["guardtower/total_skips"] >= 2
+    # W&B: three offline runs (their folders sort by start second, so match them by content)
+    summaries = [read_run(d).summary for d in out.glob("wandb/offline-run-*")]
+    assert sorted(str(s.get("guardtower/preflight")) for s in summaries) == ["FAIL", "None", "PASS"]
+    (training_summary,) = [s for s in summaries if "guardtower/preflight" not in s]
+    assert training_summary["guardtower/total_skips"] >= 2
 
 
 def test_demo_degrades_gracefully_without_optional_dependencies(tmp_path: Path) -> None:
