@@ -1,17 +1,20 @@
 """Step-time overhead of GuardedOptimizer, measured side by side in one process.
 
-The same model and base optimizer take blocks of plain steps (``base.step()``) and guarded steps
-(``guard.step()``), interleaved (the order alternates every repeat); each block is ``--steps`` full
-training steps (zero_grad, forward, backward, optimizer step), timed end to end (with a device synchronize
-at the block's end on CUDA). Reported: median step time of each, their ratio; the guard's own cost isolated
-(30 interleaved pairs of ``base.step()``/``guard.step()`` on the same gradients; on a loaded machine the
-end-to-end ratio drowns in noise, this one does not) and the ratio it implies; the cost of one
-``clip_grad_norm_(foreach=True)`` for reference, and on CUDA the host syncs per guarded step, counted with
-``torch.cuda.set_sync_debug_mode("warn")`` around ``guard.step()``, then one step under ``"error"`` mode.
+For each model, one set of weights and one fused AdamW take blocks of full training steps (zero_grad,
+forward, backward, optimizer step) through each variant — plain ``base.step()``, the guard with
+``nan_action="skip"`` (the default), ``"clip"`` with ``clip="global"`` and ``clip="per_tensor"``, and the skip guard with the lean
+``detector="ratio"`` (what the guard's mechanics cost without the default detector's statistics) —
+interleaved (the order rotates every repeat, so machine load hits every variant alike; a device synchronize
+ends each block on CUDA). Reported per variant: the median over repeats of (its block time / the plain block
+of the same repeat), and the guard's own cost isolated (interleaved ``base.step()``/``guard.step()`` pairs on
+the same gradients). Then the cost of BatchNorm protection (a BatchNorm CNN: the guard with and without
+``model=``), the tensor ops the guard adds to a step, counted with a ``TorchDispatchMode`` at 30 and 250
+parameter tensors (must not grow), and on CUDA the host syncs per guarded step, counted with
+``torch.cuda.set_sync_debug_mode("warn")``, then one step under ``"error"`` mode.
 
-    python bench/overhead.py                       # CPU: ~10M-parameter GPT-2, fused AdamW
+    python bench/overhead.py                       # CPU: ~7M and launch-bound ~0.2M GPT-2, BN CNN, op counts
     python bench/overhead.py --device cuda         # GPT-2 small (124M), bf16 autocast, fused AdamW, 8 x 1024
-    python bench/overhead.py --device cuda --model small   # a launch-bound 2-layer model
+    python bench/overhead.py --models tiny --repeats 30
 """
 
 from __future__ import annotations
@@ -23,21 +26,102 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from guardtower.guard import GuardedOptimizer  # noqa: E402
 
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every tensor op dispatched while active (what a step launches, before any kernel fusion);
+    ``tagged`` counts those dispatched while ``tagging`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.tagged = 0
+        self.tagging = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        self.tagged += self.tagging
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
+class OpCount(NamedTuple):
+    total: int  # ops a guarded step adds to a plain one
+    detector: int  # of which the detector's judge() and update()
+
+    @property
+    def mechanics(self) -> int:
+        return self.total - self.detector
+
+
+def added_ops(n_tensors: int, steps: int = 12, **guard_kwargs: Any) -> OpCount:
+    """Tensor ops a guard adds to one fused-AdamW step (guarded step minus plain step, same gradients).
+
+    The model is ``n_tensors // 2`` tiny linear layers, so the count shows what grows with the number of
+    parameter tensors and nothing else. ``steps`` warm the guard up first (its baselines are then seeded).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_tensors // 2)])
+    base = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard_kwargs.setdefault("log_dir", tempfile.mkdtemp(prefix="gt-ops-"))
+    guard = GuardedOptimizer(base, model, verbose=False, log_every=10**9, **guard_kwargs)
+    x = torch.randn(2, 4)
+    for _ in range(steps):
+        guard.zero_grad()
+        model(x).sum().backward()
+        guard.step()
+    guard.zero_grad()
+    model(x).sum().backward()
+    plain = count_ops(base.step)
+    counter = _OpCounter()
+    detector = guard.detector
+    for method in ("judge", "update"):
+        setattr(detector, method, _tagged(counter, getattr(detector, method)))
+    with counter:
+        guard.step()
+    guard.close()
+    return OpCount(counter.count - plain, counter.tagged)
+
+
+def _tagged(counter: _OpCounter, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        counter.tagging = True
+        try:
+            return fn(*args)
+        finally:
+            counter.tagging = False
+
+    return run
+
+
 MODELS: dict[str, dict[str, Any]] = {
     # name: GPT2Config overrides, batch, sequence length
-    "cpu10m": {"config": {"n_layer": 6, "n_embd": 320, "n_head": 8, "vocab_size": 8192, "n_positions": 128},
-               "batch": 4, "seq": 64},
+    "cpu7m": {"config": {"n_layer": 6, "n_embd": 288, "n_head": 6, "vocab_size": 4096, "n_positions": 128},
+              "batch": 4, "seq": 64},
+    "tiny": {"config": {"n_layer": 3, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 64},
+             "batch": 8, "seq": 64},
     "gpt2": {"config": {}, "batch": 8, "seq": 1024},
-    "small": {"config": {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 8192, "n_positions": 128},
-              "batch": 8, "seq": 128},
+}
+CPU_MODELS = ("cpu7m", "tiny")
+VARIANTS: dict[str, dict[str, Any]] = {
+    "skip": {},
+    "clip_global": {"nan_action": "clip", "clip": "global"},
+    "clip_per_tensor": {"nan_action": "clip", "clip": "per_tensor"},
+    # the same mechanics with the lean old detector (its false alarms only skip steps here: same cost)
+    "skip_ratio_detector": {"detector": "ratio", "max_consecutive_skips": None},
 }
 
 
@@ -58,7 +142,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_block(fn: Callable[[], None], steps: int, device: torch.device) -> float:
+def time_block(fn: Callable[[], Any], steps: int, device: torch.device) -> float:
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
@@ -91,26 +175,29 @@ def strict_sync_check(fn: Callable[[], None]) -> str:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--model", default=None, choices=sorted(MODELS))
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    name = args.model or ("gpt2" if device.type == "cuda" else "cpu10m")
-    repeats = args.repeats or (20 if device.type == "cuda" else 10)
-    steps = args.steps or (10 if device.type == "cuda" else 1)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, steps: int, device: torch.device) -> dict[str, list[float]]:
+    """Block times of every variant, the order rotated every repeat."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(time_block(fns[name], steps, device))
+    return times
 
+
+def ratios(times: dict[str, list[float]], reference: str) -> dict[str, float]:
+    """Per variant: the median over repeats of its block time / the reference block of the same repeat."""
+    return {name: statistics.median(t / p for t, p in zip(values, times[reference]))
+            for name, values in times.items() if name != reference}
+
+
+def gpt_overhead(name: str, device: torch.device, repeats: int, steps: int) -> None:
     model, tokens = build(name, device)
     n_params = sum(p.numel() for p in model.parameters())
     base = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    guard = GuardedOptimizer(base, model, log_dir=tempfile.mkdtemp(prefix="gt-overhead-"), verbose=False,
-                             log_every=10**9)
+    guards = {variant: GuardedOptimizer(base, model, log_dir=tempfile.mkdtemp(prefix="gt-overhead-"),
+                                        verbose=False, log_every=10**9, **kwargs)
+              for variant, kwargs in VARIANTS.items()}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def forward_backward() -> None:
@@ -118,62 +205,116 @@ def main(argv: list[str] | None = None) -> None:
             loss = model(tokens, labels=tokens).loss
         loss.backward()
 
-    def plain() -> None:
-        base.zero_grad(set_to_none=True)
-        forward_backward()
-        base.step()
+    def training_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            opt.zero_grad(set_to_none=True)
+            forward_backward()
+            opt.step()
 
-    def guarded() -> None:
-        guard.zero_grad(set_to_none=True)
-        forward_backward()
-        guard.step()
+        return run
 
-    for _ in range(3):  # warm up both paths (allocator, fused kernels, the guard's first steps)
-        plain()
-        guarded()
-    plain_times: list[float] = []
-    guarded_times: list[float] = []
-    for r in range(repeats):
-        order = [(plain, plain_times), (guarded, guarded_times)]
-        for fn, out in order if r % 2 == 0 else reversed(order):
-            out.append(time_block(fn, steps, device))
-    # adjacent blocks see the same machine load: the median of their ratios is robust to drifting load
-    paired = statistics.median(g / p for g, p in zip(guarded_times, plain_times))
+    fns = {"plain": training_step(base), **{v: training_step(g) for v, g in guards.items()}}
+    for fn in fns.values():  # warm up every path (allocator, fused kernels, the guards' first steps)
+        for _ in range(3):
+            fn()
+    times = interleaved(fns, repeats, steps, device)
+    step_ratios = ratios(times, "plain")
+    plain = statistics.median(times["plain"])
 
     # the guard's own cost, isolated: optimizer steps alone on the same gradients, interleaved in pairs
-    guard.zero_grad()
+    base.zero_grad()
     forward_backward()
-    opt_pairs = [(time_block(base.step, 1, device), time_block(guard.step, 1, device)) for _ in range(30)]
-    guard_cost = statistics.median(g - p for p, g in opt_pairs)
-    # and the clip_grad_norm_ reference, on the same gradients
-    clip = statistics.median(
-        time_block(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, foreach=True), 5, device)
-        for _ in range(5))
-    syncs = None
-    strict = ""
+    own = {v: statistics.median(time_block(g.step, 1, device) - time_block(base.step, 1, device) for _ in range(30))
+           for v, g in guards.items()}
+    print(f"\n== {name}: GPT-2, {n_params / 1e6:.2f}M params, {device.type}, threads {torch.get_num_threads()}, "
+          f"{repeats} repeats x {steps} steps; plain step {1e3 * plain:.2f} ms (median)")
+    for variant in guards:
+        print(f"  {variant:16s} step ratio {step_ratios[variant]:.4f} (median of per-repeat ratios)   guard's own "
+              f"cost {1e3 * own[variant]:7.3f} ms -> {1 + own[variant] / plain:.4f}")
     if device.type == "cuda":
-        per_step = []
-        for _ in range(5):
+        for variant, guard in guards.items():
+            per_step = []
+            for _ in range(5):
+                guard.zero_grad()
+                forward_backward()
+                per_step.append(count_syncs(guard.step))
             guard.zero_grad()
             forward_backward()
-            per_step.append(count_syncs(guard.step))
-        syncs = max(per_step)
-        guard.zero_grad()
-        forward_backward()
-        strict = strict_sync_check(guard.step)
-    guard.close()
+            print(f"  {variant:16s} host syncs per guarded step: {max(per_step)}; set_sync_debug_mode('error'): "
+                  f"{strict_sync_check(guard.step)}")
+    for guard in guards.values():
+        guard.close()
 
-    p, g = statistics.median(plain_times), statistics.median(guarded_times)
-    print(f"device {device.type}  model {name} ({n_params / 1e6:.1f}M params)  threads {torch.get_num_threads()}  "
-          f"repeats {repeats} x {steps} steps")
-    print(f"plain step    {1e3 * p:9.2f} ms (median)")
-    print(f"guarded step  {1e3 * g:9.2f} ms (median)")
-    print(f"ratio         {paired:9.4f}  (median of {repeats} adjacent-block ratios; ratio of medians {g / p:.4f})")
-    print(f"guard cost    {1e3 * guard_cost:9.2f} ms per step (median of 30 interleaved base.step/guard.step "
-          f"pairs) -> estimated ratio {1 + guard_cost / p:.4f}")
-    print(f"clip_grad_norm_(foreach=True) {1e3 * clip:.2f} ms = {clip / p:.4f} of a plain step (reference)")
-    if syncs is not None:
-        print(f"host syncs per guarded step: {syncs}; set_sync_debug_mode('error') around guard.step(): {strict}")
+
+def batchnorm_overhead(device: torch.device, repeats: int, steps: int) -> None:
+    """What BatchNorm protection costs: a BN CNN guarded with ``model=`` (protected) and without."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    channels = 3
+    for width in (16, 16, 32, 32, 64, 64):
+        layers += [torch.nn.Conv2d(channels, width, 3, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
+        channels = width
+    model = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(channels, 10)).to(device)
+    x = torch.randn(16, 3, 8, 8, device=device)
+    y = torch.randint(0, 10, (16,), device=device)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    protected = GuardedOptimizer(base, model, verbose=False, log_every=10**9,
+                                 log_dir=tempfile.mkdtemp(prefix="gt-overhead-"))
+    unprotected = GuardedOptimizer(base, None, verbose=False, log_every=10**9,
+                                   log_dir=tempfile.mkdtemp(prefix="gt-overhead-"))
+
+    def training_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        return run
+
+    fns = {"plain": training_step(base), "guard_no_model": training_step(unprotected),
+           "guard_bn_protected": training_step(protected)}
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times = interleaved(fns, repeats, steps, device)
+    step_ratios = ratios(times, "plain")
+    n_buffers = sum(1 for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)) * 3
+    print(f"\n== BatchNorm CNN, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {n_buffers} BN "
+          f"buffers; plain step {1e3 * statistics.median(times['plain']):.2f} ms")
+    for name, value in step_ratios.items():
+        print(f"  {name:20s} step ratio {value:.4f}")
+    print(f"  BN protection alone: {step_ratios['guard_bn_protected'] / step_ratios['guard_no_model']:.4f}; "
+          f"ops it adds per step: {count_ops(training_step(protected)) - count_ops(training_step(unprotected))}")
+    protected.close()
+    unprotected.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--no-bn", action="store_true", help="skip the BatchNorm protection measurement")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    names = args.models or (["gpt2"] if device.type == "cuda" else list(CPU_MODELS))
+    repeats = args.repeats or (20 if device.type == "cuda" else 12)
+    steps = args.steps or (10 if device.type == "cuda" else 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    print("tensor ops the guard adds to one fused-AdamW step (guarded minus plain; must not grow with tensors):")
+    for variant, kwargs in VARIANTS.items():
+        small, large = added_ops(30, **kwargs), added_ops(250, **kwargs)
+        print(f"  {variant:16s} 30 tensors: {small.total:3d} ({small.detector} in the detector)   "
+              f"250 tensors: {large.total:3d} ({large.detector} in the detector)")
+    for name in names:
+        gpt_overhead(name, device, repeats, steps)
+    if not args.no_bn:
+        batchnorm_overhead(device, repeats, steps)
 
 
 if __name__ == "__main__":

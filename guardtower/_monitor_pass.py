@@ -16,6 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from guardtower._readback import Fence, host_copy
+
 __all__ = ["Tracker", "PassResult", "Blame", "CHUNK_MAX_SLOTS", "CHUNK_MAX_BYTES", "MAX_LAG"]
 
 #: reduce the pending tensors once this many are held ...
@@ -49,18 +51,18 @@ class PassResult:
     parts: list[tuple[torch.Tensor, list[int]]]
     stale: list[bool]
     flag: torch.Tensor | None = None
-    ready_event: Any = None
+    fence: Fence | None = None
 
     def ready(self) -> bool:
         """True when reading ``flag`` will not wait for the device."""
-        return self.ready_event is None or bool(self.ready_event.query())
+        return self.fence is None or self.fence.done()
 
     def tripped(self) -> bool:
         """Read the pass flag (waits for the device only if ``ready()`` is False)."""
         if self.flag is None:
             return False
-        if self.ready_event is not None:
-            self.ready_event.synchronize()
+        if self.fence is not None:
+            self.fence.wait()
         return bool(self.flag)
 
     def blame(self, names: Sequence[str]) -> Blame | None:
@@ -177,14 +179,10 @@ class Tracker:
             with torch.no_grad():
                 verdicts = torch.cat([v.to(device, non_blocking=True) for v, _ in self._parts])
                 flag = verdicts.any()
-            if device.type == "cuda":
-                host = torch.empty((), dtype=torch.bool, pin_memory=True)
-                host.copy_(flag, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                result.flag, result.ready_event = host, event
-            else:
+            if device.type == "cpu":
                 result.flag = flag
+            else:
+                result.flag, result.fence = host_copy(flag), Fence(device)
         self.step += 1
         self._reset()
         return result

@@ -27,6 +27,7 @@ __all__ = [
     "BaseSink",
     "EventBus",
     "resolve_bus",
+    "check_sink",
     "add_tap",
     "remove_tap",
     "EXIT_FLUSH_TIMEOUT_S",
@@ -235,13 +236,7 @@ class EventBus:
 
     def add_sink(self, sink: Sink) -> None:
         """Attach a sink; raises ``ConfigError`` now for an object that cannot be one."""
-        for method in ("handle", "flush", "close"):
-            if not callable(getattr(sink, method, None)):
-                raise ConfigError(
-                    "sink",
-                    f"{type(sink).__name__} has no callable {method}()",
-                    "pass an object implementing the Sink protocol (subclass guardtower.bus.BaseSink)",
-                )
+        check_sink(sink)
         if self._closed:
             raise ConfigError("sink", "the bus is closed", "create a new EventBus")
         self._workers.append(_SinkWorker(sink))
@@ -340,6 +335,17 @@ def _call_sink(worker: _SinkWorker, method: str, timeout: float | None) -> Any:
     thread.start()
     thread.join(timeout)
     return result[0] if result else False
+
+
+def check_sink(sink: Any) -> None:
+    """Raise ``ConfigError`` for an object that cannot be a sink (without attaching it anywhere)."""
+    for method in ("handle", "flush", "close"):
+        if not callable(getattr(sink, method, None)):
+            raise ConfigError(
+                "sink",
+                f"{type(sink).__name__} has no callable {method}()",
+                "pass an object implementing the Sink protocol (subclass guardtower.bus.BaseSink)",
+            )
 
 
 def resolve_bus(bus: EventBus | None, sinks: Iterable[Sink] | None) -> tuple[EventBus, bool]:

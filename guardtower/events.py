@@ -31,6 +31,7 @@ __all__ = [
     "NonFiniteEvent",
     "HaltEvent",
     "SummaryEvent",
+    "StartEvent",
     "EVENT_TYPES",
     "event_from_record",
     "to_json",
@@ -228,6 +229,23 @@ class SummaryEvent(Event):
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StartEvent(Event):
+    """A guard took its first step: its settings, so that even a clean run leaves a record."""
+
+    kind: ClassVar[str] = "start"
+
+    optimizer: str = ""
+    detector: str = ""
+    nan_action: str = "skip"
+    spike_threshold: float = 0.0
+    warmup_steps: int = 0
+    tensors: int = 0
+    parameters: int = 0
+    device_decides: bool = False  # the skip reaches the optimizer on the device (zero host syncs)
+    settings: dict[str, Any] = field(default_factory=dict)  # the other settings (strings and numbers)
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -239,6 +257,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         NonFiniteEvent,
         HaltEvent,
         SummaryEvent,
+        StartEvent,
     )
 }
 

@@ -1,6 +1,6 @@
 """One rank of the 2-process gloo tests for GuardedOptimizer (run as a script by tests/test_guard_dist.py).
 
-Usage: python tests/_guard_dist_worker.py {ddp|fsdp2} RANK WORLD INIT_FILE OUT_DIR
+Usage: python tests/_guard_dist_worker.py {ddp|ddp_clip|fsdp2} RANK WORLD INIT_FILE OUT_DIR
 Writes OUT_DIR/rank{RANK}.pt with the skip steps, spike layers, counters and final parameters.
 """
 
@@ -44,7 +44,7 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
                             timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     model = make_model()
-    if mode == "ddp":
+    if mode.startswith("ddp"):
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
         base = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, fused=True)
     else:
@@ -56,7 +56,8 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
         wrapped = fully_shard(model)
         base = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     sink = InMemorySink()
-    guard = GuardedOptimizer(base, wrapped, log_dir=out / "logs", verbose=False, sinks=[sink], log_every=10)
+    guard = GuardedOptimizer(base, wrapped, log_dir=out / "logs", verbose=False, sinks=[sink], log_every=10,
+                             nan_action="clip" if mode == "ddp_clip" else "skip")
     reference_norms: dict[int, float] = {}
     for step in range(STEPS):
         guard.zero_grad()
@@ -81,9 +82,10 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
     result = {
         "skips": [e.step for e in sink.events if isinstance(e, SkipEvent)],
         "spikes": [(e.step, e.layer) for e in sink.events if isinstance(e, SpikeEvent)],
+        "clips": [e.step for e in sink.events if isinstance(e, SpikeEvent) and e.action == "clip"],
         "summary_norms": {e.step: e.grad_norm for e in sink.events if isinstance(e, SummaryEvent)},
         "reference_norms": reference_norms,
-        "counters": (guard.step_count, guard.total_spikes, guard.total_skips),
+        "counters": (guard.step_count, guard.total_spikes, guard.total_skips, guard.total_clips),
         "params": final,
     }
     torch.save(result, out / f"rank{rank}.pt")

@@ -103,3 +103,24 @@ def scale_grad(name: str, factor: float) -> Callable[[nn.Module], None]:
         dict(model.named_parameters())[name].grad.mul_(factor)
 
     return corrupt
+
+
+class SyncCounter:
+    """Counts host reads of tensor values (``bool``, ``item``, ``float``, ``int``) while active."""
+
+    NAMES = ("__bool__", "item", "__float__", "__int__")
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.calls = 0
+        self.active = False
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(original))
+
+    def _wrap(self, original: Any) -> Any:
+        def wrapper(t: torch.Tensor, *args: Any) -> Any:
+            if self.active:
+                self.calls += 1
+            return original(t, *args)
+
+        return wrapper

@@ -353,7 +353,7 @@ def test_end_to_end_with_audit_and_guarded_optimizer(tracking: str, tmp_path: Pa
     assert tags[f"{P}.last_incident"].startswith(f"kind=skip step={SPIKE_STEP} layer=2.")
     assert [s for s, _ in _history(tracking, rid, f"{P}.spike_ratio")] == [SPIKE_STEP]
     assert _history(tracking, rid, f"{P}.skipped_steps")[-1] == (20, 1.0)
-    (written,) = (tmp_path).glob("spike-step*.json")  # the guard's own report file ...
+    (written,) = (tmp_path).glob("spike_step*.json")  # the guard's own report file ...
     local = _client(tracking).download_artifacts(rid, f"{P}/spikes/{written.name}", str(tmp_path / "dl"))
     assert json.loads(Path(local).read_text()) == json.loads(written.read_text())  # ... is the artifact
     assert guard.total_spikes == 1 and not (tmp_path / "spool").exists()

@@ -15,7 +15,8 @@ from guardtower.errors import ConfigError, GradientSpikeError
 from guardtower.events import HaltEvent, SkipEvent, SpikeEvent, SummaryEvent
 from guardtower.guard import GuardedOptimizer, RatioDetector, read_report
 from guardtower.testing import InMemorySink, capture_events
-from tests._guard_helpers import OPTIMIZERS, TinyNet, backward, full_state, make, same_state, scale_grad, train
+from tests._guard_helpers import (OPTIMIZERS, SyncCounter, TinyNet, backward, full_state, make, same_state, scale_grad,
+                                  train)
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
@@ -68,10 +69,11 @@ def test_baseline_is_compared_before_update_and_never_absorbs_rejected_steps(tmp
         train(model, guard, 1, start=30, corrupt=lambda i, m: scale_grad("out.weight", 1e4)(m))
         guard.flush()
     after = guard.detector.state_dict()["state"]
-    assert all(torch.equal(baseline[k], after[k]) for k in baseline)
+    # only the count of consecutive trips ("run*", which lets a sustained shift be absorbed) may move
+    assert all(torch.equal(baseline[k], after[k]) for k in baseline if not k.startswith("run"))
     spike = next(e for e in events if isinstance(e, SpikeEvent))
     # a pre-update EMA (alpha 0.01) could never report a ratio above 1/alpha = 100
-    assert spike.ratio > 1000
+    assert spike.ratio > 1 / 0.01
     assert spike.layer == "out.weight"
 
 
@@ -90,14 +92,14 @@ def test_global_spike_of_many_moderate_layers_is_caught(tmp_path: Path) -> None:
     train(model, guard, 20)
 
     def all_up(i: int, m: torch.nn.Module) -> None:
-        for p in m.parameters():
-            p.grad.mul_(12.0)
+        for p in m.parameters():  # every share stays the same: only the global norm can see this
+            p.grad.mul_(30.0)
 
     with capture_events() as events:
         train(model, guard, 1, start=20, corrupt=all_up)
         guard.flush()
     assert guard.total_spikes == 1
-    assert any(isinstance(e, SpikeEvent) for e in events)
+    assert any(isinstance(e, SpikeEvent) and e.layer == "global" for e in events)
 
 
 def test_layers_are_named_from_the_model_or_by_group_and_index(tmp_path: Path) -> None:
@@ -122,7 +124,7 @@ def test_spike_report_is_strict_json_with_the_documented_fields(tmp_path: Path) 
     spike = next(e for e in events if isinstance(e, SpikeEvent))
     path = Path(spike.report_path or "")
     assert path.parent == (tmp_path / "logs").resolve()
-    assert path.name.startswith("spike-step00000041-rank0-") and path.suffix == ".json"
+    assert path.name.startswith("spike_step00000041-rank0-") and path.suffix == ".json"
     text = path.read_text()
 
     def refuse(token: str) -> Any:
@@ -146,7 +148,7 @@ def test_nonfinite_report_encodes_nan_without_nan_tokens(tmp_path: Path) -> None
     model, guard = make(tmp_path)
     train(model, guard, 5, corrupt=lambda i, m: m.inp.weight.grad.fill_(float("nan")) if i == 4 else None)
     guard.flush()
-    (path,) = (tmp_path / "logs").glob("spike-*.json")
+    (path,) = (tmp_path / "logs").glob("spike_step*.json")
     text = path.read_text()
     assert "NaN" not in text and "Infinity" not in text
     report = read_report(path)
@@ -158,7 +160,7 @@ def test_report_names_never_collide_for_the_same_step(tmp_path: Path) -> None:
         model, guard = make(tmp_path)
         train(model, guard, 5, corrupt=lambda i, m: m.inp.weight.grad.fill_(float("inf")) if i == 2 else None)
         guard.close()
-    assert len(list((tmp_path / "logs").glob("spike-step00000003-rank0-*.json"))) == 2
+    assert len(list((tmp_path / "logs").glob("spike_step00000003-rank0-*.json"))) == 2
 
 
 def test_raise_stops_before_the_update_and_publishes_a_halt(tmp_path: Path) -> None:
@@ -177,7 +179,7 @@ def test_raise_stops_before_the_update_and_publishes_a_halt(tmp_path: Path) -> N
     assert kinds.index("spike") < kinds.index("halt")
     halt = next(e for e in events if isinstance(e, HaltEvent))
     assert halt.layer == "out.weight" and "step 13" in halt.message
-    assert list((tmp_path / "logs").glob("spike-step00000013-*.json"))  # written before the raise returned
+    assert list((tmp_path / "logs").glob("spike_step00000013-*.json"))  # written before the raise returned
 
 
 def test_summary_every_log_every_steps_with_loss_and_counters(tmp_path: Path) -> None:
@@ -201,34 +203,13 @@ def test_events_reach_the_bus_within_two_steps_with_a_fused_optimizer(tmp_path: 
     assert any(isinstance(e, SpikeEvent) and e.step == 16 for e in events)
 
 
-class _SyncCounter:
-    """Counts host reads of tensor values (``bool``, ``item``, ``float``, ``int``) while active."""
-
-    NAMES = ("__bool__", "item", "__float__", "__int__")
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        self.active = False
-        for name in self.NAMES:
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(original))
-
-    def _wrap(self, original: Any) -> Any:
-        def wrapper(t: torch.Tensor, *args: Any) -> Any:
-            if self.active:
-                self.calls += 1
-            return original(t, *args)
-
-        return wrapper
-
-
 @pytest.mark.parametrize(("opt", "expected"), [("adamw_fused", 0), ("sgd_fused", 0), ("adamw_foreach", 1),
                                                ("sgd_momentum", 1)])
 def test_host_reads_per_step_zero_for_fused_one_otherwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           opt: str, expected: int) -> None:
     model, guard = make(tmp_path, opt, log_every=1000)
     train(model, guard, 12)
-    counter = _SyncCounter(monkeypatch)
+    counter = SyncCounter(monkeypatch)
     base_step = guard.base_optimizer.step
 
     def uncounted_base_step(*args: Any, **kwargs: Any) -> Any:  # the base optimizer's own reads are not ours

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from guardtower.errors import ConfigError
-from guardtower.guard import PreUpdateEMADetector, RatioDetector, RollingSigmaDetector, ZScoreDetector
-from guardtower.guard.detector import Detector
+from guardtower.guard import GuardedOptimizer, PreUpdateEMADetector, RatioDetector, RollingSigmaDetector, ZScoreDetector
+from guardtower.guard.detector import AutoDetector, Detector, make_detector
 
 
 def feed(detector: Detector, norms: torch.Tensor) -> tuple[bool, torch.Tensor]:
     """One guarded step as the optimizer does it: judge, then update only when accepted."""
     global_norm = torch.linalg.vector_norm(norms)
-    verdict = detector.judge(norms, global_norm)
+    loss = torch.tensor(math.nan)
+    verdict = detector.judge(norms, global_norm, loss)
     spike = verdict.spike
-    detector.update(norms, global_norm, ~spike)
+    detector.update(norms, global_norm, loss, ~spike)
     return bool(spike), verdict.ratios
 
 
@@ -26,7 +29,7 @@ def noisy(n: int, step: int) -> torch.Tensor:
     return torch.exp(torch.randn(n, generator=gen) * 0.2) * torch.tensor([1.0, 2.0, 0.5, 3.0])[:n]
 
 
-ALL = [lambda: RatioDetector(10.0, 0.01, 10), lambda: ZScoreDetector(6.0, 0.01, 10),
+ALL = [lambda: AutoDetector(), lambda: RatioDetector(10.0, 0.01, 10), lambda: ZScoreDetector(6.0, 0.01, 10),
        lambda: PreUpdateEMADetector(10.0, 0.01, 10), lambda: RollingSigmaDetector(128, 6.0, 10)]
 
 
@@ -78,7 +81,7 @@ def test_a_non_finite_norm_never_enters_a_baseline() -> None:
         feed(detector, noisy(4, s))
     bad = noisy(4, 10)
     bad[1] = math.nan
-    detector.update(bad, torch.linalg.vector_norm(bad), torch.tensor(True))
+    detector.update(bad, torch.linalg.vector_norm(bad), torch.tensor(math.nan), torch.tensor(True))
     assert all(torch.isfinite(v).all() for v in detector.state_dict()["state"].values())
 
 
@@ -114,3 +117,228 @@ def test_rolling_sigma_window_forgets_old_steps() -> None:
     for s in range(20):
         feed(detector, torch.tensor([1.0 + 0.01 * (s % 3)]))
     assert feed(detector, torch.tensor([5.0]))[0]
+
+
+@pytest.mark.parametrize("factory", ALL[1:])  # AutoDetector: test_limits_follow_shares_back_to_norms
+def test_limits_are_the_largest_norms_that_pass(factory: object) -> None:
+    detector = factory()  # type: ignore[operator]
+    detector.resize(4, torch.device("cpu"))
+    for s in range(60):
+        feed(detector, noisy(4, s))
+    norms = noisy(4, 60)
+    nan = torch.tensor(math.nan)
+    limits = detector.judge(norms, torch.linalg.vector_norm(norms), nan).limits
+    assert torch.isfinite(limits).all()
+    for i in range(4):
+        for factor, trips in ((0.98, False), (1.02, True)):
+            probe = norms.clone()
+            probe[i] = limits[i] * factor
+            # the global norm is held at its healthy value so only tensor i is judged against its limit
+            assert bool(detector.judge(probe, torch.linalg.vector_norm(norms), nan).tripped[i]) is trips
+
+
+@pytest.mark.parametrize("factory", ALL)
+def test_limits_are_infinite_before_warmup(factory: object) -> None:
+    detector = factory()  # type: ignore[operator]
+    detector.resize(4, torch.device("cpu"))
+    norms = noisy(4, 0)
+    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(math.nan))
+    assert torch.isinf(verdict.limits).all() and torch.isinf(verdict.global_limit)
+    assert not bool(verdict.loss_tripped) and not bool(verdict.absorbed)
+
+
+# ---------------------------------------------------------------- the default: AutoDetector
+def stream(detector: Detector, steps: range, n: int = 4, scale: dict[int, float] | None = None,
+           tensor: int | None = 2, loss: dict[int, float] | None = None) -> list[tuple[bool, bool]]:
+    """Feed noisy steps (``scale[step]`` multiplies ``tensor``, or every norm when None); (rejected, absorbed)."""
+    out = []
+    for s in steps:
+        norms = noisy(n, s)
+        factor = (scale or {}).get(s)
+        if factor is not None:
+            if tensor is None:
+                norms = norms * factor
+            else:
+                norms[tensor] *= factor
+        global_norm = torch.linalg.vector_norm(norms)
+        value = torch.tensor((loss or {}).get(s, 2.0 * (1 + 0.02 * math.sin(s))))
+        verdict = detector.judge(norms, global_norm, value)
+        detector.update(norms, global_norm, value, ~verdict.spike)
+        out.append((bool(verdict.spike), bool(verdict.absorbed)))
+    return out
+
+
+def auto(n: int = 4, **kwargs: object) -> AutoDetector:
+    detector = AutoDetector(**kwargs)  # type: ignore[arg-type]
+    detector.resize(n, torch.device("cpu"))
+    return detector
+
+
+def test_the_guard_uses_the_auto_detector_by_default(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, log_dir=tmp_path)
+    assert isinstance(guard.detector, AutoDetector) and guard.detector.threshold == 10.0
+
+
+def test_warmup_zero_lets_the_first_observation_seed_the_baseline() -> None:
+    detector = auto(warmup_steps=0)
+    first = noisy(4, 0) * 1e3  # whatever the first step looks like, there is nothing to compare it with
+    verdict = detector.judge(first, torch.linalg.vector_norm(first), torch.tensor(2.0))
+    assert not bool(verdict.spike) and torch.isinf(verdict.limits).all()
+    detector.update(first, torch.linalg.vector_norm(first), torch.tensor(2.0), ~verdict.spike)
+    assert torch.isfinite(detector.judge(first, torch.linalg.vector_norm(first), torch.tensor(2.0)).limits).all()
+    # from the second step on it judges: ordinary noise passes, a x1e4 jump on one tensor does not
+    assert stream(detector, range(1, 30), scale={20: 1e4}) == [(s == 20, False) for s in range(1, 30)]
+
+
+def test_warmup_zero_guard_trains_and_updates_from_the_first_step(tmp_path: Path) -> None:
+    from tests._guard_helpers import make, train
+
+    model, guard = make(tmp_path, warmup_steps=0)
+    before = model.inp.weight.detach().clone()
+    train(model, guard, 1)
+    assert not torch.equal(before, model.inp.weight)
+    train(model, guard, 29, start=1)
+    guard.flush()
+    assert guard.total_spikes == 0 and guard.step_count == 30
+
+
+def test_a_sustained_level_shift_is_absorbed_after_absorb_after_rejections() -> None:
+    detector = auto(absorb_after=8)
+    shifted = {s: 30.0 for s in range(100, 300)}  # e.g. the loss reduction changed from mean to sum
+    out = stream(detector, range(300), scale=shifted, tensor=None)
+    rejected = [s for s, (r, _) in zip(range(300), out) if r]
+    absorbed = [s for s, (_, a) in zip(range(300), out) if a]
+    assert rejected == list(range(100, 107)) and absorbed == [107]  # 7 skipped, the 8th accepted
+    assert not any(r for r, _ in out[108:])  # the new level is the baseline now
+
+
+def test_repeated_spikes_are_never_absorbed() -> None:
+    every_50 = {s: 1e3 for s in range(60, 400, 50)}
+    out = stream(auto(), range(400), scale=every_50)
+    assert [s for s, (r, _) in zip(range(400), out) if r] == sorted(every_50)
+    for run in (3, 7):  # up to absorb_after - 1 in a row: all rejected
+        spikes = {s: 1e3 for s in range(100, 100 + run)}
+        out = stream(auto(), range(150), scale=spikes)
+        assert [s for s, (r, _) in zip(range(150), out) if r] == sorted(spikes)
+    # a run that keeps growing is no level shift: rejected for as long as it lasts
+    growing = {100 + k: 100.0 * 3 ** k for k in range(15)}
+    out = stream(auto(), range(130), scale=growing)
+    assert [s for s, (r, _) in zip(range(130), out) if r] == sorted(growing) and not any(a for _, a in out)
+
+
+def test_a_loss_spike_is_caught_with_unchanged_gradients() -> None:
+    detector = auto()
+    out = stream(detector, range(80), loss={60: 4.5})
+    assert [s for s, (r, _) in zip(range(80), out) if r] == [60]
+    norms = noisy(4, 80)
+    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(30.0))
+    assert bool(verdict.loss_tripped) and not bool(verdict.tripped.any()) and not bool(verdict.global_tripped)
+
+
+def test_a_missing_loss_neither_trips_nor_enters_the_baseline() -> None:
+    detector = auto()
+    stream(detector, range(50))
+    before = {k: v.clone() for k, v in detector.state_dict()["state"].items()}
+    norms = noisy(4, 50)
+    nan = torch.tensor(math.nan)
+    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), nan)
+    assert not bool(verdict.loss_tripped) and not bool(verdict.spike)
+    detector.update(norms, torch.linalg.vector_norm(norms), nan, ~verdict.spike)
+    after = detector.state_dict()["state"]
+    assert all(torch.equal(before[k][-1], after[k][-1]) for k in before)  # the loss slot is last
+
+
+def test_spike_threshold_is_honoured() -> None:
+    spike = {60: 6.0}  # every gradient x6: a common-mode jump only the global norm sees
+    assert not any(r for r, _ in stream(auto(threshold=10.0), range(80), scale=spike, tensor=None))
+    assert [s for s, (r, _) in zip(range(80), stream(auto(threshold=3.0), range(80), scale=spike, tensor=None))
+            if r] == [60]
+    assert make_detector("zscore", spike_threshold=3.0, ema_alpha=0.01, warmup_steps=10, norm_floor=1e-3).threshold == 3.0
+    assert make_detector("auto", spike_threshold=4.0, ema_alpha=0.01, warmup_steps=10, norm_floor=1e-3).threshold == 4.0
+
+
+def test_the_zscore_guard_uses_the_spike_threshold_it_was_given(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, detector="zscore",
+                             spike_threshold=3.0, verbose=False, log_dir=tmp_path)
+    assert guard.detector.threshold == 3.0
+
+
+def test_limits_follow_shares_back_to_norms() -> None:
+    detector = auto()
+    stream(detector, range(60))
+    norms = noisy(4, 60)
+    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(2.0))
+    for i in range(4):
+        for factor, trips in ((0.98, False), (1.02, True)):
+            probe = norms.clone()
+            probe[i] = verdict.limits[i] * factor
+            assert bool(detector.judge(probe, torch.linalg.vector_norm(probe), torch.tensor(2.0)).tripped[i]) is trips
+
+
+def test_auto_state_dict_round_trip_continues_identically() -> None:
+    a = auto()
+    stream(a, range(70), scale={40: 1e3, 50: 30.0})
+    b = auto()
+    b.load_state_dict(a.state_dict())
+    assert stream(a, range(70, 120), scale={100: 1e3}) == stream(b, range(70, 120), scale={100: 1e3})
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda s: s.pop("state"),
+        lambda s: s["state"].pop("peak"),
+        lambda s: s["state"].update(mean=torch.zeros(3)),
+        lambda s: s["state"].update(var=[0.0] * 6),
+        lambda s: s.update(n=5),
+        lambda s: s.update(name="ratio"),
+    ],
+)
+def test_load_state_dict_validates_everything_before_changing_anything(corrupt: Any) -> None:
+    detector = auto()
+    stream(detector, range(30))
+    before = {k: v.clone() for k, v in detector.state_dict()["state"].items()}
+    saved = detector.state_dict()
+    corrupt(saved)
+    with pytest.raises(ConfigError) as info:
+        detector.load_state_dict(saved)
+    assert info.value.argument == "state_dict"
+    after = detector.state_dict()["state"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"threshold": 0.0}, "spike_threshold"),
+        ({"threshold": float("inf")}, "spike_threshold"),
+        ({"sigmas": -1.0}, "sigmas"),
+        ({"loss_ratio": 1.0}, "loss_ratio"),
+        ({"absorb_after": 1}, "absorb_after"),
+        ({"absorb_after": 2.5}, "absorb_after"),
+        ({"floor": 1.5}, "norm_floor"),
+        ({"ema_alpha": 0.0}, "ema_alpha"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+    ],
+)
+def test_auto_bad_arguments_name_the_argument(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        AutoDetector(**kwargs)
+    assert info.value.argument == argument and "Fix:" in str(info.value)
+
+
+def test_auto_judge_and_update_never_read_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests._guard_helpers import SyncCounter
+
+    detector = auto()
+    stream(detector, range(20))
+    counter = SyncCounter(monkeypatch)
+    norms = noisy(4, 20)
+    global_norm = torch.linalg.vector_norm(norms)
+    counter.active = True
+    verdict = detector.judge(norms, global_norm, torch.tensor(2.0))
+    detector.update(norms, global_norm, torch.tensor(2.0), ~verdict.spike)
+    counter.active = False
+    assert counter.calls == 0

@@ -45,14 +45,26 @@ def test_ddp_ranks_skip_together_and_stay_identical(tmp_path: Path) -> None:
     r0, r1 = run_world("ddp", tmp_path)
     # step 21: a spiking local batch on rank 1; 36: rank-local corruption on rank 1; 43: NaN on rank 0 only
     assert r0["skips"] == r1["skips"] == [21, 36, 43]
-    assert r0["counters"] == r1["counters"] == (50, 3, 3)
+    assert r0["counters"] == r1["counters"] == (50, 3, 3, 0)
     assert dict(r0["spikes"])[36] == "peer-rank" and dict(r1["spikes"])[36] == "2.weight"
     assert dict(r0["spikes"])[43] == "0.weight" and dict(r1["spikes"])[43] == "peer-rank"
     assert r0["params"].keys() == r1["params"].keys()
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
     assert all(torch.isfinite(v).all() for v in r0["params"].values())
-    reports = sorted(p.name for p in (tmp_path / "logs").glob("spike-*.json"))
+    reports = sorted(p.name for p in (tmp_path / "logs").glob("spike_step*.json"))
     assert sum("-rank0-" in n for n in reports) == 3 and sum("-rank1-" in n for n in reports) == 3
+
+
+@pytest.mark.slow
+def test_ddp_clip_scales_a_shared_spike_alike_and_skips_a_rank_local_one(tmp_path: Path) -> None:
+    r0, r1 = run_world("ddp_clip", tmp_path)
+    # step 21: the spiking batch reaches every rank through the all-reduce: clipped by one agreed factor;
+    # 36: only rank 1's gradients spike (no common factor can fix that): skipped; 43: NaN on rank 0: skipped
+    assert r0["clips"] == r1["clips"] == [21]
+    assert r0["skips"] == r1["skips"] == [36, 43]
+    assert r0["counters"] == r1["counters"] == (50, 3, 2, 1)
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    assert all(torch.isfinite(v).all() for v in r0["params"].values())
 
 
 @pytest.mark.slow

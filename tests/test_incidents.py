@@ -93,7 +93,7 @@ def _guarded_run(log_dir: Path) -> None:
 def test_log_dir_of_a_real_guarded_run_lists_each_incident_once(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     _guarded_run(tmp_path)
-    assert len(list(tmp_path.glob("spike-*.json"))) == 2
+    assert len(list(tmp_path.glob("spike_step*.json"))) == 2
     log = load_run_log(tmp_path)  # the event log and the spike reports describe the same two incidents
     assert [(i.step, i.kind, i.action) for i in log.incidents] == [(15, "spike", "skip"), (20, "nonfinite", "skip")]
     assert log.incidents[0].ratio is not None and log.incidents[0].ratio > 10

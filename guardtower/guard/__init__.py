@@ -1,6 +1,7 @@
 """The runtime guard: ``GuardedOptimizer`` and its pluggable parts (detectors, actions, snapshots, reports)."""
 
 from guardtower.guard.detector import (
+    AutoDetector,
     Detector,
     PreUpdateEMADetector,
     RatioDetector,
@@ -15,6 +16,7 @@ __all__ = [
     "GuardedOptimizer",
     "Detector",
     "Verdict",
+    "AutoDetector",
     "RatioDetector",
     "ZScoreDetector",
     "PreUpdateEMADetector",

@@ -1,4 +1,8 @@
-"""Per-tensor gradient norms in one multi-tensor pass per (device, dtype), kept on the device."""
+"""Per-tensor gradient norms in one multi-tensor pass per (device, dtype), kept on the device.
+
+The same grouping scales the gradients for ``nan_action="clip"``: one multi-tensor multiply per group,
+with the factor as a device tensor, so neither measuring nor clipping reads anything on the host.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 __all__ = ["GradMeter"]
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
 
 def _dtensor_type() -> Any:
     try:
@@ -20,11 +26,12 @@ def _dtensor_type() -> Any:
 
 
 class GradMeter:
-    """Measure ``||p.grad||_2`` for every parameter, in float32, on ``device``, without a host sync.
+    """Measure ``||p.grad||_2`` for every parameter, as float32 on ``device``, without a host sync.
 
-    A parameter without a gradient measures 0. Gradients that are FSDP2 shards (DTensors with a ``Shard``
-    placement) are measured locally and their squares summed across ``process_group``, so every rank sees
-    the full norms.
+    A parameter without a gradient measures 0. Half-precision gradients are accumulated in float32;
+    float64 and complex ones are measured in their own precision (a complex norm is the norm of the
+    magnitudes) and then cast. Gradients that are FSDP2 shards (DTensors with a ``Shard`` placement) are
+    measured locally and their squares summed across ``process_group``, so every rank sees the full norms.
     """
 
     def __init__(self, device: torch.device, process_group: Any = None) -> None:
@@ -34,39 +41,105 @@ class GradMeter:
         self._dtensor = _dtensor_type()
         self._mask_key: tuple[int, ...] = ()
         self._mask: Tensor | None = None
+        # the gradients of the last ``norms`` call, grouped, for ``scale``: (tensors, positions, device)
+        self._groups: list[tuple[list[Tensor], list[int], torch.device]] = []
+        self._sparse: list[tuple[Tensor, int]] = []
+        self._index: dict[tuple[int, ...], Tensor] = {}
+        self._layout_key: tuple[int, int, int] = (-1, 0, 0)
+        self._plain = False
 
     def norms(self, params: list[Tensor]) -> Tensor:
+        grads = [p.grad for p in params]
+        if self._plain_layout(params) and all(g is not None for g in grads):
+            # every parameter has a dense gradient of one device and dtype: one multi-tensor pass, no regrouping
+            tensors: list[Tensor] = grads  # type: ignore[assignment]
+            device, dtype = tensors[0].device, tensors[0].dtype
+            self._groups = [(tensors, list(range(len(tensors))), device)]
+            self._sparse = []
+            values = self._group_norms(tensors, dtype)
+            norms = torch.stack(values)
+            if device != self.device:
+                norms = norms.to(self.device, non_blocking=True)
+            return norms if norms.dtype == torch.float32 else norms.to(torch.float32)
+        return self._norms_general(params, grads)
+
+    def _plain_layout(self, params: list[Tensor]) -> bool:
+        """All parameters dense, of one device and dtype, not DTensors (checked once per parameter list)."""
+        key = (len(params), id(params[0]) if params else 0, id(params[-1]) if params else 0)
+        if key != self._layout_key:
+            self._layout_key = key
+            first = params[0] if params else None
+            self._plain = first is not None and all(
+                p.device == first.device and p.dtype == first.dtype and p.layout == torch.strided
+                and not (self._dtensor is not None and isinstance(p, self._dtensor)) for p in params)
+        return self._plain
+
+    def _norms_general(self, params: list[Tensor], all_grads: list[Tensor | None]) -> Tensor:
         grads: list[Tensor] = []
         positions: list[int] = []
         sharded: list[int] = []
-        for i, p in enumerate(params):
-            g = p.grad
+        self._sparse = []
+        for i, g in enumerate(all_grads):
             if g is None:
                 continue
             if self._dtensor is not None and isinstance(g, self._dtensor):
                 if any(placement.is_shard() for placement in g.placements):
                     sharded.append(i)
                 g = g.to_local()
-            if g.is_sparse:
-                g = g.coalesce()._values()
-            grads.append(g.detach())
+            if g.is_sparse:  # rare (sparse embeddings): measured and scaled on its own
+                self._sparse.append((g, i))
+                continue
+            grads.append(g)  # under no_grad: a gradient is never part of a graph, no detach needed
             positions.append(i)
         ordered: list[Tensor] = [self._zero] * len(params)
+        self._groups = []
         if grads:
-            groups = _group_tensors_by_device_and_dtype([list(grads)], True)
+            groups = _group_tensors_by_device_and_dtype([list[Tensor | None](grads)], True)
             for (device, dtype), ((tensors,), indices) in groups.items():
-                if dtype == torch.float32:
-                    values = list(torch._foreach_norm(tensors, 2))  # type: ignore[arg-type]
-                else:  # accumulate low-precision gradients in float32
-                    values = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))  # type: ignore[arg-type]
+                at = [positions[k] for k in indices]
+                self._groups.append((tensors, at, device))  # type: ignore[arg-type]
+                values = self._group_norms(tensors, dtype)  # type: ignore[arg-type]
                 if device != self.device:
                     values = list(torch.stack(values).to(self.device, non_blocking=True).unbind(0))
-                for k, v in zip(indices, values):
-                    ordered[positions[k]] = v
+                for k, v in zip(at, values):
+                    ordered[k] = v
+        for g, i in self._sparse:
+            value = self._group_norms([g.coalesce()._values()], g.dtype)[0]
+            ordered[i] = value.to(self.device, non_blocking=True)
         norms = torch.stack(ordered) if ordered else torch.zeros(0, device=self.device)
+        if norms.dtype != torch.float32:
+            norms = norms.to(torch.float32)
         if sharded:
             norms = self._reduce_shards(norms, tuple(sharded))
         return norms
+
+    @staticmethod
+    def _group_norms(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+        if dtype in _LOW_PRECISION:
+            return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        return list(torch._foreach_norm(tensors, 2))  # float32; float64/complex128 are cast once, after stacking
+
+    @torch.no_grad()
+    def scale(self, factor: Tensor) -> None:
+        """Multiply the gradients measured last by ``factor``: a 0-d tensor, or one entry per parameter."""
+        per_tensor = factor.dim() == 1
+        for tensors, at, device in self._groups:
+            if per_tensor:
+                local = factor if device == self.device else factor.to(device, non_blocking=True)
+                if len(at) != local.shape[0] or at != list(range(len(at))):
+                    local = local.index_select(0, self._positions(tuple(at), device))
+                torch._foreach_mul_(tensors, list(local.unbind(0)))
+            else:
+                local = factor if device == self.device else factor.to(device, non_blocking=True)
+                torch._foreach_mul_(tensors, local)
+        for g, i in self._sparse:
+            g.mul_(factor[i] if per_tensor else factor)
+
+    def _positions(self, at: tuple[int, ...], device: torch.device) -> Tensor:
+        index = self._index.get(at)
+        if index is None or index.device != device:
+            index = self._index[at] = torch.tensor(at, dtype=torch.long, device=device)
+        return index
 
     def _reduce_shards(self, norms: Tensor, sharded: tuple[int, ...]) -> Tensor:
         import torch.distributed as dist

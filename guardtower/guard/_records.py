@@ -1,8 +1,8 @@
 """Step records: one packed float32 vector per step, carried to the host without making it wait.
 
-On CUDA each vector is copied with ``non_blocking=True`` into a pinned buffer of a small ring and fenced with
-an event; ``ready()`` hands back the records whose event has completed, oldest first. On the CPU the vector
-already lives in host memory. ``ready()`` waits only for records more than ``max_lag`` steps old, which
+On an accelerator each vector is copied into a pinned buffer of a small ring and fenced
+(``guardtower._readback``); ``ready()`` hands back the records whose fence is done, oldest first. On the CPU
+the vector already lives in host memory and is ready at once. ``ready()`` waits only for records more than ``max_lag`` steps old, which
 keeps the host at most ``max_lag`` steps ahead of its event reporting.
 """
 
@@ -10,28 +10,36 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
-import torch
 from torch import Tensor
+
+from guardtower._readback import Fence, host_copy
 
 __all__ = ["HEADER", "Header", "StepRecord", "RecordQueue"]
 
 class Header(NamedTuple):
     """The fields at the start of every record; per-tensor norms, ratios, baselines, tripped flags follow.
 
-    ``reject``, ``spike`` and ``nonfinite`` are agreed across ranks; ``global_tripped`` is this rank's.
+    The first four are agreed across ranks (set if set on any rank): ``reject`` (spike or non-finite),
+    ``skip`` (the update was not applied), ``grad_spike`` (the gradients, not only the loss, tripped) and
+    ``nonfinite``; the detector's ``global_tripped``/``loss_tripped``/``absorbed`` are this rank's.
+    ``scale`` is the factor ``nan_action="clip"`` multiplied the gradients by (the smallest one per tensor).
     """
 
     reject: float
-    spike: float
+    skip: float
+    grad_spike: float
     nonfinite: float
+    global_tripped: float
+    loss_tripped: float
+    absorbed: float
     overflow: float
     global_norm: float
     global_baseline: float
     global_ratio: float
     loss: float
-    global_tripped: float
+    scale: float
 
 
 HEADER = Header._fields
@@ -40,8 +48,8 @@ HEADER = Header._fields
 @dataclass
 class StepRecord:
     step: int
-    data: Tensor  # host float32 vector; valid once ``event`` (if any) has completed
-    event: Any
+    data: Tensor  # host float32 vector; valid once ``fence`` is done
+    fence: Fence | None
     n: int
     lr: float | None
     loss: float | None  # a loss given as a Python number
@@ -51,11 +59,11 @@ class StepRecord:
         return Header(*self.data[:len(HEADER)].tolist())
 
     def done(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        return self.fence is None or self.fence.done()
 
     def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+        if self.fence is not None:
+            self.fence.wait()
 
 
 class RecordQueue:
@@ -69,29 +77,26 @@ class RecordQueue:
 
     def push(self, step: int, vec: Tensor, n: int, lr: float | None, loss: float | None,
              loss_on_device: bool) -> None:
-        event = None
+        fence = None
         if vec.device.type == "cpu":
             data = vec
         else:
             slot = self._next % len(self._ring)
             self._next += 1
-            buf = self._ring[slot]
-            if buf is None or buf.shape != vec.shape:
-                buf = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
-                self._ring[slot] = buf
-            buf.copy_(vec, non_blocking=True)
-            data = buf
-            if vec.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-        self._pending.append(StepRecord(step, data, event, n, lr, loss, loss_on_device))
+            data = self._ring[slot] = host_copy(vec, self._ring[slot])
+            fence = Fence(vec.device)
+        self._pending.append(StepRecord(step, data, fence, n, lr, loss, loss_on_device))
 
-    def ready(self, block: bool = False) -> Iterator[StepRecord]:
-        """Pop the records that can be read now (all of them when ``block``)."""
+    def ready(self, block: bool = False, wait_for_old: bool = True) -> Iterator[StepRecord]:
+        """Pop the records that can be read now, oldest first.
+
+        ``block`` waits for all of them; otherwise a record more than ``max_lag`` steps old is waited for
+        (``wait_for_old``), or never waited for at all.
+        """
         while self._pending:
             record = self._pending[0]
             if not record.done():
-                if not block and len(self._pending) <= self.max_lag:
+                if not block and (not wait_for_old or len(self._pending) <= self.max_lag):
                     return
                 record.wait()
             yield self._pending.popleft()

@@ -1,4 +1,4 @@
-"""What the guard does with a rejected step, and how a skip reaches the optimizer.
+"""What the guard does with a rejected step, how a skip reaches the optimizer, and how much a clip scales.
 
 Two ways to skip an update:
 
@@ -10,6 +10,9 @@ Two ways to skip an update:
 * **On the host** (one sync per step). Any other optimizer: the guard reads its decision flag once and does
   not call ``step`` on a rejected step. Never multiply an update by zero: ``0 * NaN`` is NaN and would poison
   Adam's moments.
+
+``nan_action="clip"`` scales a finite spike down to what the detector would have accepted (its ``limits``)
+before the update, with a factor computed on the device; NaN/Inf and a spike of the loss alone are skipped.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from torch import Tensor
 
 from guardtower.errors import ConfigError
 
-__all__ = ["Action", "ACTIONS", "ActionPolicy", "supports_device_skip", "device_skip"]
+__all__ = ["Action", "ACTIONS", "CLIP_MODES", "ActionPolicy", "clip_factor", "supports_device_skip", "device_skip"]
 
-Action = Literal["skip", "rollback", "raise"]
-ACTIONS: tuple[str, ...] = ("skip", "rollback", "raise")
+Action = Literal["skip", "clip", "rollback", "raise"]
+ACTIONS: tuple[str, ...] = ("skip", "clip", "rollback", "raise")
+CLIP_MODES: tuple[str, ...] = ("global", "per_tensor")
 
 
 class ActionPolicy:
@@ -47,16 +51,37 @@ class ActionPolicy:
         self.escalate_to: Action = escalate_to  # type: ignore[assignment]
 
     def action(self, consecutive_rejections: int) -> Action:
-        """The action for a rejected step that is the ``consecutive_rejections``-th in a row (1-based)."""
-        if (self.nan_action == "skip" and self.max_consecutive_skips is not None
-                and consecutive_rejections > self.max_consecutive_skips):
+        """The action for a step that was not applied, the ``consecutive_rejections``-th in a row (1-based).
+
+        Under ``"clip"`` these are the steps that cannot be clipped (NaN/Inf, a loss-only spike): skipped.
+        """
+        if self.nan_action not in ("skip", "clip"):
+            return self.nan_action
+        if self.max_consecutive_skips is not None and consecutive_rejections > self.max_consecutive_skips:
             return self.escalate_to
-        return self.nan_action
+        return "skip"
 
     @property
     def may_rollback(self) -> bool:
         return self.nan_action == "rollback" or (self.max_consecutive_skips is not None
                                                  and self.escalate_to == "rollback")
+
+
+def clip_factor(mode: str, norms: Tensor, global_norm: Tensor, verdict: Any) -> Tensor:
+    """The factor that brings a spike within the detector's limits: 0-d (``"global"``) or one per tensor.
+
+    ``"global"`` keeps the update's direction: the largest factor <= 1 that puts the global norm and every
+    tensor's norm at or below its limit. ``"per_tensor"`` scales each tensor to its own limit, then all of
+    them together if the global norm is still above its limit. 1 where nothing tripped; an undefined ratio
+    (0/0, inf/inf: a non-finite step, which is skipped, never scaled) counts as 1.
+    """
+    if mode == "global":
+        ratios = torch.cat([verdict.limits, verdict.global_limit.reshape(1)]) / torch.cat(
+            [norms, global_norm.reshape(1)])
+        return ratios.nan_to_num(1.0, 1.0).amin().clamp_max(1.0)
+    each = (verdict.limits / norms).nan_to_num(1.0, 1.0).clamp_max(1.0)
+    together = (verdict.global_limit / torch.linalg.vector_norm(norms * each)).nan_to_num(1.0, 1.0).clamp_max(1.0)
+    return each * together
 
 
 def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:

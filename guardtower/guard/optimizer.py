@@ -19,19 +19,24 @@ import collections
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from guardtower._jsonl import check_writable_dir
+from guardtower._jsonl import check_creatable_dir
 from guardtower._dist import current_rank, is_distributed, world_size
-from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower.bus import EventBus, Sink, check_sink
 from guardtower.errors import ConfigError, GradientSpikeError
-from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, SummaryEvent
+from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, StartEvent, SummaryEvent
+from guardtower.guard._buffers import BufferGuard
+from guardtower.guard._checks import check_base_state as _check_base_state
+from guardtower.guard._checks import check_guard_state as _check_guard_state
+from guardtower.guard._checks import check_params as _check_params
+from guardtower.guard._checks import decision_device as _decision_device
 from guardtower.guard._measure import GradMeter
 from guardtower.guard._records import HEADER, Header, RecordQueue, StepRecord
-from guardtower.guard.actions import ActionPolicy, device_skip, supports_device_skip
+from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, device_skip, supports_device_skip
 from guardtower.guard.detector import Detector, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
@@ -40,10 +45,12 @@ from guardtower.severity import Severity
 __all__ = ["GuardedOptimizer"]
 
 _H = len(HEADER)
+_AGREED = 4  # reject, skip, grad_spike, nonfinite: the flags every rank agrees on (set on any rank)
 _HISTORY = 32
 _TOP = 10
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _RAISE_FLUSH_S = 5.0
+_REPORT_WAIT_S = 2.0
 
 
 def _clean_name(name: str, wrapped: bool) -> str:
@@ -74,18 +81,23 @@ def _replay_closure(closure: Callable[[], Any], first: Any) -> Callable[[], Any]
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
-    """Wrap ``base_optimizer``; skip, roll back or raise on gradient spikes and NaN/Inf before the update.
+    """Wrap ``base_optimizer``; skip, clip, roll back or raise on gradient spikes and NaN/Inf before the update.
 
     It shares ``param_groups``, ``state`` and ``defaults`` with the base optimizer, so LR schedulers,
-    ``GradScaler``, Accelerate and the HF Trainer accept it. Counters: ``step_count`` (calls to ``step``),
-    ``total_spikes`` (rejected steps), ``total_skips``, ``total_rollbacks``; they reflect events already
-    handed to the host (at most two steps behind with fused optimizers; ``flush()`` brings them up to date).
+    ``GradScaler``, Accelerate and the HF Trainer accept it. Counters (properties): ``step_count`` (calls to
+    ``step``), ``total_spikes`` (judged spikes and non-finite steps), ``total_skips``, ``total_rollbacks``;
+    reading one first hands over every step record that is ready without waiting, so on the CPU they always
+    reflect the last ``step()`` (on an accelerator at most two steps behind; ``flush()`` waits for all).
 
-    Arguments beyond the contract: ``detector`` (``"ratio"``, ``"zscore"`` or a ``Detector``), ``norm_floor``
-    (a tensor whose norm is below this fraction of the global-norm baseline cannot trigger),
+    Arguments beyond the contract: ``detector`` (``"auto"``, ``"ratio"``, ``"zscore"`` or a ``Detector``),
+    ``norm_floor`` (a tensor whose share of the gradient norm is below this fraction cannot trigger),
+    ``clip`` (``"global"``: one factor for all gradients, or ``"per_tensor"``, for ``nan_action="clip"``),
     ``max_consecutive_skips``/``escalate_to`` (a run that keeps failing stops or rolls back instead of
     skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
     to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``.
+
+    Constructing validates and creates nothing: the bus's sinks, the console box and the ``log_dir``
+    (created with the first spike report) come with the first ``step()``.
     """
 
     def __init__(
@@ -102,8 +114,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         verbose: bool = True,
         sinks: Iterable[Sink] | None = None,
         bus: EventBus | None = None,
-        detector: str | Detector = "ratio",
+        detector: str | Detector = "auto",
         norm_floor: float = 1e-3,
+        clip: str = "global",
         max_consecutive_skips: int | None = 20,
         escalate_to: str = "raise",
         rollback_every: int = 100,
@@ -121,6 +134,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError("model", f"expected an nn.Module, got {type(model).__name__}", "pass the model or None")
         policy = ActionPolicy(nan_action, max_consecutive_skips, escalate_to)
+        if clip not in CLIP_MODES:
+            raise ConfigError("clip", f"unknown clip mode {clip!r}", f"pass one of {list(CLIP_MODES)}")
         found_detector = make_detector(detector, spike_threshold=spike_threshold, ema_alpha=ema_alpha,
                                        warmup_steps=warmup_steps, norm_floor=norm_floor)
         log_every = _positive_int(log_every, "log_every", "50")
@@ -128,15 +143,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
         keep = _positive_int(keep, "keep", "2")
         if on_rollback is not None and not callable(on_rollback):
             raise ConfigError("on_rollback", "must be callable(from_step, to_step)", "pass a function or None")
+        if run is not None and not isinstance(run, str):
+            raise ConfigError("run", f"expected a str, got {type(run).__name__}", "pass a run name or None")
         params = [p for g in base_optimizer.param_groups for p in g["params"]]
         names = self._param_names(base_optimizer, model)
+        _check_params(params, names)
+        if not isinstance(log_dir, (str, os.PathLike)):
+            raise ConfigError("log_dir", f"expected a path, got {type(log_dir).__name__}", "pass e.g. log_dir='./sg_logs'")
         log_path = Path(log_dir)
-        try:
-            log_path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError("log_dir", f"cannot create {str(log_path)!r} ({exc.strerror})",
-                              "pass a writable directory") from None
-        check_writable_dir(log_path, "log_dir")
+        check_creatable_dir(log_path, "log_dir")
+        if bus is not None and not isinstance(bus, EventBus):
+            raise ConfigError("bus", f"expected an EventBus, got {type(bus).__name__}", "pass guardtower.EventBus(...)")
+        user_sinks = list(sinks or ())
+        for sink in user_sinks:
+            check_sink(sink)
 
         # --- the Optimizer machinery, without Optimizer.__init__ (which would copy the param groups) ---
         self._base = base_optimizer
@@ -153,6 +173,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.spike_threshold = float(spike_threshold)
         self.policy = policy
+        self.clip = clip
         self.log_every = log_every
         self.log_dir = log_path.resolve()
         self.verbose = verbose
@@ -163,35 +184,107 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.detector = found_detector
         self._names = names
         self._params = params
-        self._device = params[0].device if params else torch.device("cpu")
+        self._device = _decision_device(params)
         # constants the step reuses instead of allocating them every step
         self._nan = torch.full((), math.nan, device=self._device)
-        self._false = torch.zeros((), dtype=torch.bool, device=self._device)
+        self._zero = torch.zeros((), device=self._device)
+        self._one = torch.ones((), device=self._device)
         self._meter = GradMeter(self._device, process_group)
         self.detector.resize(len(params), self._device)
+        self._buffers = BufferGuard(model) if model is not None else None
         self._records = RecordQueue()
         self._history: collections.deque[tuple[int, float, Tensor]] = collections.deque(maxlen=_HISTORY)
-        self._host_decides = not self._step_supports_amp_scaling or policy.nan_action != "skip"
+        self._host_decides = not self._step_supports_amp_scaling or policy.nan_action in ("raise", "rollback")
         self._snapshots = (SnapshotStore(model, base_optimizer, rollback_every, keep)
                            if policy.may_rollback else None)
         if self._snapshots is not None:
             self._snapshots.take(0)  # the state as handed to us, before any forward pass moves buffers
-        self.step_count = 0
-        self.total_spikes = 0
-        self.total_skips = 0
-        self.total_rollbacks = 0
-        self.total_overflows = 0
+        self._step_count = 0
+        self._total_spikes = 0
+        self._total_skips = 0
+        self._total_rollbacks = 0
+        self._total_overflows = 0
+        self._total_clips = 0
         self.consecutive_rejections = 0
         self._closed = False
+        self._started = False
+        self._pending_loss: Tensor | None = None
+        self._last_report: str | None = None
 
+        # the bus exists now (no thread until a sink is added); sinks are attached by the first step
+        self._user_bus = bus
+        self._user_sinks = user_sinks
+        self._owns_bus = bus is None
+        self.bus = bus if bus is not None else EventBus()
+        self._report_sink: SpikeReportSink | None = None
+
+    def _start(self) -> None:
+        """The first step: attach the sinks and the console box, and publish the ``start`` event."""
+        self._started = True
+        for sink in self._user_sinks:
+            self.bus.add_sink(sink)
         self._report_sink = SpikeReportSink(self.log_dir)
-        self.bus, self._owns_bus = resolve_bus(bus, sinks)
         self.bus.add_sink(self._report_sink)
-        if verbose:
+        if self.verbose:
             from guardtower.sinks import ConsoleSink
 
             if not any(isinstance(s, ConsoleSink) for s in self.bus.sinks):
                 self.bus.add_sink(ConsoleSink(min_severity=Severity.WARN))
+        settings = {"ema_alpha": getattr(self.detector, "ema_alpha", None), "log_every": self.log_every,
+                    "log_dir": str(self.log_dir), "clip": self.clip,
+                    "max_consecutive_skips": self.policy.max_consecutive_skips,
+                    "escalate_to": self.policy.escalate_to, "device": str(self._device),
+                    "bn_buffers_protected": bool(self._buffers)}
+        self._publish(StartEvent(
+            **self._run_kw, step=self._step_count, optimizer=type(self._base).__name__, detector=self.detector.name,
+            nan_action=self.policy.nan_action, spike_threshold=self.detector.threshold,
+            warmup_steps=int(getattr(self.detector, "warmup_steps", 0)), tensors=len(self._params),
+            parameters=sum(p.numel() for p in self._params), device_decides=not self._host_decides,
+            settings=settings,
+        ))
+
+    # ------------------------------------------------------------------ counters
+    def _current(self) -> None:
+        """Hand over every record that is ready without waiting (all of them on the CPU)."""
+        if not self._closed:
+            self._drain(block=False, wait_for_old=False)
+
+    @property
+    def step_count(self) -> int:
+        """Calls to ``step()`` (the HF callback sets it to the Trainer's ``global_step``)."""
+        return self._step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._step_count = int(value)
+
+    @property
+    def total_spikes(self) -> int:
+        """Rejected steps: spikes (skipped, clipped, rolled back or raised) and non-finite gradients."""
+        self._current()
+        return self._total_spikes
+
+    @property
+    def total_skips(self) -> int:
+        self._current()
+        return self._total_skips
+
+    @property
+    def total_rollbacks(self) -> int:
+        self._current()
+        return self._total_rollbacks
+
+    @property
+    def total_clips(self) -> int:
+        """Spikes applied scaled down by ``nan_action="clip"``."""
+        self._current()
+        return self._total_clips
+
+    @property
+    def total_overflows(self) -> int:
+        """Steps a ``GradScaler`` skipped for overflow (not spikes)."""
+        self._current()
+        return self._total_overflows
 
     # ------------------------------------------------------------------ shared Optimizer state
     @property
@@ -246,53 +339,71 @@ class GuardedOptimizer(torch.optim.Optimizer):
         state = self._base.state_dict()
         state["guardtower"] = {
             "version": 1,
-            "step_count": self.step_count,
-            "total_spikes": self.total_spikes,
-            "total_skips": self.total_skips,
-            "total_rollbacks": self.total_rollbacks,
-            "total_overflows": self.total_overflows,
+            "step_count": self._step_count,
+            "total_spikes": self._total_spikes,
+            "total_skips": self._total_skips,
+            "total_rollbacks": self._total_rollbacks,
+            "total_overflows": self._total_overflows,
+            "total_clips": self._total_clips,
             "consecutive_rejections": self.consecutive_rejections,
             "detector": self.detector.state_dict(),
         }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state dict from ``state_dict()``, or a plain base-optimizer one (guard state unchanged)."""
+        """Restore a state dict from ``state_dict()``, or a plain base-optimizer one (guard state unchanged).
+
+        Everything is checked first (``ConfigError`` naming what is wrong); on error nothing has changed.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise ConfigError("state_dict", f"expected a dict, got {type(state_dict).__name__}",
+                              "pass the dict returned by optimizer.state_dict()")
         state = dict(state_dict)
         guard = state.pop("guardtower", None)
+        _check_base_state(state, self._base)
+        counters: dict[str, int] = {}
         if guard is not None:
-            detector_state = guard.get("detector", {})
-            if detector_state.get("name") != self.detector.name or int(detector_state.get("n", -1)) != self.detector.n:
-                raise ConfigError(
-                    "state_dict",
-                    f"guard state is for detector {detector_state.get('name')!r} over {detector_state.get('n')} "
-                    f"tensors; this guard uses {self.detector.name!r} over {self.detector.n}",
-                    "load a state dict saved from the same model, parameter groups and detector",
-                )
+            counters = _check_guard_state(guard, self.detector)
         self._drain(block=True)
-        self._base.load_state_dict(state)
+        try:
+            self._base.load_state_dict(state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise ConfigError("state_dict", f"the base optimizer refused it ({exc})",
+                              "load a state dict saved from the same optimizer and parameter groups") from None
         self._params = [p for g in self._base.param_groups for p in g["params"]]
         if guard is not None:
             self.detector.load_state_dict(guard["detector"])
-            self.step_count = int(guard["step_count"])
-            self.total_spikes = int(guard["total_spikes"])
-            self.total_skips = int(guard["total_skips"])
-            self.total_rollbacks = int(guard["total_rollbacks"])
-            self.total_overflows = int(guard.get("total_overflows", 0))
-            self.consecutive_rejections = int(guard.get("consecutive_rejections", 0))
+            self._step_count = counters["step_count"]
+            self._total_spikes = counters["total_spikes"]
+            self._total_skips = counters["total_skips"]
+            self._total_rollbacks = counters["total_rollbacks"]
+            self._total_overflows = counters["total_overflows"]
+            self._total_clips = counters["total_clips"]
+            self.consecutive_rejections = counters["consecutive_rejections"]
         self._history.clear()
         if self._snapshots is not None:
             self._snapshots.clear()
+        if self._buffers is not None:
+            self._buffers.refresh()
 
     # ------------------------------------------------------------------ the step
-    def step(self, closure: Callable[[], Any] | None = None, loss: Any = None) -> Any:
-        """Judge the gradients, then update (or skip, roll back, raise). Returns what the base returns.
+    def observe_loss(self, loss: Any) -> None:
+        """Give the loss of the step about to be taken, for loops that call ``step()`` without it (the HF
+        callback does). Kept as a device tensor; used, then forgotten, by the next ``step()``."""
+        self._pending_loss = loss
 
-        ``loss`` (a tensor or a number) only goes into spike reports and summaries; a tensor is kept on the
-        device until an event needs it. With a closure, the closure's loss is used and returned.
+    def step(self, closure: Callable[[], Any] | None = None, loss: Any = None) -> Any:
+        """Judge the gradients (and the loss), then update, clip, skip, roll back or raise.
+
+        Returns what the base returns. ``loss`` (a tensor or a number) is a signal for the detector and goes
+        into spike reports and summaries; a tensor stays on the device. With a closure, the closure's loss
+        is used and returned.
         """
         if self._closed:
             return self._base.step(closure) if closure is not None else self._base.step()
+        if loss is None:
+            loss = self._pending_loss
+        self._pending_loss = None
         result: Any = None
         base_closure: Callable[[], Any] | None = None
         if closure is not None:
@@ -300,65 +411,114 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 result = closure()
             loss = result if loss is None else loss
             base_closure = _replay_closure(closure, result)
+        if not self._started:
+            self._start()
         self._drain(block=False)
-        self.step_count += 1
-        step = self.step_count
+        self._step_count += 1
+        step = self._step_count
         if self._snapshots is not None and not self._snapshots.snapshots:  # e.g. after load_state_dict
             self._snapshots.take(step - 1)
 
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         scaler_found_inf: Tensor | None = getattr(self, "found_inf", None)
         with torch.no_grad():
-            reject, skip = self._judge(step, loss, grad_scale, scaler_found_inf)
+            flags, found_inf = self._judge(step, loss, grad_scale, scaler_found_inf)
 
         out: Any = None
-        if self._host_decides and bool(reject):  # the one host sync of non-fused optimizers / raise / rollback
-            self._drain(block=True)  # publishes this step's events and rolls back or raises
-        elif self._step_supports_amp_scaling:
-            out = device_skip(self._base, skip, grad_scale, base_closure)
+        if self._host_decides:
+            # the one host sync of non-fused optimizers / raise / rollback (skip == reject unless clipping)
+            if bool(flags[1]):
+                self._drain(block=True)  # publishes this step's events; rolls back or raises
+                if self._report_sink is not None and self._last_report is not None:
+                    self._report_sink.wait_written(self._last_report, _REPORT_WAIT_S)  # on disk on return
+            else:
+                out = self._base_step(found_inf, grad_scale, base_closure)
         else:
-            out = self._base.step(base_closure) if base_closure is not None else self._base.step()
+            out = self._base_step(found_inf, grad_scale, base_closure)
         if self._snapshots is not None and self._snapshots.due(step):
             self._snapshots.take(step)
         return result if closure is not None else out
 
+    def _base_step(self, found_inf: Tensor, grad_scale: Tensor | None, closure: Callable[[], Any] | None) -> Any:
+        if self._step_supports_amp_scaling:
+            return device_skip(self._base, found_inf, grad_scale, closure)
+        return self._base.step(closure) if closure is not None else self._base.step()
+
     def _judge(self, step: int, loss: Any, grad_scale: Tensor | None,
                scaler_found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Measure and decide on the device; queue the step's record. Returns (reject, skip as 0.0/1.0)."""
+        """Measure, decide and act on the device; queue the step's record.
+
+        Returns the flags (bool, agreed across ranks: reject, skip, ...) and the optimizer's ``found_inf`` (float 0/1).
+        The op count of this method does not depend on the number of parameters (bench/overhead.py counts it).
+        """
         device = self._device
         norms = self._meter.norms(self._params)
         if grad_scale is not None:  # GradScaler handed us still-scaled gradients
             norms = norms / grad_scale.to(device, torch.float32, non_blocking=True).reshape(())
         global_norm = torch.linalg.vector_norm(norms)
-        nonfinite = ~torch.isfinite(norms).all() | ~torch.isfinite(global_norm)
-        verdict = self.detector.judge(norms, global_norm)
-        spike = verdict.spike
-        flags = torch.stack([spike | nonfinite, spike, nonfinite]).to(torch.float32)
-        if scaler_found_inf is not None:
-            overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(()) > 0
-            flags = flags * (~overflow).to(torch.float32)  # an overflow step is the scaler's, not a spike
-        else:
-            overflow = self._false
+        nonfinite = (global_norm * 0.0) != 0.0  # NaN or Inf: any non-finite norm makes the global one so
+        loss_value, loss_t = self._loss_tensor(loss)
+        verdict = self.detector.judge(norms, global_norm, loss_t)
+        grad_spike = verdict.tripped.any() | verdict.global_tripped
+        reject = grad_spike | verdict.loss_tripped | nonfinite
+        clipping = self.policy.nan_action == "clip"
+        # clip applies a finite gradient spike scaled down; NaN/Inf and a loss-only spike are skipped
+        skip = (nonfinite | (verdict.loss_tripped & ~grad_spike)) if clipping else reject
+        flags = torch.stack([reject, skip, grad_spike, nonfinite, verdict.global_tripped, verdict.loss_tripped,
+                             verdict.absorbed])
+        scale = clip_factor(self.clip, norms, global_norm, verdict) if clipping else self._one
+        overflow = self._zero
+        if scaler_found_inf is not None:  # an overflow step is the scaler's, not a spike
+            overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(())
+            flags = flags & (overflow == 0)
         if self._distributed():
-            import torch.distributed as dist
+            flags, scale = self._agree(flags, scale, clipping)
+        if scaler_found_inf is not None or self._distributed():
+            reject = flags[0] | (overflow > 0)  # "not folded into the baselines" from here on
+        self.detector.update(norms, global_norm, loss_t, ~reject)
+        if self._buffers:
+            self._buffers.settle(reject)
+        if clipping:
+            self._meter.scale(torch.where(flags[1], self._one, scale))
 
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        reject = flags[0] > 0
-        self.detector.update(norms, global_norm, ~reject & ~overflow)
-
-        loss_value: float | None = None
-        loss_slot = self._nan
-        if isinstance(loss, Tensor):
-            loss_slot = loss.detach().to(device, torch.float32, non_blocking=True).mean()
-        elif isinstance(loss, (int, float)):
-            loss_value = float(loss)
-        header = torch.stack([flags[0], flags[1], flags[2], overflow.to(torch.float32), global_norm,
-                              verdict.global_baseline, verdict.global_ratio, loss_slot,
-                              verdict.global_tripped.to(torch.float32)])
-        vec = torch.cat([header, norms, verdict.ratios, verdict.baselines, verdict.tripped.to(torch.float32)])
+        values = torch.stack([overflow, global_norm, verdict.global_baseline, verdict.global_ratio, loss_t,
+                              scale.amin() if scale.dim() else scale])
+        vec = torch.cat([flags, values, norms, verdict.ratios, verdict.baselines,
+                         verdict.tripped])  # cat promotes the bool flags to float32
         self._records.push(step, vec, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
-        skip = (reject | overflow).to(torch.float32)
-        return reject, skip
+        found_inf = flags[1].to(torch.float32) if scaler_found_inf is None else flags[1] + overflow
+        return flags, found_inf
+
+    def _loss_tensor(self, loss: Any) -> tuple[float | None, Tensor]:
+        """(the loss as a Python number if it was one, the loss as float32 0-d on the device, NaN if absent)."""
+        if isinstance(loss, Tensor):
+            value = loss if loss.dim() == 0 else loss.mean()
+            if value.dtype != torch.float32 or value.device != self._device:
+                value = value.to(self._device, torch.float32, non_blocking=True)
+            return None, value
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            return float(loss), torch.full((), float(loss), device=self._device)
+        return None, self._nan
+
+    def _agree(self, flags: Tensor, scale: Tensor, clipping: bool) -> tuple[Tensor, Tensor]:
+        """One all-reduce: every rank rejects, skips and clips (by the smallest factor) together.
+
+        The first ``_AGREED`` flags are combined (set on any rank); the detector's own marks stay this rank's.
+        A clip needs the same gradients on every rank; when only some ranks' gradients tripped (a rank-local
+        corruption), the step is skipped everywhere instead.
+        """
+        import torch.distributed as dist
+
+        parts = [flags[:_AGREED]]
+        if clipping:
+            parts += [~flags[2:3], -scale.reshape(-1)]
+        packed = torch.cat(parts).to(torch.float32)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
+        agreed = torch.cat([packed[:_AGREED] > 0, flags[_AGREED:]])
+        if clipping:
+            agreed[1] |= agreed[2] & (packed[_AGREED] > 0)  # some ranks tripped, others did not: skip
+            scale = (-packed[_AGREED + 1:]).reshape(scale.shape)
+        return agreed, scale
 
     def _distributed(self) -> bool:
         return self.process_group is not None or (is_distributed() and world_size() > 1)
@@ -370,8 +530,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return float(lr) if isinstance(lr, (int, float)) else None
 
     # ------------------------------------------------------------------ host side: records -> events
-    def _drain(self, block: bool) -> None:
-        for record in self._records.ready(block):
+    def _drain(self, block: bool, wait_for_old: bool = True) -> None:
+        for record in self._records.ready(block, wait_for_old):
             self._handle(record)
 
     def _handle(self, record: StepRecord) -> None:
@@ -379,23 +539,27 @@ class GuardedOptimizer(torch.optim.Optimizer):
         loss = record.loss if record.loss is not None else (head.loss if record.loss_on_device else None)
         self._history.append((record.step, head.global_norm, record.data))
         if head.overflow:
-            self.total_overflows += 1
+            self._total_overflows += 1
         elif head.reject:
             self._incident(record, head, loss)
         else:
             self.consecutive_rejections = 0
         if record.step % self.log_every == 0:
+            self._summary(record.step, head.global_norm, loss, record.lr, head, record)
+
+    def _summary(self, step: int, grad_norm: float, loss: float | None, lr: float | None,
+                 head: Header | None = None, record: StepRecord | None = None) -> None:
+        metrics = {"overflow_steps": float(self._total_overflows), "clipped_steps": float(self._total_clips),
+                   "consecutive_rejections": float(self.consecutive_rejections)}
+        if head is not None and record is not None:
             n = record.n
             ratios = record.data[_H + n:_H + 2 * n]
-            self._publish(SummaryEvent(
-                **self._run_kw,
-                step=record.step, grad_norm=head.global_norm, loss=loss, lr=record.lr,
-                total_spikes=self.total_spikes, total_skips=self.total_skips, total_rollbacks=self.total_rollbacks,
-                metrics={"global_baseline": head.global_baseline, "global_ratio": head.global_ratio,
-                         "max_layer_ratio": max(ratios.nan_to_num(0.0).tolist(), default=0.0),
-                         "overflow_steps": float(self.total_overflows),
-                         "consecutive_rejections": float(self.consecutive_rejections)},
-            ))
+            metrics.update({"global_baseline": head.global_baseline, "global_ratio": head.global_ratio,
+                            "max_layer_ratio": max(ratios.nan_to_num(0.0).tolist(), default=0.0)})
+        self._publish(SummaryEvent(
+            **self._run_kw, step=step, grad_norm=grad_norm, loss=loss, lr=lr, total_spikes=self._total_spikes,
+            total_skips=self._total_skips, total_rollbacks=self._total_rollbacks, metrics=metrics,
+        ))
 
     def _incident(self, record: StepRecord, head: Header, loss: float | None) -> None:
         n = record.n
@@ -416,6 +580,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if trigger is not None:
             layer, norm, baseline = names[trigger], norms[trigger], baselines[trigger]
             ratio = math.inf if nonfinite else ratios[trigger]
+        elif head.loss_tripped and not head.nonfinite and not head.global_tripped:
+            layer, norm, baseline, ratio = "loss", head.global_norm, head.global_baseline, head.global_ratio
         else:  # the global norm alone tripped, or another rank rejected the step (its gradients differed)
             layer = "global" if head.global_tripped or not math.isfinite(head.global_norm) else "peer-rank"
             norm, baseline, ratio = head.global_norm, head.global_baseline, head.global_ratio
@@ -427,33 +593,41 @@ class GuardedOptimizer(torch.optim.Optimizer):
         layer_hist = tuple((float(d[_H + trigger]) if trigger is not None and d.shape[0] > _H + trigger else g)
                            for _, g, d in history)
 
-        self.total_spikes += 1
-        self.consecutive_rejections += 1
-        action = self.policy.action(self.consecutive_rejections)
+        self._total_spikes += 1
+        if head.skip:
+            self.consecutive_rejections += 1
+            action = self.policy.action(self.consecutive_rejections)
+        else:  # nan_action="clip" applied the step scaled down: the run moves on
+            self.consecutive_rejections = 0
+            action = "clip"
         rank = current_rank()
-        report_path = str(self.log_dir / report_filename(record.step, rank))
+        report_path = self._last_report = str(self.log_dir / report_filename(record.step, rank))
         module = layer.rsplit(".", 1)[0] if "." in layer else ""
         self._publish(SpikeEvent(
-                **self._run_kw,
+            **self._run_kw,
             step=record.step, severity=Severity.WARN, layer=layer, module=module, reason=reason, norm=norm,
             baseline=baseline, ratio=ratio, threshold=self.detector.threshold, global_norm=head.global_norm,
             action=action, loss=loss, lr=record.lr, top_layers=top,
             nonfinite_layers=tuple(names[i] for i in nonfinite), report_path=report_path,
             history_steps=steps, history_global_norms=global_hist, history_layer_norms=layer_hist,
         ))
-        if action == "skip":
-            self.total_skips += 1
-            self._publish(SkipEvent(**self._run_kw, step=record.step, severity=Severity.WARN, layer=layer, reason=reason,
-                                    total_skips=self.total_skips, consecutive_skips=self.consecutive_rejections))
+        if action == "clip":
+            self._total_clips += 1
+        elif action == "skip":
+            self._total_skips += 1
+            self._publish(SkipEvent(**self._run_kw, step=record.step, severity=Severity.WARN, layer=layer,
+                                    reason=reason, total_skips=self._total_skips,
+                                    consecutive_skips=self.consecutive_rejections))
         elif action == "rollback":
             self._rollback(record.step, layer, reason)
         else:
             escalated = self.policy.nan_action != "raise"
-            message = (f"gradient {reason} at step {record.step} in {layer} (ratio {ratio:.3g}, threshold "
-                       f"{self.spike_threshold:g})"
+            what = ("NaN/Inf in the gradient" if reason == "nonfinite"
+                    else f"ratio {ratio:.3g}, threshold {self.detector.threshold:g}")
+            message = (f"gradient spike at step {record.step} in {layer} ({what})"
                        + (f" after {self.consecutive_rejections} rejected steps in a row" if escalated else ""))
-            self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer, reason=reason,
-                                    ratio=ratio, message=message))
+            self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer,
+                                    reason=reason, ratio=ratio, message=message))
             self.bus.flush(_RAISE_FLUSH_S)
             raise GradientSpikeError(record.step, layer, ratio, message)
 
@@ -464,10 +638,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if snap is None:
             raise GradientSpikeError(from_step, layer, math.nan, f"rollback at step {from_step}: no snapshot")
         store.restore(snap)
-        self.total_rollbacks += 1
+        if self._buffers is not None:
+            self._buffers.refresh()
+        self._total_rollbacks += 1
         self.consecutive_rejections = 0
-        self._publish(RollbackEvent(**self._run_kw, step=from_step, severity=Severity.ERROR, layer=layer, reason=reason,
-                                    from_step=from_step, to_step=snap.step, total_rollbacks=self.total_rollbacks))
+        self._publish(RollbackEvent(**self._run_kw, step=from_step, severity=Severity.ERROR, layer=layer,
+                                    reason=reason, from_step=from_step, to_step=snap.step,
+                                    total_rollbacks=self._total_rollbacks))
         if self.on_rollback is not None:
             self.on_rollback(from_step, snap.step)
 
@@ -481,7 +658,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self.bus.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Publish what is pending, close the bus if the guard made it, drop snapshots. Idempotent.
+        """Publish what is pending and a final ``summary``, close the bus if the guard made it. Idempotent.
 
         Afterwards ``step()`` passes straight through to the base optimizer, unguarded.
         """
@@ -489,12 +666,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
             return
         try:
             self._drain(block=True)
+            if self._started:
+                last = self._history[-1][1] if self._history else math.nan
+                self._summary(self._step_count, last, None, self._lr())
         finally:
             self._closed = True
             if self._owns_bus:
                 self.bus.close(timeout)
             else:
                 self.bus.flush(timeout)
+            if self._report_sink is not None:
                 self._report_sink.closed = True
             if self._snapshots is not None:
                 self._snapshots.clear()

@@ -3,7 +3,9 @@
 ``SpikeReportSink`` sits on the guard's bus and writes the report for every ``SpikeEvent`` whose
 ``report_path`` lies in its directory. The file is written to a temporary name and renamed with
 ``os.replace``, so a reader never sees half a report. Names are
-``spike-step{step:08d}-rank{rank}-{uuid8}.json``: ranks and resumed runs never collide.
+``spike_step{step:08d}-rank{rank}-{uuid8}.json`` (the original stabilityguard's ``spike_step*.json``
+pattern): ranks and resumed runs never collide. ``wait_written`` lets the guard return from a rejected step
+only once its report is on disk, when the host has already waited for that step's decision anyway.
 
 Report format (``"format": "guardtower.spike-report/1"``)::
 
@@ -12,7 +14,7 @@ Report format (``"format": "guardtower.spike-report/1"``)::
       "event_id": str, "fingerprint": str, "run": str, "rank": int, "time": float (unix seconds),
       "step": int,               # the guard's step counter (1 = first optimizer step)
       "reason": "spike" | "nonfinite",
-      "action": "skip" | "rollback" | "raise",
+      "action": "skip" | "clip" | "rollback" | "raise",
       "trigger": {"layer": str, "module": str, "norm": float, "baseline": float, "ratio": float},
       "threshold": float,
       "global_norm": float,
@@ -29,6 +31,7 @@ non-JSON tokens ``NaN``/``Infinity``; ``read_report`` decodes them back to float
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
@@ -47,7 +50,7 @@ REPORT_FORMAT = "guardtower.spike-report/1"
 
 def report_filename(step: int, rank: int) -> str:
     """A name unique across ranks and resumed runs."""
-    return f"spike-step{step:08d}-rank{rank}-{uuid.uuid4().hex[:8]}.json"
+    return f"spike_step{step:08d}-rank{rank}-{uuid.uuid4().hex[:8]}.json"
 
 
 def build_report(event: SpikeEvent) -> dict[str, Any]:
@@ -104,6 +107,8 @@ class SpikeReportSink(BaseSink):
         self.log_dir = Path(log_dir).resolve()
         self.name = f"spike-reports:{self.log_dir.name}"
         self.closed = False
+        self._written: collections.deque[str] = collections.deque(maxlen=64)
+        self._changed = threading.Condition()
 
     def handle(self, event: Event) -> None:
         if self.closed or not isinstance(event, SpikeEvent) or not event.report_path:
@@ -111,7 +116,18 @@ class SpikeReportSink(BaseSink):
         path = Path(event.report_path)
         if path.resolve().parent != self.log_dir:
             return  # another guard's report
-        write_json_atomic(path, build_report(event))
+        self.log_dir.mkdir(parents=True, exist_ok=True)  # created with the first report, not before
+        try:
+            write_json_atomic(path, build_report(event))
+        finally:
+            with self._changed:
+                self._written.append(event.report_path)
+                self._changed.notify_all()
+
+    def wait_written(self, report_path: str, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until the report at ``report_path`` was handled."""
+        with self._changed:
+            return self._changed.wait_for(lambda: report_path in self._written, timeout)
 
     def close(self, timeout: float | None = None) -> None:
         self.closed = True

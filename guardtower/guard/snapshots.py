@@ -1,7 +1,7 @@
 """Periodic snapshots of model and optimizer state in CPU memory, for ``nan_action="rollback"``.
 
-A snapshot copies parameters, buffers and optimizer state tensors into preallocated CPU buffers (pinned when
-the source is on an accelerator, copied with ``non_blocking=True`` and fenced with an event), every
+A snapshot copies parameters, buffers and optimizer state tensors into preallocated CPU buffers
+(``guardtower._readback``: pinned, asynchronous, fenced when the source is on an accelerator), every
 ``every`` steps, into one of ``keep`` slots that are reused round-robin: no allocation and no host wait in
 steady state, and never a full copy per step. The wait happens only in ``restore``.
 """
@@ -14,6 +14,8 @@ from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
+
+from guardtower._readback import Fence, host_copy
 
 __all__ = ["Snapshot", "SnapshotStore"]
 
@@ -30,11 +32,11 @@ class Snapshot:
     tensors: list[Tensor] = field(default_factory=list)  # one per tracked model tensor
     # per optimizer param: None (no state yet) or {key: (cpu copy, device) | plain value}
     opt_state: list[dict[str, Any] | None] = field(default_factory=list)
-    event: Any = None  # torch.cuda.Event fencing the asynchronous copies, or None
+    fence: Fence | None = None  # fences the asynchronous copies
 
     def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+        if self.fence is not None:
+            self.fence.wait()
 
 
 class SnapshotStore:
@@ -72,7 +74,7 @@ class SnapshotStore:
         slot = self.snapshots.pop(0) if len(self.snapshots) >= self.keep else Snapshot(step)
         slot.step = step
         tracked = self._tracked()
-        slot.tensors = [_copy_into(buf, _local(t)) for buf, t in _zip_longest_bufs(slot.tensors, tracked)]
+        slot.tensors = [host_copy(_local(t), buf) for buf, t in _zip_longest_bufs(slot.tensors, tracked)]
         old_state = slot.opt_state
         slot.opt_state = []
         for i, p in enumerate(self._params()):
@@ -86,14 +88,12 @@ class SnapshotStore:
                 if isinstance(value, Tensor):
                     prev_entry = prev.get(key) if prev else None
                     buf = prev_entry[0] if isinstance(prev_entry, tuple) else None
-                    saved[key] = (_copy_into(buf, _local(value)), value.device)
+                    saved[key] = (host_copy(_local(value), buf), value.device)
                 else:
                     saved[key] = copy.deepcopy(value)
             slot.opt_state.append(saved)
-        slot.event = None
-        if any(t.device.type == "cuda" for t in tracked):
-            slot.event = torch.cuda.Event()
-            slot.event.record()
+        cuda = next((t.device for t in tracked if t.device.type == "cuda"), None)
+        slot.fence = Fence(cuda) if cuda is not None else None
         self.snapshots.append(slot)
         return slot
 
@@ -139,12 +139,3 @@ class SnapshotStore:
 def _zip_longest_bufs(bufs: list[Tensor], sources: list[Tensor]) -> list[tuple[Tensor | None, Tensor]]:
     return [(bufs[i] if i < len(bufs) else None, t) for i, t in enumerate(sources)]
 
-
-def _copy_into(buf: Tensor | None, src: Tensor) -> Tensor:
-    """Copy ``src`` into ``buf`` when it fits, else into a fresh CPU buffer (pinned for accelerator sources)."""
-    src = src.detach()
-    if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-        pin = src.device.type == "cuda"
-        buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-    buf.copy_(src, non_blocking=src.device.type != "cpu")
-    return buf

@@ -172,10 +172,15 @@ def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
 class StabilityGuardCallback(TrainerCallback):
     """Guard every optimizer step of a ``Trainer`` with a ``GuardedOptimizer``.
 
-    Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step). In ``on_train_begin``
-    the optimizer inside Accelerate's wrapper is replaced by a ``GuardedOptimizer`` around it, so the
-    Trainer's own ``optimizer.step()`` goes through the guard. Events carry the Trainer's ``global_step``;
-    ``on_log`` adds ``guardtower/spikes``, ``guardtower/skipped_steps`` and ``guardtower/rollbacks``.
+    Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step; constructing creates no
+    directory, thread or sink). In ``on_train_begin`` the optimizer inside Accelerate's wrapper is replaced
+    by a ``GuardedOptimizer`` around it, so the Trainer's own ``optimizer.step()`` goes through the guard.
+    Events carry the Trainer's ``global_step``; ``on_log`` adds ``guardtower/spikes``,
+    ``guardtower/skipped_steps`` and ``guardtower/rollbacks``.
+
+    The loss is a signal too: a forward hook on the model adds up, on the device, the ``loss`` of every
+    training-mode forward (what ``Trainer.compute_loss`` uses, for models that return one), and
+    ``on_pre_optimizer_step`` hands their mean over the accumulation window to the guard. No host sync.
 
     With ``max_grad_norm > 0`` the Trainer would clip before the guard sees the gradients, and a clipped
     spike looks normal. The callback therefore sets ``args.max_grad_norm = 0`` for the run (the Trainer still
@@ -199,16 +204,25 @@ class StabilityGuardCallback(TrainerCallback):
             if reserved in guard_kwargs:
                 raise ConfigError(reserved, "is set by the callback from the Trainer",
                                   f"remove {reserved}= from StabilityGuardCallback(...)")
+        if not isinstance(clip_in_guard, bool):
+            raise ConfigError("clip_in_guard", f"expected True or False, got {clip_in_guard!r}",
+                              "pass clip_in_guard=False to keep the Trainer's own clipping")
+        if bus is not None and not isinstance(bus, EventBus):
+            raise ConfigError("bus", f"expected an EventBus, got {type(bus).__name__}", "pass guardtower.EventBus(...)")
         self.guard_kwargs: dict[str, Any] = dict(spike_threshold=spike_threshold, nan_action=nan_action,
                                                  **guard_kwargs)
-        # build a throwaway guard now so a bad argument fails here, not after the Trainer has started
-        probe = GuardedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), **self.guard_kwargs)
-        probe.close()
-        self.clip_in_guard = bool(clip_in_guard)
-        self._bus, self._owns_bus = resolve_bus(bus, sinks)
+        self._sinks = list(sinks or ())
+        # a throwaway guard validates every argument now; constructing one has no side effect
+        GuardedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), **self.guard_kwargs,
+                         sinks=self._sinks).close()
+        self.clip_in_guard = clip_in_guard
+        self._bus = bus
         self.guard: GuardedOptimizer | None = None
         self._holder: Any = None
         self._clip_handle: Any = None
+        self._loss_handle: Any = None
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
         self._saved_max_grad_norm: float | None = None
         self._args: TrainingArguments | None = None
 
@@ -226,21 +240,37 @@ class StabilityGuardCallback(TrainerCallback):
         if isinstance(inner, GuardedOptimizer):  # a second train() call: keep the guard and its baselines
             self.guard = inner
         else:
-            self.guard = GuardedOptimizer(inner, model, **self.guard_kwargs, bus=self._bus)
+            self.guard = GuardedOptimizer(inner, model, **self.guard_kwargs, sinks=self._sinks, bus=self._bus)
             _swap_inner_optimizer(holder, self.guard)
         self._holder = holder
         self._args = args
+        if model is not None and self._loss_handle is None:
+            self._loss_handle = model.register_forward_hook(self._record_loss)
         if self.clip_in_guard and args.max_grad_norm and args.max_grad_norm > 0 and not _trainer_shards(args):
             self._saved_max_grad_norm = float(args.max_grad_norm)
             args.max_grad_norm = 0.0
             self._clip_handle = self.guard.base_optimizer.register_step_pre_hook(
                 _clipper(self.guard.base_optimizer, self._saved_max_grad_norm))
 
+    def _record_loss(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: add a training forward's loss (a device tensor) to this accumulation window's sum."""
+        if not module.training or not torch.is_grad_enabled():
+            return
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        loss = loss.detach().reshape(())
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._loss_count += 1
+
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
         if self.guard is not None:
             # the guard numbers its steps from step_count; the Trainer's update is global_step + 1
             self.guard.step_count = state.global_step
+            if self._loss_sum is not None:
+                self.guard.observe_loss(self._loss_sum / self._loss_count)
+        self._loss_sum, self._loss_count = None, 0
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -260,17 +290,23 @@ class StabilityGuardCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         if self.guard is not None:
             self.guard.flush(10.0)
+        self._remove_loss_hook()
         self._restore_clipping()
 
     def close(self) -> None:
-        """Restore the Trainer's optimizer and clipping, close the guard and the bus if this callback made it."""
+        """Restore the Trainer's optimizer and clipping, close the guard (and the bus it made)."""
+        self._remove_loss_hook()
         self._restore_clipping()
         if self.guard is not None and self._holder is not None and self._holder.optimizer is self.guard:
             _swap_inner_optimizer(self._holder, self.guard.base_optimizer)
         if self.guard is not None:
             self.guard.close()
-        if self._owns_bus:
-            self._bus.close(5.0)
+
+    def _remove_loss_hook(self) -> None:
+        if self._loss_handle is not None:
+            self._loss_handle.remove()
+            self._loss_handle = None
+        self._loss_sum, self._loss_count = None, 0
 
     def _restore_clipping(self) -> None:
         if self._clip_handle is not None:

@@ -1,0 +1,1 @@
+"""``stabilityguard.core``: the original's core package (tests-only shim)."""
