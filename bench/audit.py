@@ -10,6 +10,9 @@
    call, after resetting the mark through ``/proc/self/clear_refs``; CUDA: ``torch.cuda.max_memory_allocated``
    growth), both starting from the same state: model, batch and optimizer built, no step taken.
 
+3. audit(steps=N): wall time of the audit with N overfitting steps on its batch (N = 10, 30, 100) on a tiny GPT
+   and GPT-2-small, as seconds and as a multiple of one plain training step, with the verdict.
+
     python bench/audit.py --device cpu --repeats 15 --json bench-audit.json
 """
 
@@ -33,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from guardtower.monitor import monitor  # noqa: E402
+from guardtower.nonfinite_watch import monitor  # noqa: E402
 
 
 # -- models and steps -------------------------------------------------------------------------------------
@@ -72,12 +75,16 @@ class Workload:
 
 
 def gpt_workload(kind: str, device: torch.device) -> Workload:
-    """``gpt6m``: ~6M-parameter GPT-2 (CPU monitor benchmark); ``gpt2s``: GPT-2-small, 124M parameters."""
+    """``gpt_tiny``: 0.2M-parameter GPT-2; ``gpt6m``: ~6M-parameter GPT-2 (CPU monitor benchmark); ``gpt2s``:
+    GPT-2-small, 124M parameters."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if kind == "gpt6m":
         config = GPT2Config(n_layer=5, n_embd=256, n_head=4, vocab_size=8000, n_positions=128)
         batch, seq = 8, 128
+    elif kind == "gpt_tiny":
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
+        batch, seq = 4, 32
     else:
         config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
         batch, seq = (8, 1024) if device.type == "cuda" else (2, 128)
@@ -182,15 +189,46 @@ def bench_monitor(kind: str, device: torch.device, repeats: int, steps: int) -> 
 # -- part 2: audit cost -----------------------------------------------------------------------------------
 def load_audit() -> Callable[..., Any] | None:
     try:
-        from guardtower.audit import audit
+        from guardtower.preflight import audit
     except ImportError:
         return None
     return audit
 
 
-def run_audit(audit: Callable[..., Any], work: Workload) -> Any:
+def run_audit(audit: Callable[..., Any], work: Workload, steps: int = 0) -> Any:
     with work._autocast():
-        return audit(work.model, work.loss_fn, optimizer=work.optimizer, inputs=work.inputs)
+        return audit(work.model, work.loss_fn, optimizer=work.optimizer, inputs=work.inputs, steps=steps)
+
+
+def bench_overfit(kind: str, device: torch.device, steps: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Wall time of ``audit(steps=N)`` (one audit plus N overfitting steps, then restored) and its ratio to one
+    plain training step, interleaved with plain steps; the verdict (LOSS-009 or not) and the loss curve's ends."""
+    audit = load_audit()
+    assert audit is not None
+    work = build(kind, device)
+    work.step()
+    rows = []
+    for n in steps:
+        plain: list[float] = []
+        audited: list[float] = []
+        report = None
+        for _ in range(repeats):
+            work.sync()
+            start = time.perf_counter()
+            work.step()
+            work.sync()
+            plain.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            report = run_audit(audit, work, steps=n)
+            work.sync()
+            audited.append(time.perf_counter() - start)
+        assert report is not None
+        losses = next((f.details["losses"] for f in report.by_id("LOSS-009")), None)
+        rows.append({"workload": work.name, "params": work.params, "steps": n,
+                     "audit_s": statistics.median(audited), "plain_step_s": statistics.median(plain),
+                     "time_ratio": statistics.median(audited) / statistics.median(plain),
+                     "loss_009": bool(report.by_id("LOSS-009")), "losses_if_failed": losses})
+    return rows
 
 
 def bench_audit_time(kind: str, device: torch.device, repeats: int) -> dict[str, Any]:
@@ -272,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds per measurement")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round (monitor benchmark)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--skip", choices=("monitor", "audit"), action="append", default=[])
+    parser.add_argument("--skip", choices=("monitor", "audit", "overfit"), action="append", default=[])
+    parser.add_argument("--overfit-models", default="gpt_tiny,gpt2s", help="comma-separated: gpt_tiny, gpt2s")
+    parser.add_argument("--overfit-steps", default="10,30,100", help="comma-separated N for audit(steps=N)")
     parser.add_argument("--audit-models", default="mlp,gpt2s", help="comma-separated: mlp, gpt2s")
     parser.add_argument("--no-audit-memory", action="store_true", help="measure audit() time only")
     parser.add_argument("--_peak-child", nargs=3, metavar=("MODEL", "DEVICE", "ACTION"), help=argparse.SUPPRESS)
@@ -288,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
                                "torch": torch.__version__, "threads": torch.get_num_threads(),
                                "machine": platform.processor() or platform.machine(),
-                               "monitor": [], "audit": []}
+                               "monitor": [], "audit": [], "overfit": []}
     if "monitor" not in args.skip:
         kind, target = ("gpt2s", 1.05) if device.type == "cuda" else ("gpt6m", 1.10)
         row = bench_monitor(kind, device, args.repeats, args.steps)
@@ -307,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  target for monitor: <= {target:.2f}\n")
     if "audit" not in args.skip:
         if load_audit() is None:
-            print("audit(): guardtower.audit.audit is not available in this checkout - not measured")
-            results["audit"] = "not measured: guardtower.audit.audit missing"
+            print("audit(): guardtower.preflight.audit is not available in this checkout - not measured")
+            results["audit"] = "not measured: guardtower.preflight.audit missing"
         else:
             print(f"audit() cost as a ratio to one plain training step ({device}; targets: time <= 3x, "
                   "peak memory <= 1.5x):")
@@ -327,6 +367,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['audit_s']:>9.3f}s{row['time_ratio']:>8.2f}{row['plain_step_peak_mib']:>8.0f} MiB"
                       f"{row['audit_peak_mib']:>8.0f} MiB{row['memory_ratio']:>7.2f}"
                       + (f"   (CPU-time ratio {row['cpu_time_ratio']:.2f})" if "cpu_time_ratio" in row else ""))
+    if "overfit" not in args.skip and load_audit() is not None:
+        print(f"\naudit(steps=N): one audit plus N overfitting steps on the batch, restored ({device}):")
+        print(f"  {'workload':<22}{'params':>9}{'N':>5}{'audit':>10}{'step':>10}{'x step':>8}  verdict")
+        for kind in args.overfit_models.split(","):
+            reps = 3 if kind == "gpt_tiny" else 1
+            for row in bench_overfit(kind, device, [int(n) for n in args.overfit_steps.split(",")], reps):
+                results["overfit"].append(row)
+                print(f"  {row['workload']:<22}{row['params'] / 1e6:>8.2f}M{row['steps']:>5}{row['audit_s']:>9.2f}s"
+                      f"{row['plain_step_s']:>9.3f}s{row['time_ratio']:>8.1f}  "
+                      + ("LOSS-009 (loss did not fall)" if row["loss_009"] else "loss falls: pass"), flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)

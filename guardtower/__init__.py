@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # pre-flight
-    "audit": "guardtower.audit",
-    "lora_summary": "guardtower.audit",
-    "is_peft_model": "guardtower.audit",
-    "monitor": "guardtower.monitor",
+    "audit": "guardtower.preflight",
+    "lora_summary": "guardtower.preflight",
+    "is_peft_model": "guardtower.preflight",
+    "monitor": "guardtower.nonfinite_watch",
     "Report": "guardtower.report",
     "Finding": "guardtower.report",
     "Severity": "guardtower.severity",
-    "FailureMode": "guardtower.catalog",
-    "CATALOG": "guardtower.catalog",
-    "catalog": "guardtower.catalog",
-    "catalog_markdown": "guardtower.catalog",
+    "FailureMode": "guardtower.failure_modes",
+    "CATALOG": "guardtower.failure_modes",
+    "catalog": "guardtower.failure_modes",
+    "catalog_markdown": "guardtower.failure_modes",
     # runtime guard
     "GuardedOptimizer": "guardtower.guard",
     # events, bus, sinks
@@ -45,9 +45,9 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from guardtower.audit import audit, is_peft_model, lora_summary
+    from guardtower.preflight import audit, is_peft_model, lora_summary
     from guardtower.bus import BaseSink, EventBus, Sink
-    from guardtower.catalog import CATALOG, FailureMode, catalog, catalog_markdown
+    from guardtower.failure_modes import CATALOG, FailureMode, catalog, catalog_markdown
     from guardtower.errors import (
         ConfigError,
         GradientSpikeError,
@@ -57,17 +57,11 @@ if TYPE_CHECKING:
         PreflightFailed,
     )
     from guardtower.guard import GuardedOptimizer
-    from guardtower.monitor import monitor
+    from guardtower.nonfinite_watch import monitor
     from guardtower.report import Finding, Report
     from guardtower.severity import Severity
     from guardtower.sinks import ConsoleSink, JsonlSink
     from guardtower.testing import capture_events
-
-
-# ``audit`` and ``monitor`` name both a submodule and the function in it. Importing a submodule binds the
-# package attribute to the module, so these two are imported now: the function is bound last and stays.
-from guardtower.audit import audit  # noqa: E402
-from guardtower.monitor import monitor  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

@@ -86,7 +86,7 @@ def _dispatch(args_list: list[str]) -> int:
 
 
 def _catalog(*, as_json: bool) -> int:
-    from guardtower.catalog import catalog, catalog_markdown
+    from guardtower.failure_modes import catalog, catalog_markdown
 
     if as_json:
         entries = [

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from guardtower._render import box
+from guardtower.errors import ConfigError, PreflightFailed
+from guardtower.failure_modes import CATALOG
 from guardtower.severity import Severity
 
 __all__ = ["Finding", "Report", "Severity"]
@@ -33,11 +35,29 @@ class Finding:
 
 @dataclass
 class Report:
-    """What an audit (or ``lora_summary``) found. ``ok`` means no FAIL finding."""
+    """What an audit (or ``lora_summary``) found. ``ok`` means no FAIL finding.
+
+    A report iterates and counts its findings (``for f in report``, ``len(report)``). It has no truth value:
+    ``if report:`` would read as "passed" to some and "found something" to others, so ``bool(report)``
+    raises ``TypeError`` naming ``report.ok`` and ``len(report)``.
+    """
 
     findings: list[Finding] = field(default_factory=list)
     checks_run: list[str] = field(default_factory=list)
     title: str = "guardtower pre-flight"
+    step_fn_calls: int = 0
+    """how many times the audit called ``step_fn`` (1 normally; ``notes`` says why when more)"""
+    notes: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[Finding]:
+        return iter(self.findings)
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def __bool__(self) -> bool:
+        raise TypeError("a Report has no truth value: use report.ok (no FAIL finding) or len(report) "
+                        "(number of findings)")
 
     @property
     def errors(self) -> list[Finding]:
@@ -64,12 +84,15 @@ class Report:
         return [f for f in self.findings if f.check == name]
 
     def by_id(self, catalog_id: str) -> list[Finding]:
+        """Findings with this catalog id; ``ConfigError`` for an id that is not in the catalog (a typo)."""
+        if catalog_id not in CATALOG:
+            close = sorted(i for i in CATALOG if i.split("-")[0] == str(catalog_id).split("-")[0].upper())
+            raise ConfigError("catalog_id", f"{catalog_id!r} is not a catalog id",
+                              f"use one of {', '.join(close) if close else ', '.join(sorted(CATALOG))}")
         return [f for f in self.findings if f.catalog_id == catalog_id]
 
     def raise_if_errors(self) -> "Report":
         """Raise ``PreflightFailed`` (carrying this report) when there is a FAIL finding; else return self."""
-        from guardtower.errors import PreflightFailed
-
         if self.errors:
             raise PreflightFailed(self)
         return self
@@ -86,6 +109,8 @@ class Report:
             "status": self.status,
             "summary": self.summary(),
             "checks_run": list(self.checks_run),
+            "step_fn_calls": self.step_fn_calls,
+            "notes": list(self.notes),
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -96,6 +121,7 @@ class Report:
             lines.append(f"[{f.severity.label:<4}] {f.catalog_id:<9} {f.check}: {f.message}")
         if not ordered:
             lines.append("no findings")
+        lines += [f"note: {note}" for note in self.notes]
         return box(f"{self.title}: {self.status}", lines)
 
 

@@ -70,9 +70,9 @@ def bert_mlm() -> nn.Module:
                                       intermediate_size=64, max_position_embeddings=32, pad_token_id=0))
 
 
-def token_batch(batch: int = 4, seq: int = 8, *, pad_last: int = 0) -> dict[str, torch.Tensor]:
+def token_batch(batch: int = 4, seq: int = 8, *, pad_last: int = 0, seed: int = 1) -> dict[str, torch.Tensor]:
     """input_ids/attention_mask/labels as a collator builds them (padding labelled -100)."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
     if pad_last:

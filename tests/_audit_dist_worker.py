@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from _audit_lora_helpers import ids, run_audit  # noqa: E402
-from guardtower.audit.lora import lora_summary  # noqa: E402
+from guardtower.preflight.lora import lora_summary  # noqa: E402
 
 
 class Net(nn.Module):
@@ -149,7 +149,7 @@ def scenario_fsdp2() -> dict[str, Any]:
 
 def scenario_lora_ddp() -> dict[str, Any]:
     from _audit_lora_helpers import lm_batch, lora, tiny_gpt2
-    from guardtower.audit._peft import is_peft_model
+    from guardtower.preflight._peft import is_peft_model
 
     model = DDP(lora(tiny_gpt2(), target_modules=["c_attn"], fan_in_fan_out=True))
     x = lm_batch(seed=dist.get_rank())

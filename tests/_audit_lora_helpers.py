@@ -113,7 +113,7 @@ def run_audit(
     checks: str | Iterable[str] = "all",
 ) -> Report:
     """The public entry point, end to end (snapshot, probes, step, checks, restore)."""
-    from guardtower.audit import audit
+    from guardtower.preflight import audit
 
     return audit(model, step_fn, optimizer=optimizer, checks=checks)
 

@@ -77,7 +77,7 @@ def audit_then_train(log_dir: Path, audit_sinks: list[Any], guard_sinks: list[An
     import torch
     from torch import nn
 
-    from guardtower.audit import audit
+    from guardtower.preflight import audit
     from guardtower.guard import GuardedOptimizer
 
     torch.manual_seed(0)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import guardtower
-from guardtower.audit import _registry, audit, run_static
+from guardtower.preflight import _registry, audit, run_static
 from guardtower.bus import EventBus
-from guardtower.catalog import CATALOG
+from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError, PreflightFailed
 from guardtower.events import FindingEvent, PreflightEvent
 from guardtower.report import Finding
@@ -110,7 +110,7 @@ def test_single_check_and_iterable_selection() -> None:
 
 def test_all_runs_every_registered_check() -> None:
     m, step = _mlp_step()
-    assert audit(m, step).checks_run == list(_registry.CHECKS)
+    assert audit(m, step).checks_run == sorted(_registry.CHECKS)  # name order, whatever registered first
 
 
 def test_contract_check_names_are_registered() -> None:
@@ -129,7 +129,42 @@ def test_check_emitting_an_unknown_catalog_id_becomes_audit_001(monkeypatch: pyt
     report = audit(m, step, checks=["sloppy", "loss"])
     (finding,) = report.by_id("AUDIT-001")
     assert finding.check == "sloppy" and "NOPE-999" in finding.message
-    assert not report.by_id("NOPE-999")
+    assert all(f.catalog_id != "NOPE-999" for f in report)
+
+
+def test_check_emitting_an_id_it_did_not_declare_becomes_audit_001(monkeypatch: pytest.MonkeyPatch) -> None:
+    def overreach(ctx: _registry.AuditContext) -> list[Finding]:
+        return [Finding("overreach", Severity.WARN, "not mine", "GRAD-002")]
+
+    monkeypatch.setitem(_registry.CHECKS, "overreach",
+                        _registry.CheckSpec("overreach", overreach, False, emits=frozenset({"GRAD-003"})))
+    m, step = _mlp_step()
+    (finding,) = audit(m, step, checks=["overreach"]).by_id("AUDIT-001")
+    assert finding.check == "overreach" and "GRAD-002" in finding.message and "emits=" in finding.message
+
+
+def test_a_step_that_raises_is_reported_whatever_checks_were_chosen() -> None:
+    m = mlp()
+
+    def step() -> torch.Tensor:
+        raise KeyError("labels")
+
+    report = audit(m, step, checks="grad_norms")
+    assert report.checks_run == ["grad_norms", "loss"] and [f.catalog_id for f in report] == ["LOSS-006"]
+
+
+def test_only_the_measurements_the_chosen_checks_need_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    from guardtower.preflight import _runner
+
+    calls: list[str] = []
+    real = _runner.measure_update
+    monkeypatch.setattr(_runner, "measure_update", lambda ctx: calls.append("update") or real(ctx))
+    m, step = _mlp_step()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    audit(m, step, optimizer=opt, checks="grad_norms")
+    assert calls == []
+    audit(m, step, optimizer=opt, checks="update_ratio")  # declares needs=("update",)
+    assert calls == ["update"]
 
 
 def test_no_crash_means_no_audit_001() -> None:
@@ -226,10 +261,11 @@ def test_clean_cnn_with_batchnorm_has_no_warnings() -> None:
 
 
 def test_public_audit_is_callable_whichever_import_came_first() -> None:
-    import guardtower.audit as audit_package  # binds guardtower.audit to the subpackage
+    import guardtower.preflight as preflight_package
+    import guardtower.preflight.lora  # noqa: F401  (a submodule import must not rebind guardtower.audit)
 
     m, step = _mlp_step()
-    for fn in (guardtower.audit, audit_package, audit):
+    for fn in (guardtower.audit, preflight_package.audit, audit):
         report = fn(m, step, checks="loss")
         assert report.checks_run == ["loss"] and all(f.catalog_id in CATALOG for f in report.findings)
 
@@ -258,7 +294,7 @@ def test_a_hanging_sink_delays_the_audit_by_the_flush_bound_only(monkeypatch: py
     import threading
     import time
 
-    from guardtower.audit import _runner
+    from guardtower.preflight import _runner
     from guardtower.bus import BaseSink
 
     release = threading.Event()
@@ -281,3 +317,96 @@ def test_a_hanging_sink_delays_the_audit_by_the_flush_bound_only(monkeypatch: py
     release.set()
     assert report.status == "PASS"
     assert 2.5 < added < 4.5  # one 3 s bound for flush + close together, not 3 s each
+
+
+# --- the seed's API -----------------------------------------------------------------------------------------
+def test_every_module_of_the_package_imports_by_its_dotted_path() -> None:
+    import importlib
+    import pkgutil
+
+    optional = ("guardtower.integrations.", "guardtower.bridges.")  # need their extras, installed here
+    names = [m.name for m in pkgutil.walk_packages(guardtower.__path__, "guardtower.") if m.name != "guardtower.__main__"]
+    assert "guardtower.preflight.lora" in names and "guardtower.nonfinite_watch" in names
+    for name in names:
+        module = importlib.import_module(name)
+        assert module.__name__ == name, name
+        if not name.startswith(optional):
+            assert callable(guardtower.audit) and callable(guardtower.monitor) and callable(guardtower.catalog)
+    public = {n for n in guardtower.__all__ if callable(getattr(guardtower, n))}
+    clashing = [n for n in names if n.rsplit(".", 1)[-1] in public]
+    assert not clashing, f"modules named like a public function: {clashing}"
+
+
+def test_catalog_is_a_function_after_every_import() -> None:
+    import guardtower.failure_modes  # noqa: F401
+
+    entries = guardtower.catalog()
+    assert [m.id for m in entries] == sorted(CATALOG) and all(isinstance(m, guardtower.FailureMode) for m in entries)
+
+
+def test_a_report_iterates_and_counts_its_findings_and_has_no_truth_value() -> None:
+    m, _ = _mlp_step()
+    report = audit(m, lambda: F.mse_loss(m(X), Y).detach())
+    assert len(report) == len(report.findings) >= 1
+    assert list(report) == report.findings and [f.catalog_id for f in report if f.severity is Severity.ERROR]
+    with pytest.raises(TypeError, match="report.ok"):
+        bool(report)
+    with pytest.raises(TypeError, match="report.ok"):
+        assert report
+
+
+def test_by_id_rejects_an_id_that_is_not_in_the_catalog() -> None:
+    m, step = _mlp_step()
+    report = audit(m, step)
+    assert report.by_id("GRAD-001") == []  # a real id that did not fire
+    with pytest.raises(ConfigError, match="catalog_id") as err:
+        report.by_id("GRAD-999")
+    assert "GRAD-001" in str(err.value)
+
+
+def test_frozen_parameters_are_reported_as_info_and_do_not_fail() -> None:
+    m = mlp()
+    first = next(m.parameters())
+    first.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    report = audit(m, lambda: F.mse_loss(m(X), Y), optimizer=opt)
+    (frozen,) = report.by_check("frozen")
+    assert frozen.catalog_id == "OPT-006" and frozen.severity is Severity.INFO
+    assert frozen.details["count"] == 1 and "frozen" in frozen.message
+    assert report.ok and not report.warnings, str(report)
+
+
+def test_nothing_frozen_means_no_frozen_finding() -> None:
+    m, step = _mlp_step()
+    assert audit(m, step, optimizer=torch.optim.SGD(m.parameters(), lr=0.01)).by_check("frozen") == []
+
+
+def test_a_torch_compiled_model_is_audited_without_a_false_step_failure() -> None:
+    m = mlp()
+    compiled = torch.compile(m, backend="eager")  # dynamo tracing, no code generation: cheap on CPU
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    report = audit(compiled, lambda: F.mse_loss(compiled(X), Y), optimizer=opt)
+    assert report.ok and not report.by_id("LOSS-006"), str(report)
+    half = torch.optim.SGD(list(m.parameters())[:2], lr=0.01)  # the same model with a real bug is still caught
+    assert audit(compiled, lambda: F.mse_loss(compiled(X), Y), optimizer=half).by_id("OPT-001")
+    m.eval()  # no dropout: the compiled and the eager model must agree
+    assert torch.equal(compiled(X), m(X))  # and it still runs afterwards
+
+
+def test_step_fn_is_called_once_and_a_second_call_is_explained() -> None:
+    m, step = _mlp_step()
+    drawn: list[int] = []
+
+    def counted() -> torch.Tensor:
+        drawn.append(1)  # a step that draws next(iterator) would consume a batch here
+        return step()
+
+    report = audit(m, counted, optimizer=torch.optim.SGD(m.parameters(), lr=0.01))
+    assert len(drawn) == report.step_fn_calls == 1 and report.notes == []
+    ignored = mlp()
+    drawn.clear()
+    report = audit(ignored, lambda: drawn.append(1) or F.mse_loss(ignored(torch.zeros_like(X)) * 0 + Y.mean(), Y),
+                   inputs=X)
+    assert report.step_fn_calls == len(drawn) >= 2 and len(report.notes) == report.step_fn_calls - 1  # one note each
+    assert any("inputs=" in note for note in report.notes) and report.by_id("INPUT-001")
+    assert report.to_dict()["step_fn_calls"] == report.step_fn_calls and "note:" in str(report)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from guardtower.audit import audit
-from guardtower.catalog import _CORE
+from guardtower.preflight import audit
+from guardtower.failure_modes import _CORE
 from guardtower.severity import Severity
 
 from tests._audit_core_helpers import SmallCNN, VOCAB, gpt2, mlp, regression_batch, token_batch
@@ -133,6 +133,38 @@ def _input_ignored(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(_X), _Y), {"checks": ["input_dependency", "loss"]}
 
 
+@case("INPUT-001/stale-floats")
+def _stale_float_batch(bug: bool) -> Case:
+    m = mlp()
+    stale, fresh = _X, torch.randn(16, 8, generator=torch.Generator().manual_seed(9))
+    # the loop fetched a new batch into `fresh` but the step still closes over the first one
+    return m, lambda: F.mse_loss(m(stale if bug else fresh), _Y), {"inputs": fresh}
+
+
+@case("INPUT-001/stale-tokens")
+def _stale_token_batch(bug: bool) -> Case:
+    m = gpt2()
+    stale, fresh = token_batch(), token_batch(seed=7)
+    return m, lambda: m(**(stale if bug else fresh)), {"inputs": fresh}
+
+
+@case("INPUT-001/params-only")
+def _loss_from_parameters_only(bug: bool) -> Case:
+    m = mlp()
+    weights = list(m.parameters())
+    # an L2 "regulariser" returned instead of the task loss plus it
+    reg = lambda: sum(w.pow(2).sum() for w in weights) * 1e-4  # noqa: E731
+    return m, (lambda: reg()) if bug else (lambda: F.mse_loss(m(_X), _Y) + reg()), {"inputs": _X}
+
+
+def test_input_001_given_inputs_are_put_back_exactly() -> None:
+    m, step, kwargs = _stale_token_batch(True)
+    batch = kwargs["inputs"]
+    before = {k: v.clone() for k, v in batch.items()}
+    assert audit(m, step, **kwargs).by_id("INPUT-001")
+    assert all(torch.equal(before[k], batch[k]) for k in before)
+
+
 class _LinearProbe(nn.Module):
     """Frozen backbone under no_grad + trained head: no input gradient, but the loss depends on the input."""
 
@@ -223,6 +255,15 @@ def _exploding(bug: bool) -> Case:
     m = mlp()
     scale = 1e4 if bug else 1.0  # raw sensor readings in the thousands, targets likewise
     return m, lambda: F.mse_loss(m(_X * scale), _Y * scale), {}
+
+
+def test_grad_002_not_raised_by_biases_initialised_near_zero() -> None:
+    m = mlp()
+    with torch.no_grad():
+        for layer in (m[0], m[3]):
+            layer.bias.normal_(0.0, 1e-6)  # a common "small bias" initialisation
+    report = audit(m, lambda: F.mse_loss(m(_X), _Y), optimizer=torch.optim.SGD(m.parameters(), lr=0.01))
+    assert not report.by_id("GRAD-002") and not report.warnings, str(report)
 
 
 def _deep_sigmoid(depth: int) -> nn.Sequential:
@@ -337,6 +378,39 @@ def test_opt_004_warmup_scheduler_starting_at_zero_is_fine() -> None:
     assert not audit(m, lambda: F.mse_loss(m(_X), _Y), optimizer=opt).by_id("OPT-004")
 
 
+@case("OPT-004/schedule")
+def _schedule_stuck_at_zero(bug: bool) -> Case:
+    from transformers import get_linear_schedule_with_warmup
+
+    m = mlp()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    # num_training_steps computed from len(dataloader) // accumulation = 0: the schedule decays from 0 to 0
+    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=0 if bug else 10, num_training_steps=0 if bug else 100)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt, "lr_scheduler": sched}
+
+
+def test_opt_004_schedule_look_ahead_leaves_scheduler_and_lr_as_they_were() -> None:
+    m, step, kwargs = _schedule_stuck_at_zero(False)
+    sched, opt = kwargs["lr_scheduler"], kwargs["optimizer"]
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    before = (sched.state_dict(), [g["lr"] for g in opt.param_groups])
+    assert not audit(m, step, **kwargs).by_id("OPT-004")
+    assert (sched.state_dict(), [g["lr"] for g in opt.param_groups]) == before
+    trained = [g["lr"] for g in opt.param_groups]
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] != trained  # the scheduler keeps going from where it was
+
+
+def test_lr_scheduler_must_be_a_scheduler() -> None:
+    from guardtower.errors import ConfigError
+
+    m = mlp()
+    with pytest.raises(ConfigError, match="lr_scheduler"):
+        audit(m, lambda: F.mse_loss(m(_X), _Y), lr_scheduler=0.1)
+
+
 @case("OPT-005")
 def _decay_on_norms(bug: bool) -> Case:
     m = gpt2()
@@ -349,6 +423,215 @@ def _decay_on_norms(bug: bool) -> Case:
                                 lr=1e-4)
     batch = token_batch()
     return m, lambda: m(**batch), {"optimizer": opt}
+
+
+@case("OPT-006")
+def _frozen_layer(bug: bool) -> Case:
+    m = mlp()
+    if bug:
+        next(m.parameters()).requires_grad_(False)  # a leftover freeze from a feature-extraction phase
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": opt}
+
+
+@case("OPT-007")
+def _no_decay_filter_misses_a_norm(bug: bool) -> Case:
+    m = gpt2()
+    # the usual name filter; GPT-2 calls its norms ln_1/ln_2/ln_f, so "LayerNorm.weight" matches none of them
+    skip = ("bias", "LayerNorm.weight") if bug else ("bias", "ln_")
+    named = list(m.named_parameters())
+    decay = [p for n, p in named if not any(k in n for k in skip)]
+    no_decay = [p for n, p in named if any(k in n for k in skip)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4)
+    batch = token_batch()
+    return m, lambda: m(**batch), {"optimizer": opt}
+
+
+def test_opt_007_is_a_warning_and_plain_decay_everywhere_stays_info() -> None:
+    model, step, kwargs = CASES["OPT-007"](True)
+    (finding,) = audit(model, step, **kwargs).by_id("OPT-007")
+    assert finding.severity is Severity.WARN and any("ln_f" in n for n in finding.details["params"])
+    model, step, kwargs = CASES["OPT-005"](True)
+    report = audit(model, step, **kwargs)
+    assert report.by_id("OPT-005") and not report.by_id("OPT-007")
+
+
+@case("NAN-004")
+def _fp16_weights_under_adamw(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = _X.clone()
+    x[:, 0] = 0.0  # a feature that is always 0 in this batch (padding, a constant column): zero gradient
+    if bug:
+        m.half()  # "to save memory" the trainable weights themselves are fp16
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return m, lambda: F.mse_loss(m(x.half()).float(), _Y.repeat(1, 4)), {"optimizer": opt}
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    return m, lambda: F.mse_loss(m(x), _Y.repeat(1, 4)), {"optimizer": opt}
+
+
+def test_nan_004_the_bug_is_real() -> None:
+    model, step, kwargs = _fp16_weights_under_adamw(True)
+    step().backward()
+    kwargs["optimizer"].step()
+    assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# --- reentrant checkpointing called directly ---------------------------------------------------------------------
+class _CheckpointedBlocks(nn.Module):
+    """A frozen token embedding, trainable blocks each wrapped in a direct torch.utils.checkpoint call."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.embed = nn.Embedding(VOCAB, 16).requires_grad_(False)  # pretrained, frozen
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _checkpointed_step(bug: bool) -> tuple[_CheckpointedBlocks, Callable[[], torch.Tensor], torch.optim.Optimizer]:
+    m = _CheckpointedBlocks(reentrant=bug)
+    ids = token_batch()["input_ids"]
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    return m, lambda: F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()), opt
+
+
+@case("GRAD-006")
+def _direct_reentrant_checkpoint(bug: bool) -> Case:
+    m, step, opt = _checkpointed_step(bug)
+    return m, step, {"optimizer": opt}
+
+
+def test_grad_006_the_bug_is_real_the_blocks_never_train() -> None:
+    for bug in (True, False):
+        m, step, opt = _checkpointed_step(bug)
+        before = [p.detach().clone() for p in m.blocks.parameters()]
+        for _ in range(2):
+            opt.zero_grad()
+            step().backward()
+            opt.step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, m.blocks.parameters()))
+        assert unchanged is bug
+
+
+def test_grad_006_names_the_starved_parameters() -> None:
+    model, step, kwargs = CASES["GRAD-006"](True)
+    (finding,) = audit(model, step, **kwargs).by_id("GRAD-006")
+    assert finding.details["count"] == 4 and all(p.startswith("blocks.") for p in finding.details["params"])
+
+
+# --- causal-LM labels ----------------------------------------------------------------------------------------
+_EOS = 0  # the tiny GPT-2's eos_token_id; pad_token_id is the same id
+
+
+def _sequences_with_eos() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two real sequences, each ending in EOS, right-padded (with pad = eos) to one length."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (4, 10), generator=g)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((10, 8, 7, 9)):
+        ids[row, length - 1] = _EOS
+        ids[row, length:] = _EOS
+        mask[row, length:] = 0
+    return ids, mask
+
+
+def _eos_batch(bug: bool) -> dict[str, torch.Tensor]:
+    ids, mask = _sequences_with_eos()
+    # DataCollatorForLanguageModeling: labels[labels == pad_token_id] = -100, with pad_token = eos_token
+    labels = ids.masked_fill(ids == _EOS, -100) if bug else ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@case("DATA-003")
+def _pad_equals_eos_masks_every_eos(bug: bool) -> Case:
+    m = gpt2()
+    batch = _eos_batch(bug)
+    return m, lambda: m(**batch), {}
+
+
+def test_data_003_the_bug_is_real_no_target_is_eos() -> None:
+    assert int((_eos_batch(True)["labels"] == _EOS).sum()) == 0
+    assert int((_eos_batch(False)["labels"] == _EOS).sum()) == 4  # one stop target per sequence
+
+
+@case("DATA-004")
+def _labels_shifted_twice(bug: bool) -> Case:
+    m = gpt2()
+    batch = token_batch(seq=12)
+    if bug:  # "shift for next-token prediction" done by hand, then GPT2LMHeadModel shifts again
+        ids = batch["input_ids"]
+        batch["labels"] = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    return m, lambda: m(**batch), {}
+
+
+@case("LOSS-009")
+def _labels_redrawn_every_step(bug: bool) -> Case:
+    m = _classifier()
+    gen = torch.Generator().manual_seed(6)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    # bug: a "random crop" augmentation that also re-draws the labels, so they never belong to the inputs
+    step = (lambda: F.cross_entropy(m(_X), torch.randint(0, 5, (16,), generator=gen))) if bug else (
+        lambda: F.cross_entropy(m(_X), _LABELS))
+    return m, step, {"optimizer": opt, "steps": 20}
+
+
+# --- training-loop order inside step_fn ---------------------------------------------------------------------
+def _full_step(order: tuple[str, ...]) -> Case:
+    """A step_fn that is the user's whole training step, its calls in the given order."""
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step() -> torch.Tensor:
+        loss = F.mse_loss(m(_X), _Y)
+        for call in order:
+            {"zero_grad": opt.zero_grad, "backward": loss.backward, "step": opt.step}[call]()
+        return loss
+
+    return m, step, {"optimizer": opt}
+
+
+@case("LOOP-001")
+def _zero_grad_between_backward_and_step(bug: bool) -> Case:
+    return _full_step(("backward", "zero_grad", "step") if bug else ("zero_grad", "backward", "step"))
+
+
+@case("LOOP-002")
+def _step_before_backward(bug: bool) -> Case:
+    return _full_step(("zero_grad", "step", "backward") if bug else ("zero_grad", "backward", "step"))
+
+
+@case("LOOP-003")
+def _zero_grad_never_called(bug: bool) -> Case:
+    return _full_step(("backward", "step") if bug else ("backward", "step", "zero_grad"))
+
+
+@pytest.mark.parametrize("key", ["LOOP-001", "LOOP-002"])
+def test_loop_bugs_are_real_the_weights_never_move(key: str) -> None:
+    model, step, _ = CASES[key](True)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()  # the first real step of the run: nothing to apply yet
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model, step, _ = CASES[key](False)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_loop_001_is_not_a_crash_of_the_step() -> None:
+    model, step, kwargs = CASES["LOOP-001"](True)
+    report = audit(model, step, **kwargs)
+    assert not report.by_id("LOSS-006") and not report.by_id("GRAD-001"), str(report)  # no second backward
 
 
 # --- numerics -------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from guardtower.catalog import CATALOG
+from guardtower.failure_modes import CATALOG
 from guardtower.severity import Severity
 
 WORKER = Path(__file__).with_name("_audit_dist_worker.py")

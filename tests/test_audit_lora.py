@@ -25,8 +25,8 @@ from _audit_lora_helpers import (
     tiny_llama,
     tiny_llama_cls,
 )
-from guardtower.audit.lora import is_peft_model, lora_summary
-from guardtower.catalog import CATALOG
+from guardtower.preflight.lora import is_peft_model, lora_summary
+from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
 from guardtower.severity import Severity
 
@@ -163,6 +163,13 @@ def test_lora_005_clean_for_small_rank() -> None:
     report = lora_summary(gpt2_lora(r=4))
     assert not report.by_id("LORA-005")
     assert "trainable" in report.title and "3.2" in report.title
+
+
+def test_lora_005_not_fooled_by_modules_to_save_the_user_asked_for() -> None:
+    saved = gpt2_lora(r=4, modules_to_save=["wte"])  # a whole embedding copy: a large share, chosen on purpose
+    trainable = sum(p.numel() for p in saved.parameters() if p.requires_grad)
+    assert trainable / sum(p.numel() for p in saved.parameters()) > 0.10
+    assert not lora_summary(saved).by_id("LORA-005")
 
 
 # --- LORA-006 zero-init factor gets no gradient (reentrant checkpointing) -------------------------------------------
@@ -378,7 +385,7 @@ def test_is_peft_model_detects_peft_and_hand_rolled_lora_only() -> None:
 @pytest.mark.slow
 def test_is_peft_model_never_imports_peft() -> None:
     code = (
-        "import sys, torch; from guardtower.audit.lora import is_peft_model, lora_summary;"
+        "import sys, torch; from guardtower.preflight.lora import is_peft_model, lora_summary;"
         "m = torch.nn.Sequential(torch.nn.Linear(2, 2));"
         "print(is_peft_model(m), lora_summary(m).ok, 'peft' in sys.modules, 'transformers' in sys.modules)"
     )

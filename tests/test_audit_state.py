@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from guardtower.audit import _registry, audit
+from guardtower.preflight import _registry, audit
 from guardtower.report import Finding
 
 from tests._audit_core_helpers import (
@@ -211,7 +211,7 @@ def test_audit_called_under_no_grad_still_audits_the_training_step() -> None:
 def test_lora_audit_clones_only_trainable_tensors_and_restores_exactly() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from guardtower.audit._state import TrainingState
+    from guardtower.preflight._state import TrainingState
 
     model = get_peft_model(gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -263,10 +263,48 @@ def test_optimizer_state_is_isolated_not_copied() -> None:
         seen.append(len(opt.state))
         return step()
 
-    from guardtower.audit._state import TrainingState
+    from guardtower.preflight._state import TrainingState
 
     snapshot = TrainingState(model, opt, inputs)
     held = [v for o in snapshot.optimizers for g, _ in o.groups for v in g.values() if isinstance(v, torch.Tensor)]
     assert not held  # hyper-parameters only (Adam keeps its moments in opt.state)
     audit(model, step_fn, optimizer=opt, inputs=inputs)
     assert seen == [0] and opt.state is real_state and len(real_state) == len(list(model.parameters()))
+
+
+def test_a_guarded_optimizer_counts_no_step_and_keeps_its_baselines(tmp_path: Any) -> None:
+    import guardtower
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    guard = guardtower.GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), m, verbose=False,
+                                        log_dir=str(tmp_path), warmup_steps=0)
+    for _ in range(3):  # a few real guarded steps, so the guard has baselines and a count
+        guard.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        guard.step()
+    before = guard.state_dict()
+
+    def step() -> torch.Tensor:  # a full training step that calls the guard, as a user's loop would
+        guard.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        guard.step()
+        return loss
+
+    audit(m, step, optimizer=guard)
+    after = guard.state_dict()
+    assert guard.step_count == 3
+    assert _same_state(before, after)
+    guard.close()
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return bool(a == b) or (a != a and b != b)

@@ -129,6 +129,38 @@ def test_an_evaluation_before_training_is_not_taken_for_the_first_batch(tmp_path
     assert callback.report is not None and callback.report.ok
 
 
+def test_on_train_begin_audits_the_first_batch_when_handed_model_optimizer_and_data() -> None:
+    from types import SimpleNamespace
+
+    model = tiny_gpt2()
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=4, shuffle=True)
+    rng = torch.get_rng_state()
+    good = GuardtowerCallback(raise_on_error=True, verbose=False)
+    good.on_train_begin(None, None, SimpleNamespace(), model=model,  # type: ignore[arg-type]
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_dataloader=loader)
+    assert good.report is not None and good.report.ok and good._handle is None
+    assert torch.equal(torch.get_rng_state(), rng)  # drawing the batch did not reshuffle the real run
+    stale = GuardtowerCallback(raise_on_error=True, verbose=False)
+    with pytest.raises(PreflightFailed):
+        stale.on_train_begin(None, None, SimpleNamespace(), model=model,  # type: ignore[arg-type]
+                             optimizer=torch.optim.SGD(tiny_gpt2().parameters(), lr=0.1), train_dataloader=loader)
+    assert stale.report is not None and stale.report.by_id("OPT-003")
+
+
+def test_without_a_dataloader_the_first_real_forward_is_audited() -> None:
+    from types import SimpleNamespace
+
+    model = tiny_gpt2()
+    callback = GuardtowerCallback(verbose=False)
+    callback.on_train_begin(None, None, SimpleNamespace(), model=model,  # type: ignore[arg-type]
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert callback.report is None and callback._handle is not None
+    batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=4)))
+    model.train()
+    model(**batch)
+    assert callback.report is not None and callback.report.ok and callback._handle is None
+
+
 # ------------------------------------------------------------------------------------------- the guard
 def test_spike_at_step_5_is_skipped_and_training_continues(tmp_path: Path) -> None:
     model = tiny_gpt2()

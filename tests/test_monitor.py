@@ -15,7 +15,7 @@ from guardtower import _monitor_pass
 from guardtower.bus import EventBus
 from guardtower.errors import ConfigError, NonFiniteActivation
 from guardtower.events import HaltEvent, NonFiniteEvent
-from guardtower.monitor import monitor
+from guardtower.nonfinite_watch import monitor
 from guardtower.severity import Severity
 from guardtower.testing import InMemorySink, capture_events
 
@@ -448,10 +448,42 @@ def test_checkpoint_recompute_and_direct_submodule_calls_are_not_held(gpt2: nn.M
 
 def test_package_level_monitor_is_callable_whatever_was_imported_first() -> None:
     import guardtower
-    import guardtower.monitor as submodule
+    import guardtower.nonfinite_watch as submodule
 
     model = nn.Linear(2, 2)
-    for entry in (guardtower.monitor, submodule, monitor):
+    for entry in (guardtower.monitor, submodule.monitor, monitor):
         with entry(model, on_nonfinite="warn") as mon:
             model(torch.ones(1, 2))
         assert mon.passes == 1
+
+
+def test_leaving_the_monitor_is_bounded_when_a_sink_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import guardtower.nonfinite_watch as watch
+    from guardtower.bus import BaseSink
+
+    release = threading.Event()
+
+    class Hanging(BaseSink):
+        name = "hanging"
+
+        def handle(self, event: Any) -> None:
+            release.wait(120)  # a destination that never answers
+
+    monkeypatch.setattr(watch, "CLOSE_TIMEOUT_S", 0.5)
+    model = nn.Linear(2, 2)
+    left = threading.Event()
+
+    def run() -> None:
+        with monitor(model, on_nonfinite="event", sinks=[Hanging()]):
+            model(torch.full((1, 2), float("nan")))
+        left.set()
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    try:
+        assert left.wait(60), "monitor() did not return while its sink hung"
+    finally:
+        release.set()
+        worker.join(60)

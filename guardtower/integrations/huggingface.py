@@ -1,9 +1,10 @@
 """Hugging Face ``Trainer`` callbacks: a pre-flight audit on the first real batch, and a guarded optimizer.
 
-``GuardtowerCallback`` audits the model on the first training batch, before the first optimizer step, with
-the batch, precision (the Trainer's autocast) and optimizer the Trainer itself uses. A ``TrainerCallback``
-never sees the batch, so the callback hooks the model's forward once: the first training-mode forward
-carries exactly the inputs ``compute_loss`` passes. The audit leaves every tensor as it found it, so the
+``GuardtowerCallback`` audits the model on the first training batch, before the first optimizer step. When
+``on_train_begin`` is handed the model, optimizer and ``train_dataloader`` (the Trainer passes all three) it
+audits there on the loader's first batch. Under mixed precision or several processes only the real step has
+the Trainer's autocast and DDP/FSDP wrapper, so the callback hooks the model's forward once instead: the
+first training-mode forward carries exactly the inputs ``compute_loss`` passes. The audit leaves every tensor as it found it, so the
 real step then runs unchanged; with ``raise_on_error=True`` a failed pre-flight raises ``PreflightFailed``
 out of ``trainer.train()`` before any weight has changed.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -65,7 +67,7 @@ class GuardtowerCallback(TrainerCallback):
         if not isinstance(raise_on_error, bool):
             raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
                               "pass raise_on_error=True to stop training on a failed pre-flight")
-        from guardtower.audit._runner import select_checks
+        from guardtower.preflight._runner import select_checks
 
         select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
         self.checks = checks
@@ -75,14 +77,26 @@ class GuardtowerCallback(TrainerCallback):
         self.report: Report | None = None
         self._handle: torch.utils.hooks.RemovableHandle | None = None
         self._optimizer: Any = None
+        self._lr_scheduler: Any = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+                       model: nn.Module | None = None, optimizer: Any = None, train_dataloader: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        """Audit now on the first batch of ``train_dataloader`` when the Trainer handed over model, optimizer
+        and data (as the original guardtower did); else, and whenever only the real step reproduces the setup
+        (autocast, a DDP/FSDP wrapper), audit on the first real training forward."""
         if model is None:
             logger.warning("guardtower: the Trainer passed no model to on_train_begin; pre-flight skipped")
             return
         self._remove_hook()
         self._optimizer = optimizer
+        self._lr_scheduler = lr_scheduler
+        if optimizer is not None and train_dataloader is not None and not _needs_real_step(args):
+            batch = _first_batch(train_dataloader, model)
+            if batch is not None:
+                args_, kwargs_ = ((), dict(batch)) if isinstance(batch, Mapping) else (tuple(batch), {})
+                self._finish(self.run_audit(model, args_, kwargs_))
+                return
         self._handle = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -107,15 +121,17 @@ class GuardtowerCallback(TrainerCallback):
         if not module.training or not torch.is_grad_enabled():
             return None  # an evaluation before training (eval_on_start) is not the first training batch
         self._remove_hook()
-        report = self.run_audit(_calling_wrapper(module), args, kwargs)
+        self._finish(self.run_audit(_calling_wrapper(module), args, kwargs))
+        return None
+
+    def _finish(self, report: Report | None) -> None:
         if report is not None and self.raise_on_error and not report.ok:
             self._bus.flush(10.0)  # the run's trackers get the failure before train() unwinds
             raise PreflightFailed(report)
-        return None
 
     def run_audit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Report | None:
         """Audit ``model`` on one call's inputs with the Trainer's optimizer and scaler; keep and print the report."""
-        from guardtower.audit import audit
+        from guardtower.preflight import audit
 
         optimizer = _innermost_optimizer(self._optimizer)
         scaler = getattr(self._optimizer, "scaler", None)
@@ -125,7 +141,7 @@ class GuardtowerCallback(TrainerCallback):
 
         try:
             report = audit(model, step_fn, optimizer=optimizer, inputs=kwargs or args, checks=self.checks,
-                           scaler=scaler, bus=self._bus)
+                           scaler=scaler, lr_scheduler=self._lr_scheduler, bus=self._bus)
         except ConfigError:
             raise
         except Exception:  # a bug in a check must not stop a training run the user did not ask to stop
@@ -135,6 +151,31 @@ class GuardtowerCallback(TrainerCallback):
         if self.verbose and current_rank() == 0:
             print(report, flush=True)
         return report
+
+
+def _needs_real_step(args: Any) -> bool:
+    """Mixed precision and multi-process runs: only the Trainer's own forward carries its autocast and wrapper."""
+    if not isinstance(args, TrainingArguments):
+        return False
+    return bool(args.fp16 or args.bf16 or args.world_size > 1)
+
+
+def _first_batch(dataloader: Any, model: nn.Module) -> Any:
+    """The loader's first batch, on the model's device; the global RNG is put back, so drawing it changes
+    neither the shuffling nor the dropout of the real run. None when the loader yields nothing usable."""
+    rng = torch.get_rng_state()
+    try:
+        batch = next(iter(dataloader), None)
+    finally:
+        torch.set_rng_state(rng)
+    if not isinstance(batch, (Mapping, list, tuple)):
+        return None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    def move(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    return {k: move(v) for k, v in batch.items()} if isinstance(batch, Mapping) else [move(v) for v in batch]
 
 
 def _calling_wrapper(module: nn.Module) -> nn.Module:

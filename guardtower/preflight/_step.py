@@ -15,11 +15,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._registry import PROBES, AuditContext, StepTrace
-from guardtower.audit._state import TensorFlags
-from guardtower.audit._util import LABEL_KEYS, iter_tensors
+from guardtower.preflight._registry import PROBES, AuditContext
+from guardtower.preflight._state import TensorFlags
+from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace
+from guardtower.preflight._util import LABEL_KEYS, base_optimizer, iter_tensors
 
-__all__ = ["RootCall", "run_step", "confirm_input_independence", "extract_loss", "MODE_SENSITIVE"]
+__all__ = ["run_step", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
 #: mapping keys that are neither inputs nor targets (their gradient says nothing about input dependency)
 _NOT_INPUT_KEYS = LABEL_KEYS | {"attention_mask", "position_ids", "token_type_ids", "head_mask", "decoder_attention_mask"}
@@ -31,24 +32,13 @@ MODE_SENSITIVE: tuple[type[nn.Module], ...] = (nn.modules.dropout._DropoutNd, nn
 
 
 @dataclass
-class RootCall:
-    """One call of the audited model's own ``forward`` during the step."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    training: dict[str, bool]
-    """``training`` of the root (``""``) and of mode-sensitive submodules at call time"""
-    autocast: dict[str, torch.dtype]
-    """device type -> autocast dtype, for devices where autocast was on"""
-    output: Any = None
-
-
-@dataclass
 class _Watch:
     """Tensors whose gradient tells whether (and how) the loss depends on the model's input."""
 
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     token_ptrs: set[int] = field(default_factory=set)
+    marked: bool = False
+    """the audit made a float input require grad"""
 
 
 def extract_loss(output: Any) -> Any:
@@ -62,7 +52,8 @@ def extract_loss(output: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], watch: _Watch) -> Iterator[None]:
+def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], watch: _Watch,
+                mark_inputs: bool) -> Iterator[None]:
     sensitive = [(n, m) for n, m in model.named_modules() if n and isinstance(m, MODE_SENSITIVE)]
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -75,9 +66,10 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
         calls.append(RootCall(args=args, kwargs=dict(kwargs), training=training, autocast=autocast))
         for path, t in iter_tensors((args, kwargs), skip_keys=_NOT_INPUT_KEYS):
             if t.is_floating_point():
-                if t.is_leaf and not t.requires_grad:
+                if mark_inputs and t.is_leaf and not t.requires_grad:
                     flags.add(t)
                     t.requires_grad_(True)
+                    watch.marked = True
                 if t.requires_grad:
                     watch.tensors.append((f"input {path}", t))
             elif not t.is_complex() and t.dtype != torch.bool and t.device.type != "meta":
@@ -119,8 +111,16 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
             h.remove()
 
 
+#: contrastive outputs (CLIP, SigLIP): ``logits_per_*`` is batch x batch by design; the embeddings are per sample
+_PER_SAMPLE_EMBEDS = ("image_embeds", "text_embeds")
+
+
 def _primary_output(output: Any) -> torch.Tensor | None:
-    """The per-sample prediction of a model call: ``.logits`` of HF outputs, else the first tensor."""
+    """The per-sample prediction of a model call: ``.logits`` of HF outputs (a contrastive model's embeddings),
+    else the first tensor."""
+    if any(isinstance(getattr(output, name, None), torch.Tensor) for name in ("logits_per_image", "logits_per_text")):
+        return next((e for e in (getattr(output, n, None) for n in _PER_SAMPLE_EMBEDS) if isinstance(e, torch.Tensor)),
+                    None)
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
@@ -130,7 +130,7 @@ def _primary_output(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[dict[str, Any]]:
+def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
     """Gradient of sample 0's prediction w.r.t. every sample's input; rows other than 0 must be zero."""
     if not calls:
         return []
@@ -152,53 +152,88 @@ def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[dict[str, Any]]
         per_sample = g.norm(dim=1)
         own = float(per_sample[0])
         leaking = [int(j) for j in torch.nonzero(per_sample[1:] > 1e-6 * max(own, 1e-30)).flatten() + 1]
-        result.append({"input": label, "own": own, "other": float(per_sample[1:].norm()), "leaking_samples": leaking})
+        result.append(LeakEntry(label, own, float(per_sample[1:].norm()), leaking))
     return result
 
 
-def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, *, leak_analysis: bool = True) -> StepTrace:
-    """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``.
+@contextlib.contextmanager
+def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch.Tensor]]:
+    """Record, in order, the ``backward``, ``zero_grad`` and ``step`` that ``step_fn`` runs itself, and the
+    gradients each backward left (by reference: a later ``zero_grad(set_to_none=True)`` cannot hide them)."""
+    names = {id(p): n for n, p in ctx.params.items()}
+    left: dict[str, torch.Tensor] = {}
 
-    ``trace.extras`` keys checks may read: ``calls`` (list of ``RootCall``), ``phase`` (``"step_fn"`` or
-    ``"backward"`` when ``trace.error`` is set), ``backward`` (True when gradients were produced, by the audit
-    or by ``step_fn`` itself), ``loss_requires_grad``, ``input_grads`` (watched input -> gradient norm or
-    None), ``leak`` (per watched input: samples whose input reaches sample 0's prediction). The runner adds
-    ``update`` (param name -> ``UpdateStats`` of the trial optimizer step), ``update_error`` and
-    ``input_independent``.
-    """
+    def on_grad(p: torch.Tensor) -> None:
+        if not trace.loop_events or trace.loop_events[-1] != "backward":
+            trace.loop_events.append("backward")
+        if p.grad is not None and id(p) in names:
+            left[names[id(p)]] = p.grad
+
+    def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trace.loop_events.append("step")
+        tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        trace.step_grads.append(sum(1 for p in tracked if p.grad is not None and bool(p.grad.any())))
+
+    def zero_grad_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not trace.loop_events or trace.loop_events[-1] != "zero_grad":
+                trace.loop_events.append("zero_grad")
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad) for p in ctx.params.values() if p.requires_grad]
+    base = base_optimizer(ctx.optimizer)
+    if base is not None:
+        handles.append(base.register_step_pre_hook(pre_step))
+    originals = [(cls, cls.zero_grad) for cls in (torch.optim.Optimizer, nn.Module)]
+    try:
+        for cls, original in originals:
+            cls.zero_grad = zero_grad_wrapper(original)  # type: ignore[method-assign]
+        yield left
+    finally:
+        for cls, original in originals:
+            cls.zero_grad = original  # type: ignore[method-assign]
+        for h in handles:
+            h.remove()
+
+
+def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, *, leak_analysis: bool = True,
+             mark_inputs: bool = True) -> StepTrace:
+    """Run ``step_fn`` under the probes, backward once, and record what happened. Never raises ``Exception``."""
     trace = StepTrace()
     ctx.trace = trace
-    calls: list[RootCall] = []
+    calls = trace.calls
     watch = _Watch()
-    trace.extras.update(calls=calls, phase=None, backward=False, input_grads=None, leak=[])
     output: Any = None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_instrument(ctx.model, flags, calls, watch))
+        stack.enter_context(_instrument(ctx.model, flags, calls, watch, mark_inputs))
+        left_by_backward = stack.enter_context(_watch_loop(ctx, trace))
         for factory in PROBES.values():
             stack.enter_context(factory(ctx))
         try:
             output = step_fn()
         except Exception as exc:
             trace.error = exc
-            trace.extras["phase"] = "step_fn"
+            trace.phase = "step_fn"
     trace.raw_output = output
+    trace.marked_inputs = watch.marked
     loss = extract_loss(output)
     if not isinstance(loss, torch.Tensor):
         return trace
     trace.loss = loss.detach()
-    trace.extras["loss_requires_grad"] = loss.requires_grad
-    already = any(p.grad is not None for p in ctx.params.values())
-    if already:
-        # step_fn ran backward itself; its gradients are the ones to judge
-        trace.extras["backward"] = True
+    trace.loss_requires_grad = loss.requires_grad
+    if "backward" in trace.loop_events or any(p.grad is not None for p in ctx.params.values()):
+        # step_fn ran backward itself; its gradients are the ones to judge (never a second backward on its graph)
+        trace.backward = trace.user_backward = True
     elif loss.requires_grad and trace.error is None:
         target = loss if loss.numel() == 1 else loss.float().mean()
         if leak_analysis:  # one extra backward from sample 0's prediction; only input_dependency reads it
             try:
-                trace.extras["leak"] = _leak_analysis(calls, watch)
+                trace.leak = _leak_analysis(calls, watch)
             except RuntimeError:
                 # torch.autograd.grad is refused by reentrant checkpointing; the real backward below is not
-                trace.extras["leak"] = []
+                trace.leak = []
         try:
             captured: dict[str, torch.Tensor] = {}
             handles = [
@@ -211,16 +246,18 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
             finally:
                 for h in handles:
                     h.remove()
-            trace.extras["backward"] = True
-            trace.extras["input_grads"] = {
+            trace.backward = True
+            trace.input_grads = {
                 label: (float(captured[label].float().norm()) if label in captured else None)
                 for label, t in watch.tensors
                 if t.requires_grad
             }
         except Exception as exc:
             trace.error = exc
-            trace.extras["phase"] = "backward"
-    trace.grads = {name: (None if p.grad is None else p.grad.detach()) for name, p in ctx.params.items()}
+            trace.phase = "backward"
+    # a gradient step_fn's own zero_grad() dropped after its backward is still the one that backward produced
+    grads = {name: (p.grad if p.grad is not None else left_by_backward.get(name)) for name, p in ctx.params.items()}
+    trace.grads = {name: (None if g is None else g.detach()) for name, g in grads.items()}
     for call in calls:
         call.output = None  # the graph and the logits are not needed any more
     return trace
@@ -265,5 +302,46 @@ def confirm_input_independence(model: nn.Module, step_fn: Callable[[], Any], los
     finally:
         handle.remove()
     if not replaced or not isinstance(other, torch.Tensor) or other.shape != loss.shape:
+        return None
+    return bool(torch.equal(other.detach(), loss.detach()))
+
+
+def given_inputs_unused(inputs: Any, calls: list[RootCall]) -> bool:
+    """True when ``inputs=`` holds model inputs and none of them (by storage) reached a call of the model."""
+    given = {t.untyped_storage().data_ptr() for _, t in iter_tensors(inputs, depth=6, skip_keys=_NOT_INPUT_KEYS)
+             if t.device.type != "meta"}
+    if not given:
+        return False
+    used = {t.untyped_storage().data_ptr() for call in calls for _, t in iter_tensors((call.args, call.kwargs), depth=6)
+            if t.device.type != "meta"}
+    return not (given & used)
+
+
+def confirm_given_inputs_ignored(step_fn: Callable[[], Any], inputs: Any, loss: torch.Tensor,
+                                 rng: Callable[[], None]) -> bool | None:
+    """Re-run ``step_fn`` without gradients after perturbing the tensors of ``inputs=`` in place (labels
+    untouched; values put back afterwards) and the same RNG stream; True when the loss is bitwise unchanged.
+
+    This catches a step that never reads the batch it was handed (a stale batch from an earlier iteration, a
+    loss built from parameters only), which the model's own inputs cannot reveal.
+    """
+    tensors = [t for _, t in iter_tensors(inputs, depth=6, skip_keys=_NOT_INPUT_KEYS)
+               if t.dtype != torch.bool and not t.is_complex() and t.device.type != "meta" and t.numel() > 0]
+    if not tensors:
+        return None
+    saved = [t.detach().clone() for t in tensors]
+    try:
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(_perturb(t.detach()))
+            rng()
+            other = extract_loss(step_fn())
+    except Exception:
+        return None
+    finally:
+        with torch.no_grad():
+            for t, original in zip(tensors, saved):
+                t.copy_(original)
+    if not isinstance(other, torch.Tensor) or other.shape != loss.shape:
         return None
     return bool(torch.equal(other.detach(), loss.detach()))

@@ -7,31 +7,19 @@ updates, LR-scheduler bookkeeping, guards) do not fire for an update that is rol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from guardtower.audit._registry import AuditContext
-from guardtower.audit._state import clone_value, restore_value
-from guardtower.audit._util import base_optimizer
+from guardtower.preflight._registry import AuditContext
+from guardtower.preflight._state import clone_value, restore_value
+from guardtower.preflight._trace import UpdateStats
+from guardtower.preflight._util import base_optimizer
 
-__all__ = ["UpdateStats", "measure_update"]
+__all__ = ["measure_update", "unhooked_step"]
 
 #: elements stepped at once: a small model takes one step, a large one never copies more than this at a time
 _CHUNK_ELEMENTS = 1 << 23
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    """How one optimizer step changed one parameter tensor."""
-
-    ratio: float
-    """``||delta|| / ||param||`` (inf when the parameter norm is zero and it moved)"""
-    stuck_fraction: float
-    """fraction of elements with a non-zero gradient whose value did not change"""
-    dtype: str
-    ndim: int
 
 
 def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
@@ -41,8 +29,7 @@ def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
     opt = base_optimizer(ctx.optimizer)
     if opt is None or isinstance(opt, torch.optim.LBFGS):  # LBFGS steps need a closure re-evaluating the loss
         return {}
-    step: Any = type(opt).step
-    raw = step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
+    raw = unhooked_step(opt)
     names = {id(p): n for n, p in ctx.params.items()}
     groups = opt.param_groups
     lists = [g["params"] for g in groups]
@@ -58,6 +45,12 @@ def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
         for group, params in zip(groups, lists):
             group["params"] = params
     return stats
+
+
+def unhooked_step(opt: torch.optim.Optimizer) -> Any:
+    """The optimizer class's own ``step`` below the hook wrapper (no step hooks fire for an undone update)."""
+    step: Any = type(opt).step
+    return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
 
 
 def _chunks(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -95,7 +88,9 @@ def _measure(p: torch.Tensor, before: torch.Tensor) -> UpdateStats:
     n_moving = int(moving.sum())
     stuck = float(((delta == 0) & moving).sum()) / n_moving if n_moving else 0.0
     ratio = d_norm / p_norm if p_norm > 0 else (float("inf") if d_norm > 0 else 0.0)
-    return UpdateStats(ratio=ratio, stuck_fraction=stuck, dtype=str(p.dtype).replace("torch.", ""), ndim=p.dim())
+    finite = bool(torch.isfinite(p).all()) or not bool(torch.isfinite(before).all())
+    return UpdateStats(ratio=ratio, stuck_fraction=stuck, dtype=str(p.dtype).replace("torch.", ""), ndim=p.dim(),
+                       finite=finite)
 
 
 def _restore_state(opt: torch.optim.Optimizer, p: torch.Tensor, saved: dict[str, Any] | None,

@@ -1,8 +1,9 @@
 """How audit checks plug in.
 
 A check is a function ``(ctx: AuditContext) -> Iterable[Finding]`` registered under its public name with
-``@check("name")``. ``static=True`` marks checks that need no forward/backward pass (``lora_summary`` runs
-only those). A probe is a context-manager factory ``(ctx) -> ContextManager`` registered with ``@probe("name")``;
+``@check("name", emits=(catalog ids, ...), needs=(...))``: the ids it may emit (the catalog test reads them) and
+the extra measurements it needs (``guardtower.preflight._trace.Need``). ``static=True`` marks checks that need
+no forward/backward pass (``lora_summary`` runs only those). A probe is a context-manager factory ``(ctx) -> ContextManager`` registered with ``@probe("name")``;
 it is active while ``step_fn`` runs and stores what it observed in ``ctx.probes["name"]`` for checks to read.
 """
 
@@ -15,25 +16,10 @@ from typing import Any, Callable, ContextManager, Iterable
 import torch
 from torch import nn
 
+from guardtower.preflight._trace import NEEDS, Need, StepTrace
 from guardtower.report import Finding
 
 __all__ = ["AuditContext", "StepTrace", "CheckSpec", "check", "probe", "CHECKS", "PROBES"]
-
-
-@dataclass
-class StepTrace:
-    """What the instrumented step produced. Tensors here are detached copies owned by the audit."""
-
-    loss: torch.Tensor | None = None
-    """the loss tensor as returned (or ``.loss`` of the returned object); None if step_fn raised"""
-    raw_output: Any = None
-    """whatever step_fn returned"""
-    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
-    """param name -> gradient the step produced (None when the param got no gradient)"""
-    error: BaseException | None = None
-    """the exception step_fn (or backward) raised, if any"""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """more observations the runner records (activations, update ratios, ...)"""
 
 
 @dataclass
@@ -46,6 +32,8 @@ class AuditContext:
     scaler: Any
     params: dict[str, nn.Parameter]
     """``model.named_parameters()`` (shared tensors once, under their first name)"""
+    lr_scheduler: Any = None
+    """the LR scheduler that will drive ``optimizer`` (``audit(lr_scheduler=)``), if given"""
     trace: StepTrace | None = None
     """None for static audits (``lora_summary``)"""
     probes: dict[str, Any] = field(default_factory=dict)
@@ -55,20 +43,37 @@ class AuditContext:
 
 @dataclass(frozen=True)
 class CheckSpec:
+    """A registered check and what it declares: the catalog ids it may emit (a finding with any other id
+    becomes AUDIT-001) and the extra measurements it needs from the runner."""
+
     name: str
     fn: Callable[[AuditContext], Iterable[Finding]]
     static: bool
+    emits: frozenset[str] = frozenset()
+    needs: frozenset[str] = frozenset()
+    always: bool = False
+    """runs whatever ``checks=`` selects (the step's own failure makes every other verdict moot)"""
 
 
 CHECKS: dict[str, CheckSpec] = {}
 PROBES: dict[str, Callable[[AuditContext], ContextManager[Any]]] = {}
 
 
-def check(name: str, *, static: bool = False) -> Callable[[Callable[[AuditContext], Iterable[Finding]]], Callable[[AuditContext], Iterable[Finding]]]:
-    """Register a check under its public name."""
+def check(
+    name: str,
+    *,
+    emits: Iterable[str],
+    needs: Iterable[Need] = (),
+    static: bool = False,
+    always: bool = False,
+) -> Callable[[Callable[[AuditContext], Iterable[Finding]]], Callable[[AuditContext], Iterable[Finding]]]:
+    """Register a check under its public name, with the catalog ids it emits and the measurements it needs."""
+    unknown = set(needs) - NEEDS
+    if unknown:
+        raise ValueError(f"check {name!r} declares unknown needs {sorted(unknown)}")
 
     def decorate(fn: Callable[[AuditContext], Iterable[Finding]]) -> Callable[[AuditContext], Iterable[Finding]]:
-        CHECKS[name] = CheckSpec(name, fn, static)
+        CHECKS[name] = CheckSpec(name, fn, static, frozenset(emits), frozenset(needs), always)
         return fn
 
     return decorate

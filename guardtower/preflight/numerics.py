@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from guardtower.audit._registry import AuditContext, check, probe
-from guardtower.audit._util import fmt_names, iter_tensors
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._util import fmt_names, iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -209,7 +209,7 @@ def _record(ctx: AuditContext) -> ActivationRecord | None:
     return rec if isinstance(rec, ActivationRecord) else None
 
 
-@check("nonfinite")
+@check("nonfinite", emits=("NAN-001", "NAN-002", "NAN-003"))
 def check_nonfinite(ctx: AuditContext) -> Iterable[Finding]:
     """NAN-003 parameters/buffers already non-finite, NAN-001 forward, NAN-002 gradients."""
     findings = []
@@ -232,7 +232,7 @@ def check_nonfinite(ctx: AuditContext) -> Iterable[Finding]:
             "NAN-001", {**first, "modules": [first["module"]], "first_neginf": rec.first_neginf},
         ))
     trace = ctx.trace
-    if trace is not None and trace.extras.get("backward"):
+    if trace is not None and trace.backward:
         bad = [n for n, g in trace.grads.items()
                if g is not None and g.is_floating_point() and not bool(torch.isfinite(g).all())]
         if bad:
@@ -244,7 +244,7 @@ def check_nonfinite(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("dead_relu")
+@check("dead_relu", emits=("RELU-001",))
 def check_dead_relu(ctx: AuditContext) -> Iterable[Finding]:
     """RELU-001: ReLU layers whose units output zero for every sample of the batch."""
     rec = _record(ctx)
@@ -263,7 +263,7 @@ def check_dead_relu(ctx: AuditContext) -> Iterable[Finding]:
     )]
 
 
-@check("saturation")
+@check("saturation", emits=("ACT-001",))
 def check_saturation(ctx: AuditContext) -> Iterable[Finding]:
     """ACT-001: sigmoid/tanh outputs pinned at their asymptotes, where the gradient vanishes."""
     rec = _record(ctx)

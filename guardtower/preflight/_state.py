@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import random
 import sys
 import warnings
@@ -22,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._util import iter_tensors
+from guardtower.preflight._util import iter_tensors
 
 __all__ = ["TrainingState", "OptimizerState", "TensorFlags", "clone_value", "restore_value"]
 
@@ -57,7 +58,7 @@ class OptimizerState:
     The state (Adam moments: twice the trainable parameters) is never copied: ``isolated()`` swaps in an
     empty state dict while ``step_fn`` runs, so an ``optimizer.step()`` inside it cannot touch the real
     moments, and ``restore()`` puts the very same dict back. The trial update saves one tensor's state at a
-    time (``guardtower.audit._update``).
+    time (``guardtower.preflight._update``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -104,6 +105,7 @@ class TrainingState:
 
     def __init__(self, model: nn.Module, optimizer: Any = None, inputs: Any = None, scaler: Any = None) -> None:
         self.model = model
+        self.optimizer = optimizer
         self.optimizers = [OptimizerState(o) for o in _optimizer_chain(optimizer)]
         in_optimizer = {id(p) for o in self.optimizers for g in o.optimizer.param_groups for p in g["params"]}
         all_params = _unique(model.parameters())
@@ -128,10 +130,12 @@ class TrainingState:
 
     @contextlib.contextmanager
     def isolated_optimizers(self) -> Iterator[None]:
-        """While ``step_fn`` runs, optimizers see an empty state (see ``OptimizerState.isolated``)."""
+        """While ``step_fn`` runs, optimizers see an empty state (see ``OptimizerState.isolated``) and wrappers'
+        own ``step`` is bypassed."""
         with contextlib.ExitStack() as stack:
             for opt in self.optimizers:
                 stack.enter_context(opt.isolated())
+            stack.enter_context(_steps_bypass_wrappers(self.optimizer))
             yield
 
     def clear_grads(self) -> None:
@@ -196,7 +200,17 @@ def _unique(tensors: Any) -> list[torch.Tensor]:
 
 
 def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The optimizer and any optimizers it wraps (they may hold separate state dicts)."""
+    """The optimizers whose state must be kept: the optimizer and any it wraps, once per state dict."""
+    # wrappers sharing param_groups/state with their base need only one snapshot of that state
+    unique: list[torch.optim.Optimizer] = []
+    for opt in reversed(_wrapper_chain(optimizer)):  # innermost first: its ``state`` is a plain, settable attribute
+        if not any(opt.state is u.state for u in unique):
+            unique.append(opt)
+    return unique
+
+
+def _wrapper_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The optimizer and the optimizers it wraps, outermost first."""
     chain: list[torch.optim.Optimizer] = []
     current = optimizer
     for _ in range(8):
@@ -209,12 +223,33 @@ def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
              if isinstance(v, torch.optim.Optimizer) and v is not current),
             None,
         )
-    # wrappers sharing param_groups/state with their base need only one snapshot of that state
-    unique: list[torch.optim.Optimizer] = []
-    for opt in reversed(chain):  # innermost first: its ``state`` is a plain, settable attribute
-        if not any(opt.state is u.state for u in unique):
-            unique.append(opt)
-    return unique
+    return chain
+
+
+_MISSING = object()
+
+
+def _base_step(base: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
+    return base.step(closure) if closure is not None else base.step()
+
+
+@contextlib.contextmanager
+def _steps_bypass_wrappers(optimizer: Any) -> Iterator[None]:
+    """While ``step_fn`` runs, ``wrapper.step()`` goes straight to the innermost optimizer, so a
+    ``GuardedOptimizer`` (or any wrapper) counts no step and moves no baseline for an update that is undone."""
+    chain = _wrapper_chain(optimizer)
+    wrappers = chain[:-1]
+    saved = [vars(w).get("step", _MISSING) for w in wrappers]
+    try:
+        for w in wrappers:
+            w.step = functools.partial(_base_step, chain[-1])  # type: ignore[method-assign]
+        yield
+    finally:
+        for w, previous in zip(wrappers, saved):
+            if previous is _MISSING:
+                vars(w).pop("step", None)
+            else:
+                w.step = previous  # type: ignore[method-assign]
 
 
 def clone_value(value: Any) -> Any:

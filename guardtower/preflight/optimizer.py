@@ -7,15 +7,16 @@ from typing import Iterable
 
 import torch
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._util import fmt_names, optimizer_tensors
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._schedule import LOOKAHEAD_STEPS, peak_lrs
+from guardtower.preflight._util import base_optimizer, fmt_names, optimizer_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
 __all__: list[str] = []
 
 
-@check("optimizer_coverage", static=True)
+@check("optimizer_coverage", emits=("OPT-001", "OPT-003"), static=True)
 def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-001 trainable parameters the optimizer does not update, OPT-003 a stale optimizer."""
     if ctx.optimizer is None:
@@ -48,48 +49,80 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("frozen", static=True)
+@check("frozen", emits=("OPT-002", "OPT-006"), static=True)
 def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-002: parameters with ``requires_grad=False`` that still sit in the optimizer."""
+    """OPT-006 (info): which parameters are frozen; OPT-002: frozen parameters that still sit in the optimizer."""
+    findings = []
+    all_frozen = [n for n, p in ctx.params.items() if not p.requires_grad]
+    if all_frozen:
+        numel = sum(ctx.params[n].numel() for n in all_frozen)
+        total = sum(p.numel() for p in ctx.params.values())
+        findings.append(Finding(
+            "frozen", Severity.INFO,
+            f"{len(all_frozen)} frozen parameter tensor(s) ({numel:,} of {total:,} elements, requires_grad=False) "
+            f"will not train: {fmt_names(all_frozen)}",
+            "OPT-006", {"params": all_frozen[:200], "count": len(all_frozen), "numel": numel},
+        ))
     if ctx.optimizer is None:
-        return []
+        return findings
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     frozen = [names[id(t)] for _, t in optimizer_tensors(ctx.optimizer) if id(t) in names and not t.requires_grad]
-    if not frozen:
-        return []
-    return [Finding(
-        "frozen", Severity.WARN,
-        f"{len(frozen)} frozen parameter(s) (requires_grad=False) are in the optimizer: {fmt_names(frozen)}; "
-        "they cost optimizer memory, and unfreezing them later silently resumes stale moments",
-        "OPT-002", {"params": frozen},
-    )]
+    if frozen:
+        findings.append(Finding(
+            "frozen", Severity.WARN,
+            f"{len(frozen)} frozen parameter(s) (requires_grad=False) are in the optimizer: {fmt_names(frozen)}; "
+            "they cost optimizer memory, and unfreezing them later silently resumes stale moments",
+            "OPT-002", {"params": frozen},
+        ))
+    return findings
 
 
-@check("optimizer_hparams", static=True)
+@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007"), static=True)
 def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-004 learning rate zero, OPT-005 weight decay on biases and normalisation weights."""
+    """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights."""
     if ctx.optimizer is None:
         return []
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     findings = []
+    # a weight_decay=0 group holding 1-D tensors says the user meant to exclude them all from decay
+    no_decay_group = any(
+        not group.get("weight_decay", 0.0) and any(isinstance(p, torch.Tensor) and p.requires_grad and p.dim() <= 1
+                                                   for p in group.get("params", ()))
+        for group in ctx.optimizer.param_groups
+    )
+    peaks = peak_lrs(ctx.lr_scheduler, base_optimizer(ctx.optimizer)) if ctx.lr_scheduler is not None else None
     for gi, group in enumerate(ctx.optimizer.param_groups):
         params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
         trainable = [p for p in params if p.requires_grad]
         lr = group.get("lr")
         lr_value = float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
-        initial = group.get("initial_lr")
-        warming_up = isinstance(initial, (int, float, torch.Tensor)) and float(initial) > 0
-        if trainable and lr_value == 0.0 and not warming_up:
+        if peaks is not None and gi < len(peaks):
+            never = trainable and peaks[gi] == 0.0
+            why = f"and the LR schedule keeps it at 0 for the next {LOOKAHEAD_STEPS} steps (0 total/warmup steps?)"
+        else:
+            initial = group.get("initial_lr")
+            warming_up = isinstance(initial, (int, float, torch.Tensor)) and float(initial) > 0
+            never = bool(trainable) and lr_value == 0.0 and not warming_up
+            why = "and no scheduler raising it"
+        if never:
             findings.append(Finding(
                 "optimizer_hparams", Severity.WARN,
-                f"param group {gi} has lr=0 for {len(trainable)} trainable tensor(s) and no scheduler raising it: "
-                "nothing in it will train",
-                "OPT-004", {"group": gi, "params": [names.get(id(p), "?") for p in trainable][:50]},
+                f"param group {gi} has lr=0 for {len(trainable)} trainable tensor(s) {why}: nothing in it will train",
+                "OPT-004", {"group": gi, "params": [names.get(id(p), "?") for p in trainable][:50],
+                            "schedule_checked": peaks is not None},
             ))
         wd = group.get("weight_decay", 0.0)
         if isinstance(wd, (int, float)) and wd > 0:
             decayed = [names.get(id(p), "?") for p in trainable if p.dim() <= 1]
-            if decayed:
+            if decayed and no_decay_group:
+                findings.append(Finding(
+                    "optimizer_hparams", Severity.WARN,
+                    f"param group {gi} applies weight_decay={wd:g} to {len(decayed)} bias/normalisation tensor(s) "
+                    f"although another group holds them with weight_decay=0: {fmt_names(decayed)} (the filter "
+                    "that builds the no-decay group missed them)",
+                    "OPT-007", {"group": gi, "weight_decay": wd, "params": decayed[:50]},
+                ))
+            elif decayed:
                 findings.append(Finding(
                     "optimizer_hparams", Severity.INFO,
                     f"param group {gi} applies weight_decay={wd:g} to {len(decayed)} bias/normalisation tensor(s): "

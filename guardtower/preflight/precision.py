@@ -7,11 +7,10 @@ from typing import Any, Iterable
 
 import torch
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._step import RootCall
-from guardtower.audit._update import UpdateStats
-from guardtower.audit._util import fmt_names
-from guardtower.audit.numerics import ActivationRecord
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._trace import RootCall, UpdateStats
+from guardtower.preflight._util import fmt_names
+from guardtower.preflight.numerics import ActivationRecord
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -25,7 +24,7 @@ STUCK_FRACTION = 0.5
 
 
 def _calls(ctx: AuditContext) -> list[RootCall]:
-    return ctx.trace.extras.get("calls", []) if ctx.trace is not None else []
+    return ctx.trace.calls if ctx.trace is not None else []
 
 
 def _scaler_enabled(scaler: Any) -> bool:
@@ -35,7 +34,7 @@ def _scaler_enabled(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
-@check("mixed_precision")
+@check("mixed_precision", emits=("AMP-001", "AMP-002", "AMP-003"), needs=("update",))
 def check_mixed_precision(ctx: AuditContext) -> Iterable[Finding]:
     """AMP-001 fp16 autocast without a GradScaler, AMP-002 updates rounded away in fp16/bf16 weights,
     AMP-003 activations close to the fp16 maximum."""
@@ -48,7 +47,7 @@ def check_mixed_precision(ctx: AuditContext) -> Iterable[Finding]:
             "small gradients underflow to zero in fp16; use torch.amp.GradScaler (and pass it as scaler=) or bf16",
             "AMP-001", {"devices": fp16_devices},
         ))
-    stats: dict[str, UpdateStats] = (ctx.trace.extras.get("update") or {}) if ctx.trace is not None else {}
+    stats: dict[str, UpdateStats] = ctx.trace.update if ctx.trace is not None else {}
     stuck = {n: s.stuck_fraction for n, s in stats.items()
              if s.dtype in ("float16", "bfloat16") and s.stuck_fraction >= STUCK_FRACTION}
     if stuck:
@@ -74,7 +73,7 @@ def check_mixed_precision(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("device_dtype", static=True)
+@check("device_dtype", emits=("DEV-001", "DEV-002"), static=True)
 def check_device_dtype(ctx: AuditContext) -> Iterable[Finding]:
     """DEV-001 tensors on the meta device or scattered across devices, DEV-002 float64 weights."""
     findings = []

@@ -9,9 +9,9 @@ from typing import Iterable
 
 import torch
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._update import UpdateStats
-from guardtower.audit._util import fmt_names, is_lora_factor
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._trace import UpdateStats
+from guardtower.preflight._util import fmt_names, is_lora_factor
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -37,10 +37,10 @@ UPDATE_RATIO_LOW = 1e-6
 
 
 def _grads_ready(ctx: AuditContext) -> bool:
-    return ctx.trace is not None and bool(ctx.trace.extras.get("backward"))
+    return ctx.trace is not None and ctx.trace.backward
 
 
-@check("grad_connectivity")
+@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"))
 def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-001 trainable parameters without a gradient, GRAD-004 gradients that are exactly zero."""
     if not _grads_ready(ctx):
@@ -50,6 +50,16 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     trainable = [n for n, p in ctx.params.items() if p.requires_grad]
     missing = [n for n in trainable if grads.get(n) is None]
     findings = []
+    skipped = _skipped_by_design(ctx, missing)
+    if skipped:
+        findings.append(Finding(
+            "grad_connectivity", Severity.INFO,
+            f"{len(skipped)} trainable parameter(s) got no gradient in this step because their layer or expert "
+            f"did not run (the model drops layers at random or routes tokens to experts): {fmt_names(skipped)}; "
+            "they get gradients in other steps",
+            "GRAD-001", {"params": skipped, "conditional": True},
+        ))
+        missing = [n for n in missing if n not in set(skipped)]
     if missing:
         findings.append(Finding(
             "grad_connectivity", Severity.ERROR,
@@ -73,6 +83,39 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
+#: config fields that make a layer or expert skip a step by design (layerdrop, mixture-of-experts routing)
+_STOCHASTIC_DEPTH = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _skipped_by_design(ctx: AuditContext, missing: list[str]) -> list[str]:
+    """The gradient-less parameters that sit in one entry of a layer or expert list whose siblings did get a
+    gradient, in a model that drops layers (layerdrop) or routes tokens to experts: skipped this step, not
+    disconnected. Empty when the model does neither."""
+    config = getattr(ctx.model, "config", None)
+    conditional = any(_number(getattr(config, k, 0)) > 0 for k in _STOCHASTIC_DEPTH) or any(
+        _number(getattr(config, k, 0)) > 1 for k in _EXPERTS)
+    if not missing or not conditional:
+        return []
+    assert ctx.trace is not None
+    with_grad = [n for n, g in ctx.trace.grads.items() if g is not None]
+    lists = [name for name, m in ctx.model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    skipped = []
+    for n in missing:
+        entry = next((f"{prefix}.{n[len(prefix) + 1:].split('.')[0]}." for prefix in lists
+                      if prefix and n.startswith(prefix + ".")), None)
+        if entry is None:
+            continue
+        prefix = entry.rsplit(".", 2)[0] + "."
+        if any(w.startswith(prefix) and not w.startswith(entry) for w in with_grad):
+            skipped.append(n)
+    return skipped
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
 def _norms(ctx: AuditContext) -> list[tuple[str, float, float, int]]:
     """(name, grad norm, param norm, ndim) for finite gradients."""
     assert ctx.trace is not None
@@ -89,7 +132,7 @@ def _norms(ctx: AuditContext) -> list[tuple[str, float, float, int]]:
     return out
 
 
-@check("grad_norms")
+@check("grad_norms", emits=("GRAD-002", "GRAD-003"))
 def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-002 exploding and GRAD-003 vanishing gradients, judged absolutely and relative to the weights."""
     if not _grads_ready(ctx):
@@ -99,12 +142,14 @@ def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
         return []
     total = math.sqrt(sum(gn * gn for _, gn, _, _ in norms))
     findings = []
-    exploding = [(n, gn, pn) for n, gn, pn, _ in norms if pn > 0 and gn / pn > EXPLODING_RATIO]
+    # the ratio is judged on weight matrices only: a bias initialised at (or near) zero has a tiny norm, so any
+    # healthy gradient is "100x its weight"
+    exploding = [(n, gn, pn) for n, gn, pn, nd in norms if nd >= 2 and pn > 0 and gn / pn > EXPLODING_RATIO]
     if total > EXPLODING_GLOBAL_NORM or exploding:
         worst = max(exploding, key=lambda e: e[1] / e[2], default=None)
         findings.append(Finding(
             "grad_norms", Severity.WARN,
-            f"exploding gradients: global norm {total:.3g}"
+            f"exploding gradients: global gradient norm {total:.3g}"
             + (f"; {len(exploding)} tensor(s) with ||grad||/||param|| > {EXPLODING_RATIO:g}, worst {worst[0]} "
                f"({worst[1] / worst[2]:.3g})" if worst else "")
             + " (unnormalised inputs/targets, bad init, or a loss scaled up)",
@@ -126,20 +171,39 @@ def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("update_ratio")
+def _finite_grad(ctx: AuditContext, name: str) -> bool:
+    assert ctx.trace is not None
+    g = ctx.trace.grads.get(name)
+    return g is not None and bool(torch.isfinite(g).all())
+
+
+@check("update_ratio", emits=("GRAD-005", "NAN-004"), needs=("update",))
 def check_update_ratio(ctx: AuditContext) -> Iterable[Finding]:
-    """GRAD-005: one real optimizer step (undone afterwards) moves the weights far more or less than ~1e-3."""
+    """GRAD-005: one real optimizer step (undone afterwards) moves the weights far more or less than ~1e-3;
+    NAN-004: that step turns finite weights non-finite."""
     if ctx.trace is None:
         return []
-    error = ctx.trace.extras.get("update_error")
+    error = ctx.trace.update_error
     if error is not None:
         raise RuntimeError(f"the trial optimizer step failed: {type(error).__name__}: {error}")
-    stats: dict[str, UpdateStats] = ctx.trace.extras.get("update") or {}
+    stats: dict[str, UpdateStats] = ctx.trace.update
+    broken = [n for n, s in stats.items() if not s.finite and _finite_grad(ctx, n)]
+    if broken:
+        dtypes = sorted({stats[n].dtype for n in broken})
+        return [Finding(
+            "update_ratio", Severity.ERROR,
+            f"one optimizer step turns {len(broken)} finite {'/'.join(dtypes)} weight tensor(s) with finite "
+            f"gradients into NaN/Inf: {fmt_names(broken)} (fp16 weights under Adam: eps underflows; keep "
+            "trainable weights in fp32)",
+            "NAN-004", {"params": broken, "dtypes": dtypes},
+        )]
     ratios = {n: s.ratio for n, s in stats.items() if s.ndim >= 2 and math.isfinite(s.ratio) and not is_lora_factor(n)}
     if not ratios:
         return []
     median = statistics.median(ratios.values())
     lrs = sorted({float(g["lr"]) for g in getattr(ctx.optimizer, "param_groups", []) if "lr" in g})
+    if lrs and max(lrs) == 0.0:
+        return []  # a warmup that starts at 0 (or an lr that stays 0: OPT-004 judges that, with the schedule)
     if median > UPDATE_RATIO_HIGH:
         verdict = f"far above ~1e-3: the first steps will overwrite the initialisation (lr {lrs} too high?)"
     elif median < UPDATE_RATIO_LOW:

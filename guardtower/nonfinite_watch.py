@@ -30,7 +30,10 @@ from guardtower.errors import ConfigError, NonFiniteActivation
 from guardtower.events import HaltEvent, NonFiniteEvent
 from guardtower.severity import Severity
 
-__all__ = ["monitor", "Monitor", "MODES"]
+__all__ = ["monitor", "Monitor", "MODES", "CLOSE_TIMEOUT_S"]
+
+#: how long leaving ``monitor()`` waits, in total, for the sinks of the bus it made
+CLOSE_TIMEOUT_S = 5.0
 
 #: what ``on_nonfinite`` accepts
 MODES = ("raise", "warn", "event")
@@ -168,7 +171,7 @@ class Monitor:
         finally:
             self._entered = 0
             if self._owns_bus and self._bus is not None:
-                self._bus.close()
+                self._bus.close(CLOSE_TIMEOUT_S)  # a hanging sink must not keep the training loop waiting
             self._bus = None
 
     def _detach(self) -> None:

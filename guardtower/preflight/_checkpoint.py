@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._walk import iter_tensors
+from guardtower.preflight._walk import iter_tensors
 
 __all__ = ["reentrant_layers", "CheckpointWatch", "watch_checkpointing"]
 
@@ -43,7 +43,15 @@ class CheckpointWatch:
     layers: list[str] = field(default_factory=list)
     starved: list[str] = field(default_factory=list)
     _audit_leaves: list[torch.Tensor] = field(default_factory=list)
+    _candidates: list[torch.Tensor] = field(default_factory=list)
+    """float leaves the user passed without requires_grad (the audit may mark them)"""
     _seen: set[str] = field(default_factory=set)
+
+    def would_starve(self, tensors: list[torch.Tensor]) -> bool:
+        """True when none of ``tensors`` would require grad in the user's own run (reentrant checkpointing
+        then gives the block's output no gradient at all)."""
+        self._audit_leaves.extend(t for t in self._candidates if t.requires_grad and not self.is_audit_leaf(t))
+        return not self.requires_grad_naturally(tensors)
 
     def is_audit_leaf(self, t: torch.Tensor) -> bool:
         return any(t is leaf for leaf in self._audit_leaves)
@@ -78,13 +86,12 @@ class CheckpointWatch:
 def watch_checkpointing(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> Iterator[CheckpointWatch]:
     """Hooks that tell, for each reentrant-checkpointed layer, whether its inputs require grad on their own."""
     watch = CheckpointWatch(layers=[n for n, _ in layers])
-    candidates: list[torch.Tensor] = []  # float leaves the user passed without requires_grad
     originals: dict[int, Any] = {}
 
     def root_pre(module: nn.Module, args: Any, kwargs: Any) -> None:
         for t in iter_tensors((args, kwargs)):
             if t.is_floating_point() and t.grad_fn is None and not t.requires_grad:
-                candidates.append(t)
+                watch._candidates.append(t)
 
     def embedding_first(module: nn.Module, args: Any, output: Any) -> None:
         originals[id(module)] = output
@@ -99,8 +106,7 @@ def watch_checkpointing(model: nn.Module, layers: list[tuple[str, nn.Module]]) -
         if name in watch._seen:
             return
         watch._seen.add(name)
-        watch._audit_leaves.extend(t for t in candidates if t.requires_grad)
-        if not watch.requires_grad_naturally(list(iter_tensors(args))):
+        if watch.would_starve(list(iter_tensors(args))):
             watch.starved.append(name)
 
     handles = [model.register_forward_pre_hook(root_pre, with_kwargs=True, prepend=True)]

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from guardtower.audit._registry import AuditContext, check
-from guardtower.audit._step import MODE_SENSITIVE, RootCall
-from guardtower.audit._util import fmt_names
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._step import MODE_SENSITIVE
+from guardtower.preflight._trace import RootCall
+from guardtower.preflight._util import fmt_names
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
 __all__: list[str] = []
 
 
-@check("train_mode")
+@check("train_mode", emits=("MODE-001",))
 def check_train_mode(ctx: AuditContext) -> Iterable[Finding]:
     """MODE-001: model in eval mode during the step, or dropout/BatchNorm submodules left in eval mode."""
-    calls: list[RootCall] = ctx.trace.extras.get("calls", []) if ctx.trace is not None else []
+    calls: list[RootCall] = ctx.trace.calls if ctx.trace is not None else []
     if calls:
         training = calls[0].training
     else:

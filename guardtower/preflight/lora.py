@@ -16,8 +16,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from guardtower.audit._checkpoint import reentrant_layers, watch_checkpointing
-from guardtower.audit._peft import (
+from guardtower.preflight._checkpoint import reentrant_layers, watch_checkpointing
+from guardtower.preflight._peft import (
     AdapterPair,
     adapter_pairs,
     block_lists,
@@ -31,7 +31,7 @@ from guardtower.audit._peft import (
     storage_key,
     unwrap_parallel,
 )
-from guardtower.audit._registry import AuditContext, check, probe
+from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.errors import ConfigError
 from guardtower.report import Finding, Report
 from guardtower.severity import Severity
@@ -129,7 +129,7 @@ def _is_peft(ctx: AuditContext) -> bool:
     return bool(ctx.memo["is_peft"])
 
 
-@check("lora_base_frozen", static=True)
+@check("lora_base_frozen", emits=("LORA-001",), static=True)
 def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-001: base weights still trainable next to the adapters."""
     if not _is_peft(ctx) or not any(True for _ in lora_layers(ctx.model)):
@@ -156,7 +156,7 @@ def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_adapter", static=True)
+@check("lora_adapter", emits=("LORA-002", "LORA-007", "LORA-011"), static=True)
 def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range."""
     if not _is_peft(ctx):
@@ -224,7 +224,7 @@ def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_optimizer", static=True)
+@check("lora_optimizer", emits=("LORA-003",), static=True)
 def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-003: trainable adapter factors the optimizer does not hold."""
     if ctx.optimizer is None or not _is_peft(ctx):
@@ -244,28 +244,31 @@ def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
     yield Finding("lora_optimizer", Severity.ERROR, message, "LORA-003", {"params": _names(missing), "count": len(missing)})
 
 
-@check("lora_trainable_pct", static=True)
+@check("lora_trainable_pct", emits=("LORA-005",), static=True)
 def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
-    """LORA-005: adapters plus saved modules are a large share of the model."""
+    """LORA-005: the adapters are a large share of the model. ``modules_to_save`` copies are excluded: the user
+    asked for those whole modules to train, so their size is a choice, not a rank accident."""
     if not _is_peft(ctx):
         return
-    total = sum(p.numel() for p in ctx.params.values())
-    extra = {n: p for n, p in ctx.params.items() if p.requires_grad and (is_adapter_param(n) or is_saved_param(n))}
-    trainable = sum(p.numel() for p in extra.values())
+    saved_names = {n for n, p in ctx.params.items() if is_saved_param(n)}
+    # the share is of the model proper: the saved copies and the originals they shadow are not counted
+    total = sum(p.numel() for n, p in ctx.params.items() if n not in saved_names and ".original_module." not in n)
+    adapters = {n: p for n, p in ctx.params.items() if p.requires_grad and is_adapter_param(n) and n not in saved_names}
+    trainable = sum(p.numel() for p in adapters.values())
     pct = 100.0 * trainable / total if total else 0.0
     if pct > TRAINABLE_PCT_HIGH:
-        saved = sum(p.numel() for n, p in extra.items() if is_saved_param(n))
+        saved = sum(ctx.params[n].numel() for n in saved_names if ctx.params[n].requires_grad)
         yield Finding(
             "lora_trainable_pct",
             Severity.WARN,
-            f"adapters and modules_to_save make up {pct:.1f}% of the parameters ({trainable:,} of {total:,}; "
-            f"{saved:,} in modules_to_save): memory and optimizer state approach a full fine-tune",
+            f"the adapters make up {pct:.1f}% of the parameters ({trainable:,} of {total:,}; modules_to_save, "
+            f"{saved:,} more, not counted): memory and optimizer state approach a full fine-tune (rank too high?)",
             "LORA-005",
             {"trainable": trainable, "total": total, "percent": pct, "modules_to_save_numel": saved},
         )
 
 
-@check("lora_dtype", static=True)
+@check("lora_dtype", emits=("LORA-010",), static=True)
 def check_dtype(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-010: trainable adapter weights stored in fp16/bf16."""
     if not _is_peft(ctx):
@@ -291,7 +294,7 @@ def check_dtype(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_gradient_flow")
+@check("lora_gradient_flow", emits=("LORA-004", "LORA-006"))
 def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-006 zero-init factor got no gradient (ERROR); LORA-004 random factor's zero gradient (expected)."""
     state = ctx.probes.get("lora_state")
@@ -354,7 +357,7 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_head", static=True)
+@check("lora_head", emits=("LORA-008",), static=True)
 def check_head(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-008: the new classification head is frozen, so it stays at its random initialisation."""
     if not _is_peft(ctx):
@@ -371,7 +374,7 @@ def check_head(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_coverage", static=True)
+@check("lora_coverage", emits=("LORA-009",), static=True)
 def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-009: target_modules matched only some of the transformer blocks."""
     config = peft_config(ctx.model)
@@ -391,7 +394,7 @@ def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
             )
 
 
-@check("lora_tied", static=True)
+@check("lora_tied", emits=("LORA-012",), static=True)
 def check_tied(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-012: a tied embedding / lm_head pair split by modules_to_save, so the copies drift apart."""
     if not _is_peft(ctx):
@@ -432,7 +435,7 @@ def lora_summary(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = 
 
     The report's title carries the trainable-parameter count, the number people look for first.
     """
-    from guardtower.audit._runner import run_static  # the package imports this module: import at call time
+    from guardtower.preflight._runner import run_static  # the package imports this module: import at call time
 
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}", "pass the (peft) model")

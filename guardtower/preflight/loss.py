@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from guardtower.audit._registry import AuditContext, check, probe
-from guardtower.audit._step import RootCall
+from guardtower.preflight._batch import batch_mapping, labelled_padding
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._trace import StepTrace
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -90,16 +91,19 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
             setattr(F, name, fn)
 
 
-@check("loss")
+@check("loss", emits=("LOSS-001", "LOSS-002", "LOSS-003", "LOSS-006", "LOSS-007"), always=True)
 def check_loss(ctx: AuditContext) -> Iterable[Finding]:
-    """LOSS-001 detached, LOSS-002 not scalar, LOSS-003 not finite."""
+    """LOSS-006 the step raised, LOSS-007 no loss tensor, LOSS-001 detached, LOSS-002 not scalar, LOSS-003 not
+    finite. Runs whatever ``checks=`` selects: without a usable loss no other verdict means anything."""
     trace = ctx.trace
-    if trace is None or trace.loss is None:
+    if trace is None:
         return []
+    if trace.error is not None or not isinstance(trace.loss, torch.Tensor):
+        return _step_failed(trace)
     loss = trace.loss
     findings = []
     trainable = any(p.requires_grad for p in ctx.params.values())
-    if trainable and not trace.extras.get("loss_requires_grad", False) and not trace.extras.get("backward"):
+    if trainable and not trace.loss_requires_grad and not trace.backward:
         findings.append(Finding(
             "loss", Severity.ERROR,
             "the loss does not require grad: it was detached (.detach(), .item(), torch.tensor(...), or computed "
@@ -121,7 +125,28 @@ def check_loss(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("loss_inputs")
+def _step_failed(trace: StepTrace) -> list[Finding]:
+    """LOSS-006/LOSS-007: the step itself did not produce a usable loss."""
+    if trace.error is not None:
+        phase = trace.phase or "step_fn"
+        err = trace.error
+        where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+        return [Finding(
+            "loss", Severity.ERROR,
+            f"the training step raised in {phase}: {type(err).__name__}: {err}",
+            "LOSS-006",
+            {"phase": phase, "exception": type(err).__name__, "error": str(err)[:2000],
+             "where": f"{where.filename}:{where.lineno} in {where.name}" if where else None},
+        )]
+    out = trace.raw_output
+    has_loss_attr = hasattr(out, "loss") or (isinstance(out, dict) and "loss" in out)
+    hint = ("its .loss is None (Hugging Face models compute a loss only when labels are passed)"
+            if has_loss_attr else f"it returned {type(out).__name__}")
+    return [Finding("loss", Severity.ERROR, f"step_fn returned no loss tensor: {hint}", "LOSS-007",
+                    {"returned": type(out).__name__})]
+
+
+@check("loss_inputs", emits=("LOSS-004", "LOSS-005", "LOSS-008"))
 def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
     """LOSS-004 probabilities fed to a logits loss, LOSS-005 broadcasting targets, LOSS-008 NLL on logits."""
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
@@ -174,22 +199,66 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _batch_mapping(ctx: AuditContext) -> Mapping[str, Any] | None:
-    """The batch as a mapping: ``inputs`` when it is one, else the keyword arguments of the model call."""
-    if isinstance(ctx.inputs, Mapping):
-        return ctx.inputs
-    calls: list[RootCall] = ctx.trace.extras.get("calls", []) if ctx.trace is not None else []
-    for call in calls:
-        if "labels" in call.kwargs:
-            return call.kwargs
-    return None
+def _is_causal_lm(model: Any) -> bool:
+    """A Hugging Face language model that shifts ``labels`` itself (``*ForCausalLM``, ``*LMHeadModel``)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    name = type(model).__name__
+    return "CausalLM" in name or name.endswith("LMHeadModel")
 
 
-@check("data")
-def check_data(ctx: AuditContext) -> Iterable[Finding]:
-    """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels."""
+def _eos_ids(model: Any) -> set[int]:
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    eos = eos if isinstance(eos, (list, tuple)) else [eos]
+    return {int(e) for e in eos if isinstance(e, int)}
+
+
+def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
+    """DATA-003 every real EOS masked to -100 (pad_token = eos_token), DATA-004 labels already shifted by the
+    user and shifted again inside the model."""
+    batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
+    if batch is None or not _is_causal_lm(ctx.model):
+        return []
+    ids, labels, mask = batch.get("input_ids"), batch.get("labels"), batch.get("attention_mask")
+    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor) and ids.shape == labels.shape
+            and ids.dim() == 2 and not labels.is_floating_point()):
+        return []
     findings = []
-    batch = _batch_mapping(ctx)
+    eos = _eos_ids(ctx.model)
+    if eos and isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        real_eos = torch.isin(ids, torch.tensor(sorted(eos), device=ids.device)) & (mask != 0)
+        n_eos = int(real_eos.sum())
+        if n_eos and not bool((labels[real_eos] != -100).any()) and not bool(torch.isin(
+                labels, torch.tensor(sorted(eos), device=labels.device)).any()):
+            findings.append(Finding(
+                "data", Severity.WARN,
+                f"all {n_eos} real end-of-sequence token(s) (attention_mask 1) are labelled -100: with pad_token = "
+                "eos_token the collator masks every EOS as padding, so the model never learns to stop; use a "
+                "distinct pad token, or mask by attention_mask instead of by token id",
+                "DATA-003", {"eos_token_ids": sorted(eos), "real_eos": n_eos},
+            ))
+    supervised = labels[:, :-1] != -100
+    n = int(supervised.sum())
+    if n >= 4 and ids.shape[1] >= 3:
+        shifted = int(((labels[:, :-1] == ids[:, 1:]) & supervised).sum())
+        same = int(((labels == ids) & (labels != -100)).sum())
+        if shifted >= 0.9 * n and same < 0.5 * n:
+            findings.append(Finding(
+                "data", Severity.WARN,
+                f"labels[t] equals input_ids[t+1] at {shifted} of {n} supervised positions: the labels are already "
+                f"shifted, and {type(ctx.model).__name__} shifts them again, so it learns to predict the token after "
+                "next; pass labels = input_ids (masked) and let the model shift",
+                "DATA-004", {"shifted_matches": shifted, "supervised": n},
+            ))
+    return findings
+
+
+@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004"), needs=("padded_labels",))
+def check_data(ctx: AuditContext) -> Iterable[Finding]:
+    """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels,
+    DATA-003/DATA-004 causal-LM labels that mask every EOS or are shifted twice."""
+    findings = _causal_lm_labels(ctx)
+    batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     labels = batch.get("labels") if batch is not None else None
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
     all_ignored = any(c.all_ignored for c in calls)
@@ -202,24 +271,15 @@ def check_data(ctx: AuditContext) -> Iterable[Finding]:
             "or zero, and the step teaches nothing; check truncation and the completion-only masking",
             "DATA-001", {},
         ))
-    # labels align with the decoder in encoder-decoder models, so only the decoder's mask says what is padding
-    config = getattr(ctx.model, "config", None)
-    mask_key = "decoder_attention_mask" if getattr(config, "is_encoder_decoder", False) else "attention_mask"
-    mask = batch.get(mask_key) if batch is not None else None
-    if (
-        isinstance(labels, torch.Tensor)
-        and isinstance(mask, torch.Tensor)
-        and labels.shape == mask.shape
-        and not labels.is_floating_point()
-    ):
-        padded = mask == 0
-        leaked = padded & (labels != -100)
+    padding = labelled_padding(ctx.model, batch)
+    ignored = ctx.trace is not None and ctx.trace.padded_labels_ignored
+    if padding is not None and not ignored:
+        _, leaked = padding
         n = int(leaked.sum())
-        if n:
-            findings.append(Finding(
-                "data", Severity.WARN,
-                f"{n} of {int(padded.sum())} padding positions (attention_mask == 0) carry labels: the model is "
-                "trained to predict padding; set labels to -100 where attention_mask is 0",
-                "DATA-002", {"labelled_padding": n, "padding": int(padded.sum())},
-            ))
+        findings.append(Finding(
+            "data", Severity.WARN,
+            f"{n} padding positions (attention_mask == 0) carry labels, and the loss changes when they change: "
+            "the model is trained to predict padding; set labels to -100 where attention_mask is 0",
+            "DATA-002", {"labelled_padding": n},
+        ))
     return findings

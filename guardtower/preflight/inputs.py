@@ -6,26 +6,35 @@ ids) and, separately, the gradient of sample 0's prediction with respect to ever
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 from torch import nn
 
-from guardtower.audit._registry import AuditContext, check
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._util import iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
 __all__: list[str] = []
 
 
-@check("input_dependency")
+@check("input_dependency", emits=("INPUT-001", "INPUT-002"), needs=("leak", "input_independence"))
 def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
     """INPUT-001 loss independent of the input, INPUT-002 samples mixing across the batch."""
     trace = ctx.trace
-    if trace is None or not trace.extras.get("backward"):
+    if trace is None or not trace.backward:
         return []
     findings = []
-    input_grads: dict[str, float | None] | None = trace.extras.get("input_grads")
-    if input_grads and trace.extras.get("input_independent"):
+    if trace.given_inputs_ignored:
+        findings.append(Finding(
+            "input_dependency", Severity.ERROR,
+            "the loss does not depend on inputs=: none of its tensors reached the model and perturbing them leaves "
+            "the loss bitwise unchanged (the step reads another, stale batch, or builds the loss from parameters "
+            "only)",
+            "INPUT-001", {"inputs": [path for path, _ in iter_tensors(ctx.inputs, depth=6)][:16], "given": True},
+        ))
+    input_grads = trace.input_grads
+    if input_grads and trace.input_independent and not trace.given_inputs_ignored:
         if all(not g for g in input_grads.values()):
             findings.append(Finding(
                 "input_dependency", Severity.ERROR,
@@ -34,14 +43,13 @@ def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
                 "unchanged (input ignored or overwritten in forward, or a cached tensor used instead)",
                 "INPUT-001", {"inputs": list(input_grads)},
             ))
-    leaks: list[dict[str, Any]] = trace.extras.get("leak") or []
-    leaking = [entry for entry in leaks if entry["leaking_samples"]]
+    leaking = [entry for entry in trace.leak if entry.leaking_samples]
     if leaking:
         entry = leaking[0]
         batchnorm = [n for n, m in ctx.model.named_modules()
                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-        details = {"input": entry["input"], "leaking_samples": entry["leaking_samples"][:16],
-                   "own_grad_norm": entry["own"], "other_grad_norm": entry["other"], "batchnorm": batchnorm[:16]}
+        details = {"input": entry.input, "leaking_samples": entry.leaking_samples[:16],
+                   "own_grad_norm": entry.own, "other_grad_norm": entry.other, "batchnorm": batchnorm[:16]}
         if batchnorm:
             findings.append(Finding(
                 "input_dependency", Severity.INFO,
@@ -53,8 +61,8 @@ def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
         else:
             findings.append(Finding(
                 "input_dependency", Severity.WARN,
-                f"sample 0's prediction depends on samples {entry['leaking_samples'][:8]} of the batch "
-                f"(via {entry['input']}): a view/reshape/transpose mixes the batch dimension",
+                f"sample 0's prediction depends on samples {entry.leaking_samples[:8]} of the batch "
+                f"(via {entry.input}): a view/reshape/transpose mixes the batch dimension",
                 "INPUT-002", details,
             ))
     return findings

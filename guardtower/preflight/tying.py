@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from guardtower.audit._registry import AuditContext, check
+from guardtower.preflight._registry import AuditContext, check
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -21,7 +21,7 @@ def _config_ties(model: Any) -> bool:
     return bool(getattr(text, "tie_word_embeddings", False))
 
 
-@check("weight_tying", static=True)
+@check("weight_tying", emits=("TIE-001", "TIE-002"), static=True)
 def check_weight_tying(ctx: AuditContext) -> Iterable[Finding]:
     """TIE-001 tied (shared) parameters, TIE-002 config says tied but the embeddings are separate tensors."""
     findings = []

@@ -122,6 +122,19 @@ _CORE: tuple[FailureMode, ...] = (
         ("loss", "wiring"),
     ),
     FailureMode(
+        "LOSS-009", "The loss does not fall when overfitting one batch", Severity.ERROR,
+        "audit(steps=N) ran N real optimizer steps on the audited batch and its loss did not fall by at least 5% "
+        "(or went non-finite).",
+        "Any correctly wired model memorises a single batch; when it cannot, something upstream is broken: labels "
+        "that do not match the inputs (shuffled separately, re-drawn every step), a loss that does not measure the "
+        "model's output, parameters that never train, or a learning rate orders of magnitude too small. The "
+        "one-step checks can all pass in those cases.",
+        "Look at the recorded loss curve in the finding's details; check the label pipeline, the loss, the frozen "
+        "parameters (OPT-006) and the learning rate. Karpathy's recipe: 'overfit one batch' before anything else.",
+        "https://karpathy.github.io/2019/04/25/recipe/",
+        ("loss", "training"),
+    ),
+    FailureMode(
         "INPUT-001", "Loss does not depend on the input", Severity.ERROR,
         "The gradient of the loss with respect to the model's input (or the embedding of its token ids) is zero "
         "or absent.",
@@ -191,6 +204,17 @@ _CORE: tuple[FailureMode, ...] = (
         ("optimizer", "gradients"),
     ),
     FailureMode(
+        "GRAD-006", "Reentrant checkpoint cuts trainable weights off from the gradient", Severity.ERROR,
+        "A torch.utils.checkpoint(..., use_reentrant=True) call wraps layers with trainable weights, but none of "
+        "its tensor inputs requires grad, so its output has no gradient and those weights never train.",
+        "The forward and the loss are unchanged and nothing raises; with LoRA on a frozen base (or inputs "
+        "detached before the block) the adapters silently stay at their initial values.",
+        "Pass use_reentrant=False (recommended), or make the block's input require grad "
+        "(model.enable_input_require_grads() for Hugging Face models).",
+        "https://pytorch.org/docs/stable/checkpoint.html",
+        ("gradients", "checkpointing"),
+    ),
+    FailureMode(
         "OPT-001", "Trainable parameter missing from the optimizer", Severity.ERROR,
         "A parameter with requires_grad=True is in no optimizer param group.",
         "It receives gradients (so gradient checks pass) but is never updated.",
@@ -238,6 +262,56 @@ _CORE: tuple[FailureMode, ...] = (
         ("optimizer",),
     ),
     FailureMode(
+        "OPT-006", "Frozen parameters (info)", Severity.INFO,
+        "Some parameters have requires_grad=False: the step will not train them.",
+        "Freezing is usually deliberate (a frozen backbone, a LoRA base), but a layer frozen by a stale "
+        "requires_grad_(False) or a name filter trains nothing and raises no error; the list says which.",
+        "Check that the listed tensors are the ones you meant to freeze.",
+        "https://pytorch.org/docs/stable/notes/autograd.html#locally-disabling-gradient-computation",
+        ("optimizer", "frozen"),
+    ),
+    FailureMode(
+        "OPT-007", "Weight decay on a tensor the no-decay group was meant to hold", Severity.WARN,
+        "The optimizer has an explicit weight_decay=0 group for biases and normalisation weights, yet a decayed "
+        "group still holds 1-D tensors (a name filter such as 'LayerNorm.weight' missed 'ln_f.weight').",
+        "The user meant to exclude them, so nobody looks again; the norm gains are pulled toward zero every step "
+        "and the result is a quiet quality gap.",
+        "Build the groups by tensor shape or module type (p.ndim < 2, isinstance(m, nn.LayerNorm)) instead of "
+        "by name, and check the listed tensors.",
+        "https://github.com/karpathy/nanoGPT/blob/master/model.py",
+        ("optimizer",),
+    ),
+    FailureMode(
+        "LOOP-001", "Gradients cleared between backward() and step()", Severity.ERROR,
+        "The step runs loss.backward(), then optimizer.zero_grad(), then optimizer.step(): every gradient is None "
+        "(or zero) when the optimizer steps.",
+        "Forward, loss and logging all look normal and nothing raises; the optimizer simply has nothing to apply, "
+        "so the model \"does not optimize at all\".",
+        "Order the step zero_grad() -> forward -> backward() -> step().",
+        "https://discuss.pytorch.org/t/model-does-not-optimize-model-parameters-at-all/",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
+        "LOOP-002", "optimizer.step() before backward()", Severity.ERROR,
+        "The step calls optimizer.step() before loss.backward(), so each update applies the previous batch's "
+        "gradients (nothing at all on the first step).",
+        "The model still trains, one batch late, and with zero_grad() in between it does not train at all; both "
+        "look like a merely poor run.",
+        "Call backward() first, then step().",
+        "https://pytorch.org/tutorials/beginner/basics/optimization_tutorial.html",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
+        "LOOP-003", "Gradients never cleared", Severity.WARN,
+        "The step runs backward() and optimizer.step() but never zero_grad(): gradients accumulate across steps.",
+        "Each update is the sum of every gradient so far, so the effective learning rate keeps growing; training "
+        "usually still moves, then diverges or plateaus.",
+        "Call optimizer.zero_grad() (or model.zero_grad()) once per step; when accumulating on purpose, clear "
+        "right after each optimizer step.",
+        "https://pytorch.org/docs/stable/generated/torch.optim.Optimizer.zero_grad.html",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
         "NAN-001", "NaN/Inf in the forward pass", Severity.ERROR,
         "A module's output holds NaN or +Inf (-Inf is ignored: attention masks use it); the finding names the "
         "first such module in execution order and whether its input was already non-finite.",
@@ -266,6 +340,17 @@ _CORE: tuple[FailureMode, ...] = (
         "torch.isfinite.",
         "https://pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.to_empty",
         ("numerics", "initialisation"),
+    ),
+    FailureMode(
+        "NAN-004", "One optimizer step turns the weights non-finite", Severity.ERROR,
+        "The audit's trial optimizer step (undone afterwards) left NaN/Inf in weights that were finite and "
+        "received finite gradients.",
+        "Typical with fp16 weights under Adam/AdamW: eps=1e-8 underflows to 0 in fp16, so a zero gradient gives "
+        "0/0 = NaN. The forward of this step was fine; the damage shows up one step later as a NaN loss.",
+        "Keep trainable weights (LoRA adapters included) in fp32 and let autocast run the compute in fp16/bf16, "
+        "or use an optimizer with fp32 master weights.",
+        "https://pytorch.org/docs/stable/amp.html",
+        ("numerics", "optimizer", "precision"),
     ),
     FailureMode(
         "RELU-001", "Dead ReLUs", Severity.WARN,
@@ -359,6 +444,27 @@ _CORE: tuple[FailureMode, ...] = (
         ("data", "huggingface"),
     ),
     FailureMode(
+        "DATA-003", "Every end-of-sequence token is masked from the labels", Severity.WARN,
+        "In a causal-LM batch every real EOS (attention_mask 1) has label -100 and no label is EOS, typically "
+        "because pad_token = eos_token and the collator masks padding by token id.",
+        "Loss and perplexity look fine; the model simply never sees a target to stop on, so it generates until "
+        "max_new_tokens.",
+        "Give the tokenizer a distinct pad token (e.g. add '<pad>' or use unk), or build labels from the "
+        "attention mask rather than from token ids.",
+        "https://github.com/huggingface/transformers/issues/23530",
+        ("data", "labels", "llm"),
+    ),
+    FailureMode(
+        "DATA-004", "Causal-LM labels shifted twice", Severity.WARN,
+        "labels[t] == input_ids[t+1] almost everywhere, and the model (a Hugging Face *ForCausalLM) shifts the "
+        "labels again inside its loss, so each position is trained to predict the token after next.",
+        "The loss still falls (next-next-token prediction is learnable), just to a worse value; generations "
+        "come out garbled.",
+        "Pass labels = input_ids (with -100 on padding / prompt) and let the model shift them.",
+        "https://huggingface.co/docs/transformers/tasks/language_modeling",
+        ("data", "labels", "llm"),
+    ),
+    FailureMode(
         "DEV-001", "Tensors on the meta device or on mixed devices", Severity.ERROR,
         "Some parameters/buffers are on the meta device (never materialised), or the model is spread over "
         "devices without a device map.",
@@ -438,10 +544,11 @@ _LORA: tuple[FailureMode, ...] = (
         id="LORA-005",
         title="Trainable share too high for LoRA",
         severity=Severity.WARN,
-        summary="Adapters plus modules_to_save make up more than 10% of the model's parameters.",
+        summary="The LoRA adapters make up more than 10% of the model's parameters (modules_to_save copies, which "
+        "the user asked to train whole, are not counted).",
         why="Nothing fails; memory, optimizer state and checkpoint size approach a full fine-tune, typically "
-        "from a very large rank or from saving whole embeddings / lm_head with modules_to_save.",
-        fix="Lower r, target fewer modules, or prefer trainable_token_indices over saving whole embeddings.",
+        "from a rank far larger than intended.",
+        fix="Lower r or target fewer modules.",
         reference=_PEFT_LORA,
         tags=("lora", "peft", "efficiency"),
     ),
@@ -623,7 +730,7 @@ def catalog_markdown() -> str:
     lines = [
         "# guardtower catalog of silent training bugs",
         "",
-        "Generated from `guardtower/catalog.py` by `guardtower catalog`; do not edit by hand.",
+        "Generated from `guardtower/failure_modes.py` by `guardtower catalog`; do not edit by hand.",
         "",
         "| id | severity | title |",
         "| --- | --- | --- |",

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from guardtower._dist import is_distributed, world_size
-from guardtower.audit._peft import unwrap_parallel
-from guardtower.audit._registry import AuditContext, check, probe
-from guardtower.audit._walk import iter_tensors
+from guardtower.preflight._peft import unwrap_parallel
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._walk import iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -172,7 +172,7 @@ def _consistency_probe(ctx: AuditContext) -> Iterator[ConsistencyState | None]:
             h.remove()
 
 
-@check("dist_setup", static=True)
+@check("dist_setup", emits=("DDP-003",), static=True)
 def check_setup(ctx: AuditContext) -> Iterator[Finding]:
     """DDP-003: a multi-rank process group, but the model is not wrapped for data parallelism."""
     if not _multi_rank() or is_data_parallel(ctx.model):
@@ -189,7 +189,7 @@ def check_setup(ctx: AuditContext) -> Iterator[Finding]:
     )
 
 
-@check("dist_wrap")
+@check("dist_wrap", emits=("DDP-004",))
 def check_wrap(ctx: AuditContext) -> Iterator[Finding]:
     """DDP-004: the step called ``ddp.module(...)``, bypassing the wrapper's gradient synchronisation."""
     state = ctx.probes.get("dist_wrap")
@@ -204,7 +204,7 @@ def check_wrap(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("dist_unused")
+@check("dist_unused", emits=("DDP-001",))
 def check_unused(ctx: AuditContext) -> Iterator[Finding]:
     """DDP-001: trainable parameters without a gradient under DDP(find_unused_parameters=False)."""
     model, trace = ctx.model, ctx.trace
@@ -226,7 +226,7 @@ def check_unused(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("dist_batchnorm", static=True)
+@check("dist_batchnorm", emits=("DDP-002",), static=True)
 def check_batchnorm(ctx: AuditContext) -> Iterator[Finding]:
     """DDP-002: plain BatchNorm in a data-parallel model normalises with per-rank statistics."""
     if not (_multi_rank() or is_data_parallel(ctx.model)):
@@ -247,7 +247,7 @@ def check_batchnorm(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("dist_consistency")
+@check("dist_consistency", emits=("DDP-005", "DDP-006"))
 def check_consistency(ctx: AuditContext) -> Iterator[Finding]:
     """DDP-005 ranks hold different weights; DDP-006 every rank got the same batch. Runs collectives."""
     if not _multi_rank():

@@ -1,0 +1,46 @@
+"""Overfit one batch: N real optimizer steps on the audited batch, whose losses a correctly wired model must
+drive down. Run under the audit's isolated optimizer state; the caller restores every value afterwards."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from guardtower.preflight._registry import AuditContext
+from guardtower.preflight._step import extract_loss
+from guardtower.preflight._update import unhooked_step
+from guardtower.preflight._util import base_optimizer
+
+__all__ = ["overfit_losses"]
+
+
+def overfit_losses(ctx: AuditContext, step_fn: Callable[[], Any], steps: int) -> list[float]:
+    """The loss before each of ``steps`` optimizer steps on the same batch, plus the loss after the last one.
+
+    Stops early (shorter list) when the loss goes non-finite or the step stops producing a differentiable
+    loss. Optimizer step hooks do not fire: nothing outside the audit sees these updates.
+    """
+    opt = base_optimizer(ctx.optimizer)
+    if opt is None or isinstance(opt, torch.optim.LBFGS):
+        return []
+    raw = unhooked_step(opt)
+    trainable = [p for p in ctx.params.values() if p.requires_grad]
+    losses: list[float] = []
+    for i in range(steps + 1):
+        for p in trainable:
+            p.grad = None
+        with torch.enable_grad():
+            loss = extract_loss(step_fn())
+        if not isinstance(loss, torch.Tensor):
+            break
+        value = float(loss.detach().float().mean())
+        losses.append(value)
+        if i == steps or not math.isfinite(value) or not loss.requires_grad:
+            break
+        (loss if loss.numel() == 1 else loss.float().mean()).backward()
+        raw(opt)
+    for p in trainable:
+        p.grad = None
+    return losses

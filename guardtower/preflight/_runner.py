@@ -1,0 +1,260 @@
+"""``audit()`` and the static runner behind ``lora_summary()``.
+
+The runner validates arguments, snapshots the training state, runs the instrumented step, runs the selected
+checks (a crashing check becomes an ``AUDIT-001`` finding), restores the state, and publishes one
+``FindingEvent`` per finding plus a ``PreflightEvent`` on the bus.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from guardtower.preflight._overfit import overfit_losses
+from guardtower.preflight._batch import batch_mapping, confirm_padded_labels_ignored, labelled_padding
+from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
+from guardtower.preflight._state import TrainingState
+from guardtower.preflight._step import (
+    confirm_given_inputs_ignored,
+    confirm_input_independence,
+    given_inputs_unused,
+    run_step,
+)
+from guardtower.preflight._update import measure_update
+from guardtower.preflight._util import unique_params
+from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower.failure_modes import CATALOG
+from guardtower.errors import ConfigError
+from guardtower.events import FindingEvent, PreflightEvent
+from guardtower.report import Finding, Report
+from guardtower.severity import Severity
+
+__all__ = ["audit", "run_static", "select_checks", "FLUSH_TIMEOUT_S"]
+
+#: how long ``audit()`` waits (in total) for the sinks of the bus it made before returning
+FLUSH_TIMEOUT_S = 5.0
+
+
+def select_checks(checks: str | Iterable[str], *, static_only: bool = False) -> list[CheckSpec]:
+    """Resolve ``checks`` ("all", a name, or names) to registered checks, plus those that always run; ``ConfigError``
+    for unknown names. "all" is in name order, so the report does not depend on which module registered first."""
+    pool = {name: spec for name, spec in CHECKS.items() if spec.static or not static_only}
+    if isinstance(checks, str):
+        names = sorted(pool) if checks == "all" else [checks]
+    else:
+        try:
+            names = list(checks)
+        except TypeError:
+            raise ConfigError("checks", f"expected 'all', a check name or an iterable of names, got {type(checks).__name__}",
+                              "pass checks='all' or e.g. checks=['loss', 'grad_connectivity']") from None
+    unknown = [n for n in names if not isinstance(n, str) or n not in pool]
+    if unknown:
+        kind = "static check" if static_only else "check"
+        raise ConfigError("checks", f"unknown {kind} name(s) {unknown}", f"use 'all' or any of: {', '.join(sorted(pool))}")
+    names += sorted(n for n, spec in pool.items() if spec.always)
+    return [pool[n] for n in dict.fromkeys(names)]  # first occurrence order, duplicates dropped
+
+
+def _validate_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}",
+                          "pass the model itself (the object whose parameters you train)")
+
+
+def _validate_optimizer(optimizer: Any) -> None:
+    if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise ConfigError("optimizer", f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}",
+                          "pass the optimizer you call .step() on, or leave it out")
+
+
+def run_static(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    checks: str | Iterable[str] = "all",
+    title: str = "guardtower static audit",
+) -> Report:
+    """Run the static checks (no forward or backward pass, nothing is modified) and return their report."""
+    _validate_model(model)
+    _validate_optimizer(optimizer)
+    specs = select_checks(checks, static_only=True)
+    ctx = AuditContext(model=model, optimizer=optimizer, inputs=None, scaler=None, params=unique_params(model))
+    report = Report(checks_run=[s.name for s in specs], title=title)
+    for spec in specs:
+        report.findings.extend(_run_check(spec, ctx))
+    return report
+
+
+def audit(
+    model: nn.Module,
+    step_fn: Callable[[], Any],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    inputs: Any = None,
+    checks: str | Iterable[str] = "all",
+    scaler: Any = None,
+    lr_scheduler: Any = None,
+    steps: int = 0,
+    sinks: Iterable[Sink] | None = None,
+    bus: EventBus | None = None,
+) -> Report:
+    """Run one instrumented training step and report the silent bugs it reveals.
+
+    ``step_fn`` is a zero-argument callable returning the loss (a scalar tensor, or an object with ``.loss``
+    such as a Hugging Face output); the audit runs backward itself. Parameters, buffers, gradients,
+    optimizer state, RNG streams, ``training`` flags and the inputs' ``requires_grad`` are restored bitwise,
+    also when ``step_fn`` or a check raises. ``lr_scheduler`` (optional) is looked ahead to catch a schedule
+    that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
+    one batch and checks that its loss falls (LOSS-009); everything is restored afterwards as well.
+    """
+    _validate_model(model)
+    if not callable(step_fn):
+        raise ConfigError("step_fn", f"expected a zero-argument callable, got {type(step_fn).__name__}",
+                          "pass e.g. step_fn=lambda: loss_fn(model(x), y)")
+    _validate_optimizer(optimizer)
+    if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+        raise ConfigError("lr_scheduler", f"expected an LR scheduler with .step(), got {type(lr_scheduler).__name__}",
+                          "pass the scheduler you step during training (e.g. get_linear_schedule_with_warmup(...)), "
+                          "or leave it out")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigError("steps", f"expected a whole number of overfitting steps >= 0, got {steps!r}",
+                          "pass e.g. steps=30 to check that 30 steps on this batch drive its loss down, or leave it out")
+    if steps and optimizer is None:
+        raise ConfigError("steps", "overfitting one batch needs the optimizer",
+                          "pass optimizer= together with steps=")
+    specs = select_checks(checks)
+    event_bus, owned = resolve_bus(bus, sinks)
+    try:
+        # torch.compile'd code runs eagerly under the audit: dynamo must not trace the audit's own hooks, and
+        # the eager step is the same computation
+        with torch.compiler.set_stance("force_eager"):
+            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, specs)
+        _publish(event_bus, report)
+    finally:
+        if owned:
+            deadline = time.monotonic() + FLUSH_TIMEOUT_S
+            event_bus.flush(FLUSH_TIMEOUT_S)
+            event_bus.close(max(0.0, deadline - time.monotonic()))
+    return report
+
+
+def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs: Any, scaler: Any,
+           lr_scheduler: Any, steps: int, specs: list[CheckSpec]) -> Report:
+    ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
+                       lr_scheduler=lr_scheduler)
+    report = Report(checks_run=[s.name for s in specs])
+    def counted_step() -> Any:  # counted: a step drawing next(iterator) consumes one batch per call
+        report.step_fn_calls += 1
+        return step_fn()
+
+    needs = {n for s in specs for n in s.needs}
+    state = TrainingState(model, optimizer, inputs, scaler)
+    try:
+        state.clear_grads()
+        # a training step runs with autograd on, whatever context audit() was called from
+        with torch.enable_grad(), state.isolated_optimizers():
+            trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs)
+        state.restore_values()
+        if trace.phase == "step_fn" and trace.marked_inputs:
+            # the model refuses inputs that require grad (wav2vec2 sets requires_grad on a view of its input):
+            # the failure is the audit's own doing, so the step runs again as the user runs it
+            report.notes.append(f"step_fn ran a second time, with the model's inputs left as given: the first run "
+                                f"raised {type(trace.error).__name__} once the audit made them require grad")
+            state.inputs.restore()
+            state.restore_rng()
+            state.clear_grads()
+            with torch.enable_grad(), state.isolated_optimizers():
+                trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs, mark_inputs=False)
+            state.restore_values()
+        if optimizer is not None and trace.backward and "update" in needs:
+            for name, p in ctx.params.items():  # the trial step uses the audit's gradients
+                p.grad = trace.grads.get(name)
+            try:
+                trace.update = measure_update(ctx)
+            except Exception as exc:
+                trace.update_error = exc
+            state.restore_values()
+        grads = trace.input_grads
+        if ("input_independence" in needs and grads and all(not g for g in grads.values())
+                and isinstance(trace.loss, torch.Tensor)):
+            report.notes.append("step_fn ran a second time, without gradients and with the model's input replaced: "
+                                "no gradient reached the input, so the audit checked whether the loss depends on it")
+            with state.isolated_optimizers():
+                trace.input_independent = confirm_input_independence(model, counted_step, trace.loss, state.restore_rng)
+            state.restore_values()
+        if ("input_independence" in needs and inputs is not None and isinstance(trace.loss, torch.Tensor)
+                and trace.error is None and given_inputs_unused(inputs, trace.calls)):
+            report.notes.append("step_fn ran once more, without gradients and with inputs= perturbed (then put back): "
+                                "no tensor of inputs= reached the model, so the audit checked whether the loss reads them")
+            with state.isolated_optimizers():
+                trace.given_inputs_ignored = confirm_given_inputs_ignored(counted_step, inputs, trace.loss,
+                                                                          state.restore_rng)
+            state.restore_values()
+        padding = labelled_padding(model, batch_mapping(inputs, trace.calls)) if "padded_labels" in needs else None
+        if padding is not None and isinstance(trace.loss, torch.Tensor) and trace.error is None:
+            report.notes.append("step_fn ran once more, without gradients and with the labels on padding changed "
+                                "(then put back): padding carries labels, so the audit checked whether the loss uses them")
+            with state.isolated_optimizers():
+                trace.padded_labels_ignored = confirm_padded_labels_ignored(counted_step, *padding, trace.loss,
+                                                                            state.restore_rng)
+            state.restore_values()
+        if steps and "overfit" in needs and trace.backward and trace.error is None:
+            if trace.user_backward:
+                report.notes.append(f"steps={steps} skipped: step_fn runs backward itself, so the audit cannot "
+                                    "drive the overfitting steps")
+            else:
+                report.notes.append(f"step_fn ran {steps + 1} more times: steps={steps} overfits this batch with "
+                                    "real optimizer steps (then every value is put back)")
+                with state.isolated_optimizers():
+                    trace.overfit_losses = overfit_losses(ctx, counted_step, steps)
+                state.restore_values()
+        # checks judge the model as the user handed it over, not as the step left it
+        for spec in specs:
+            report.findings.extend(_run_check(spec, ctx))
+    finally:
+        state.restore()
+    return report
+
+
+def _run_check(spec: CheckSpec, ctx: AuditContext) -> list[Finding]:
+    """Run one check; a check that raises, or emits something that is not a catalogued finding it declared,
+    becomes AUDIT-001."""
+    try:
+        findings = list(spec.fn(ctx))
+        for f in findings:
+            if not isinstance(f, Finding) or f.catalog_id not in CATALOG:
+                raise TypeError(f"check emitted {f!r}, which is not a Finding with a catalog id")
+            if f.catalog_id not in spec.emits:
+                raise TypeError(f"check emitted {f.catalog_id}, which it does not declare in emits=")
+        return findings
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        return [Finding(
+            spec.name, Severity.ERROR,
+            f"the {spec.name!r} check crashed ({type(exc).__name__}: {exc}); its verdict is unknown",
+            "AUDIT-001",
+            {"exception": type(exc).__name__, "error": str(exc)[:2000],
+             "where": f"{where.filename}:{where.lineno} in {where.name}" if where else None},
+        )]
+
+
+def _publish(bus: EventBus, report: Report) -> None:
+    for f in report.findings:
+        bus.publish(FindingEvent(severity=f.severity, check=f.check, catalog_id=f.catalog_id, message=f.message,
+                                 details=f.to_dict()["details"]))
+    worst = max((f.severity for f in report.findings), default=Severity.INFO)
+    bus.publish(PreflightEvent(
+        severity=worst,
+        status=report.status,
+        errors=len(report.errors),
+        warnings=len(report.warnings),
+        infos=len(report.infos),
+        error_ids=tuple(sorted({f.catalog_id for f in report.errors})),
+        warning_ids=tuple(sorted({f.catalog_id for f in report.warnings})),
+        info_ids=tuple(sorted({f.catalog_id for f in report.infos})),
+        report=report.to_dict(),
+    ))

@@ -1,0 +1,100 @@
+"""What the instrumented step observed, as typed fields checks read (``StepTrace``), and what a check may ask
+the runner to measure beyond the plain step (``Need``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["Need", "NEEDS", "RootCall", "UpdateStats", "LeakEntry", "StepTrace"]
+
+#: extra work a check can declare: ``leak`` one more backward from sample 0's prediction (batch mixing),
+#: ``update`` a trial optimizer step on the audit's gradients (undone), ``input_independence`` a second,
+#: gradient-free run of ``step_fn`` on perturbed inputs when no gradient reached the input,
+#: ``padded_labels`` a gradient-free run with the labels on padding changed, when padding carries labels
+#: (does the loss drop padding itself?), ``overfit`` N optimizer steps on the one batch (``audit(steps=N)``)
+Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit"]
+NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit"})
+
+
+@dataclass
+class RootCall:
+    """One call of the audited model's own ``forward`` during the step."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    training: dict[str, bool]
+    """``training`` of the root (``""``) and of mode-sensitive submodules at call time"""
+    autocast: dict[str, torch.dtype]
+    """device type -> autocast dtype, for devices where autocast was on"""
+    output: Any = None
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """How one optimizer step changed one parameter tensor."""
+
+    ratio: float
+    """``||delta|| / ||param||`` (inf when the parameter norm is zero and it moved)"""
+    stuck_fraction: float
+    """fraction of elements with a non-zero gradient whose value did not change"""
+    dtype: str
+    ndim: int
+    finite: bool = True
+    """False when the step turned a finite tensor non-finite"""
+
+
+@dataclass(frozen=True)
+class LeakEntry:
+    """How much sample 0's prediction depends on one watched input of the other samples."""
+
+    input: str
+    own: float
+    other: float
+    leaking_samples: list[int]
+
+
+@dataclass
+class StepTrace:
+    """What the instrumented step produced. Tensors here are detached copies owned by the audit."""
+
+    loss: torch.Tensor | None = None
+    """the loss tensor as returned (or ``.loss`` of the returned object); None if step_fn raised"""
+    raw_output: Any = None
+    """whatever step_fn returned"""
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    """param name -> gradient the step produced (None when the param got no gradient)"""
+    error: BaseException | None = None
+    """the exception step_fn (or backward) raised, if any"""
+    marked_inputs: bool = False
+    """the audit made float inputs of the model require grad (to measure input dependency)"""
+    phase: str | None = None
+    """where ``error`` was raised: ``"step_fn"`` or ``"backward"``"""
+    calls: list[RootCall] = field(default_factory=list)
+    """the model's own forward calls during the step (at most a few)"""
+    backward: bool = False
+    """gradients were produced (by the audit's backward, or by ``step_fn`` itself)"""
+    user_backward: bool = False
+    """``step_fn`` ran backward itself"""
+    loop_events: list[str] = field(default_factory=list)
+    """``"backward"``, ``"zero_grad"`` and ``"step"`` as ``step_fn`` itself ran them, in order (repeats merged)"""
+    step_grads: list[int] = field(default_factory=list)
+    """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
+    loss_requires_grad: bool = False
+    input_grads: dict[str, float | None] | None = None
+    """watched input (float input or embedding output) -> norm of the gradient the loss sent it, or None"""
+    leak: list[LeakEntry] = field(default_factory=list)
+    update: dict[str, UpdateStats] = field(default_factory=dict)
+    """param name -> what the trial optimizer step did to it (``update`` need)"""
+    update_error: BaseException | None = None
+    input_independent: bool | None = None
+    """the loss was bitwise unchanged on perturbed inputs (``input_independence`` need); None: not asked/unknown"""
+    padded_labels_ignored: bool | None = None
+    """the loss was bitwise unchanged with the labels on padding changed (``padded_labels`` need)"""
+    overfit_losses: list[float] = field(default_factory=list)
+    """the batch's loss before each overfitting step and after the last (``overfit`` need, ``audit(steps=N)``)"""
+    given_inputs_ignored: bool | None = None
+    """the loss was bitwise unchanged after perturbing ``inputs=`` itself, which never reached the model
+    (``input_independence`` need); None: not asked/unknown"""

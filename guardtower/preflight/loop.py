@@ -1,0 +1,50 @@
+"""``loop_order``: when ``step_fn`` is a whole training step (it runs backward and ``optimizer.step()``
+itself), are ``zero_grad``, ``backward`` and ``step`` in an order that trains?"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__: list[str] = []
+
+
+@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003"))
+def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
+    """LOOP-001 gradients cleared between backward and step, LOOP-002 step before backward, LOOP-003 gradients
+    never cleared."""
+    trace = ctx.trace
+    if trace is None or "step" not in trace.loop_events:
+        return []
+    events = trace.loop_events
+    first_step = events.index("step")
+    before, after = events[:first_step], events[first_step + 1:]
+    order = " -> ".join(events)
+    details = {"order": events, "tensors_with_gradient_at_step": trace.step_grads}
+    if trace.step_grads and trace.step_grads[0] == 0 and "backward" in before:
+        return [Finding(
+            "loop_order", Severity.ERROR,
+            f"optimizer.step() ran when no trainable tensor had a gradient ({order}): zero_grad() between "
+            "backward() and step() throws the gradients away, so the weights never change; call zero_grad() "
+            "before backward()",
+            "LOOP-001", details,
+        )]
+    if "backward" not in before and "backward" in after:
+        return [Finding(
+            "loop_order", Severity.ERROR,
+            f"optimizer.step() runs before backward() ({order}): each update uses the previous batch's gradients "
+            "(none at all on the first step); call backward() and then step()",
+            "LOOP-002", details,
+        )]
+    if "zero_grad" not in events and "backward" in events:
+        return [Finding(
+            "loop_order", Severity.WARN,
+            f"the step runs backward() and optimizer.step() but never zero_grad() ({order}): gradients add up "
+            "across steps, so every update is the running sum of all past gradients; call "
+            "optimizer.zero_grad() every step (gradient accumulation clears them right after its step)",
+            "LOOP-003", details,
+        )]
+    return []
