@@ -83,7 +83,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=64))
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=64,
+                                   bos_token_id=0, eos_token_id=0))
 ids = torch.randint(0, 64, (32, 16))
 train_loader = loader = torch.utils.data.DataLoader(
     [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids], batch_size=4)
