@@ -218,3 +218,22 @@ def test_incident_threshold_is_drawn_against_the_trigger_layer_not_the_global_no
     assert "NaN/Inf (off the scale)" in legend
     (marker,) = [line for line in nan_panel.get_lines() if line.get_label() == "NaN/Inf (off the scale)"]
     assert list(marker.get_xdata()) == [40, 41, 42]
+
+
+def test_report_on_a_real_clean_run_says_n_steps_0_incidents(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """With the default log_every=50, 20 clean steps still leave a record: the start event and the summary
+    at close."""
+    from guardtower.guard import GuardedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, log_dir=tmp_path,
+                             sinks=[JsonlSink(tmp_path / "events.jsonl")])
+    for _ in range(20):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    assert cli_main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith(f"20 steps, 0 incidents in {tmp_path}")
