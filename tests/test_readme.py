@@ -91,13 +91,14 @@ train_loader = loader = torch.utils.data.DataLoader(
 batch = next(iter(train_loader))
 scaler = None  # fp32 on CPU: no GradScaler
 base = optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 step_fn = lambda: model(**batch).loss
 """
 
 #: name -> (code, the names it hands to the block)
 SETUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tiny-gpt2": (_TINY_GPT2, ("model", "train_loader", "loader", "batch", "scaler", "base", "optimizer",
-                               "step_fn")),
+                               "scheduler", "step_fn")),
     "tiny-llama": ("""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
