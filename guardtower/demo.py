@@ -6,13 +6,14 @@
    injected and skipped (``--rollback`` adds a burst of bad batches that escalates to a rollback).
 3. The same run without the guard, for comparison.
 
-Everything lands in ``--out``: the JSONL event log, the spike reports, an MLflow run in a local SQLite store
-(when mlflow is installed), a W&B offline run (when wandb is installed), and a plot (when matplotlib is).
+Everything lands in ``--out``: the JSONL event log, the spike reports, MLflow runs in a local SQLite store
+(when mlflow is installed) and W&B offline runs (when wandb is installed), one run per part named for what
+it shows (``1a-preflight-planted-bug`` ends FAIL, ``1b-preflight-fixed`` PASS, ``2-guarded-training`` holds
+the incidents and both losses), and the plot ``guardtower report --plot`` draws (when matplotlib is installed).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -24,6 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
+
+from guardtower._argparse import ArgumentParser
 
 __all__ = ["main"]
 
@@ -159,31 +162,13 @@ class _Bar:
 # -------------------------------------------------------------------------------------------------- runs
 @dataclass
 class RunResult:
-    losses: list[float]
-    global_norms: dict[int, float] = field(default_factory=dict)
-    layer_norms: dict[str, dict[int, float]] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def _block_norms(model: Any) -> tuple[float, dict[str, float]]:
-    """Global and per-block gradient norms, for the demo's plot (the demo may sync; the guard never does)."""
-    import torch
-
-    blocks: dict[str, list[Any]] = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        parts = name.split(".")
-        key = ".".join(parts[:3]) if parts[1] == "h" else ".".join(parts[:2])
-        blocks.setdefault(key, []).append(p.grad)
-    norms = {k: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(v))).item() for k, v in blocks.items()}
-    total = math.sqrt(sum(n * n for n in norms.values()))
-    return total, norms
 
 
 def _train(model: Any, optimizer: Any, corpus: Corpus, faults: Faults, *, label: str, progress: bool,
            guarded: bool, on_step: Callable[[_Bar], None] | None = None) -> RunResult:
-    result = RunResult(losses=[])
+    result = RunResult()
     bar = _Bar(len(corpus.batches), label, progress)
     start = time.perf_counter()
     model.train()
@@ -192,10 +177,6 @@ def _train(model: Any, optimizer: Any, corpus: Corpus, faults: Faults, *, label:
             with faults.inject(model, step):
                 loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
-            total, blocks = _block_norms(model)
-            result.global_norms[step] = total
-            for name, norm in blocks.items():
-                result.layer_norms.setdefault(name, {})[step] = norm
             if guarded:
                 optimizer.step(loss=loss)
             else:
@@ -213,120 +194,164 @@ def _train(model: Any, optimizer: Any, corpus: Corpus, faults: Faults, *, label:
 
 
 # ------------------------------------------------------------------------------------------- pre-flight
-def _preflight(corpus: Corpus, seed: int, bus: Any) -> None:
+@dataclass
+class AuditCase:
+    """One pre-flight of part 1: its tracker run's name, what it shows, and the model and optimizer audited."""
+
+    run_name: str
+    title: str
+    model: Any
+    optimizer: Any
+
+
+def _preflight_cases(corpus: Corpus, seed: int) -> list[AuditCase]:
+    """The planted bug, then its fix: a LoRA optimizer built before ``get_peft_model`` (an optimizer that
+    misses parameters when peft is not installed)."""
     import torch
 
-    batch = corpus.batches[0]
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         print("peft is not installed (pip install \"guardtower[peft]\"): showing an optimizer-coverage bug instead.\n")
         model = _gpt(len(corpus.vocab), seed)
         stale = torch.optim.AdamW(model.transformer.h[0].parameters(), lr=1e-3)
-        _show_audit("planted bug: the optimizer only holds the first block", model, stale, batch, bus)
         fixed = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _show_audit("fixed: the optimizer holds every trainable parameter", model, fixed, batch, bus)
-        return
-
+        return [AuditCase("1a-preflight-planted-bug", "planted bug: the optimizer only holds the first block",
+                          model, stale),
+                AuditCase("1b-preflight-fixed", "fixed: the optimizer holds every trainable parameter", model, fixed)]
     base = _gpt(len(corpus.vocab), seed)
     stale = torch.optim.AdamW(base.parameters(), lr=1e-3)  # the bug: built before get_peft_model
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))
-    _show_audit("planted bug: the optimizer was built before get_peft_model", model, stale, batch, bus)
     fixed = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    _show_audit("fixed: the optimizer is built from the PEFT model's trainable parameters", model, fixed, batch, bus)
+    return [AuditCase("1a-preflight-planted-bug", "planted bug: the optimizer was built before get_peft_model",
+                      model, stale),
+            AuditCase("1b-preflight-fixed", "fixed: the optimizer is built from the PEFT model's trainable "
+                      "parameters", model, fixed)]
 
 
-def _show_audit(title: str, model: Any, optimizer: Any, batch: Any, bus: Any) -> None:
-    from guardtower.preflight import audit
+def _show_audit(case: AuditCase, batch: Any, bus: Any) -> None:
+    from guardtower import audit
 
-    print(f"-> {title}")
-    print(audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=optimizer, bus=bus))
+    print(f"-> {case.title}")
+    model = case.model
+    print(audit(model, lambda: model(input_ids=batch, labels=batch), optimizer=case.optimizer, bus=bus))
     print()
 
 
 # ------------------------------------------------------------------------------------------------ trackers
 class _Trackers:
-    """The optional MLflow and W&B runs the guarded run reports to; each one fails soft."""
+    """Optional MLflow and W&B runs, one per part of the tour and named for what it shows, so the failed
+    pre-flight stays visible next to the passing one; each tracker fails soft."""
 
     def __init__(self, out: Path, *, use_mlflow: bool, use_wandb: bool) -> None:
         self.out = out
-        self.sinks: list[Any] = []
         self.notes: list[str] = []
         self.mlflow: Any = None
-        self.wandb_run: Any = None
+        self.wandb: Any = None
+        self.uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        self._wandb_run: Any = None
         if use_mlflow:
-            self._start_mlflow()
+            self._setup_mlflow()
         if use_wandb:
-            self._start_wandb()
+            self._setup_wandb()
 
-    def _start_mlflow(self) -> None:
+    def _setup_mlflow(self) -> None:
         try:
             import mlflow
-
-            from guardtower.bridges import MLflowBridge
         except ImportError:
             self.notes.append("MLflow: not installed (pip install \"guardtower[mlflow]\")")
             return
-        uri = f"sqlite:///{(self.out / 'mlflow.db').resolve()}"
+        # mlflow configures its loggers at import; its database set-up then logs at INFO on first use
+        for name in ("mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         try:
-            mlflow.set_tracking_uri(uri)
+            mlflow.set_tracking_uri(self.uri)
             name = "guardtower-demo"
             if mlflow.get_experiment_by_name(name) is None:
                 mlflow.create_experiment(name, artifact_location=(self.out / "mlruns").resolve().as_uri())
             mlflow.set_experiment(name)
-            run = mlflow.start_run(run_name="guarded")
-            self.sinks.append(MLflowBridge(run_id=run.info.run_id, tracking_uri=uri))
             self.mlflow = mlflow
-            self.notes.append(f"MLflow: run {run.info.run_id}; open with: mlflow ui --backend-store-uri {uri}")
+            self.notes.append(f"MLflow: one run per part; open with: mlflow ui --backend-store-uri {self.uri}")
         except Exception as exc:  # the demo goes on without a tracker that cannot start
             self.notes.append(f"MLflow: could not start ({type(exc).__name__}: {exc})")
 
-    def _start_wandb(self) -> None:
+    def _setup_wandb(self) -> None:
         try:
             import wandb
-
-            from guardtower.bridges import WandBBridge
         except ImportError:
             self.notes.append("W&B: not installed (pip install \"guardtower[wandb]\")")
             return
-        try:
-            os.environ.setdefault("WANDB_SILENT", "true")
-            run = wandb.init(project="guardtower-demo", name="guarded", mode="offline", dir=str(self.out),
-                             reinit="finish_previous")
-            self.wandb_run = run
-            self.sinks.append(WandBBridge(run))
-            self.notes.append(f"W&B: offline run in {Path(run.dir).parent}; upload with: wandb sync {Path(run.dir).parent}")
-        except Exception as exc:
-            self.notes.append(f"W&B: could not start ({type(exc).__name__}: {exc})")
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.wandb = wandb
+        self.notes.append(f"W&B: one offline run per part in {self.out / 'wandb'}; upload with: "
+                          f"wandb sync {self.out / 'wandb'}/offline-run-*")
 
-    def log_losses(self, losses: list[float], unguarded: list[float]) -> None:
+    def start(self, run_name: str) -> list[Any]:
+        """Open this part's runs; return the bridges that report to them."""
+        sinks: list[Any] = []
         if self.mlflow is not None:
+            try:
+                from guardtower.bridges import MLflowBridge
+
+                run = self.mlflow.start_run(run_name=run_name)
+                sinks.append(MLflowBridge(run_id=run.info.run_id, tracking_uri=self.uri))
+            except Exception as exc:
+                self.notes.append(f"MLflow: could not start run {run_name} ({type(exc).__name__}: {exc})")
+        if self.wandb is not None:
+            try:
+                from guardtower.bridges import WandBBridge
+
+                self._wandb_run = self.wandb.init(project="guardtower-demo", name=run_name, mode="offline",
+                                                  dir=str(self.out), reinit="finish_previous")
+                sinks.append(WandBBridge(self._wandb_run))
+            except Exception as exc:
+                self.notes.append(f"W&B: could not start run {run_name} ({type(exc).__name__}: {exc})")
+        return sinks
+
+    def log_series(self, series: dict[str, list[float]]) -> None:
+        """Per-step values (step 1, 2, ...) into this part's runs; non-finite values are left out."""
+        if self.mlflow is not None and self.mlflow.active_run() is not None:
             try:
                 from mlflow.entities import Metric
 
                 now = int(time.time() * 1000)
-                metrics = [Metric("loss", v, now, i + 1) for i, v in enumerate(losses) if math.isfinite(v)]
-                metrics += [Metric("unguarded_loss", v, now, i + 1) for i, v in enumerate(unguarded) if math.isfinite(v)]
+                metrics = [Metric(key, v, now, i) for key, values in series.items()
+                           for i, v in enumerate(values, start=1) if math.isfinite(v)]
                 client = self.mlflow.MlflowClient()
                 run_id = self.mlflow.active_run().info.run_id
                 for i in range(0, len(metrics), 900):
                     client.log_batch(run_id, metrics=metrics[i:i + 900])
             except Exception as exc:
-                self.notes.append(f"MLflow: could not log the losses ({type(exc).__name__})")
-        if self.wandb_run is not None:
+                self.notes.append(f"MLflow: could not log {', '.join(series)} ({type(exc).__name__})")
+        if self._wandb_run is not None:
             try:
-                for i, (a, b) in enumerate(zip(losses, unguarded), start=1):
-                    self.wandb_run.log({"loss": a, "unguarded_loss": b}, step=i)
+                for i, values in enumerate(zip(*series.values()), start=1):
+                    self._wandb_run.log({k: v for k, v in zip(series, values) if math.isfinite(v)}, step=i)
             except Exception:
-                self.notes.append("W&B: could not log the losses")
+                self.notes.append(f"W&B: could not log {', '.join(series)}")
 
-    def finish(self) -> None:
+    def end(self) -> None:
+        """Close this part's runs."""
         if self.mlflow is not None:
             with contextlib.suppress(Exception):
                 self.mlflow.end_run()
-        if self.wandb_run is not None:
+        if self._wandb_run is not None:
             with contextlib.suppress(Exception):
-                self.wandb_run.finish()
+                self._wandb_run.finish()
+            self._wandb_run = None
+
+
+@contextlib.contextmanager
+def _part(run_name: str, trackers: _Trackers, events_path: Path, *sinks: Any) -> Iterator[Any]:
+    """A bus for one part of the tour: the shared event log, ``sinks`` and this part's tracker runs."""
+    from guardtower import EventBus, JsonlSink
+
+    bus = EventBus([JsonlSink(events_path), *sinks, *trackers.start(run_name)])
+    try:
+        yield bus
+    finally:
+        bus.close(15)
+        trackers.end()
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -338,7 +363,7 @@ def _section(title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="guardtower demo", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser = ArgumentParser(prog="guardtower demo", description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--out", default="./guardtower-demo", help="where the logs, runs and plot go")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     parser.add_argument("--rollback", action="store_true", help="also show a burst of bad batches rolled back")
@@ -356,14 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print('guardtower demo needs transformers: pip install "guardtower[hf]"', file=sys.stderr)
         return 2
-    from guardtower.bus import EventBus
-    from guardtower.guard import GuardedOptimizer
+    from guardtower import GuardedOptimizer
     from guardtower.incidents import format_table, load_run_log
-    from guardtower.sinks import JsonlSink
     from guardtower.testing import InMemorySink
 
     transformers.logging.set_verbosity_error()
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # no database-migration chatter in the tour
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
     out = Path(args.out)
@@ -376,50 +398,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     corpus = Corpus.make(args.steps, args.seed)
     faults = Faults.plan(args.steps, args.rollback)
     started = time.perf_counter()
+    trackers = _Trackers(out, use_mlflow=not args.no_mlflow, use_wandb=not args.no_wandb)
 
     _section("1/3  pre-flight: one instrumented step before launch")
-    trackers = _Trackers(out, use_mlflow=not args.no_mlflow, use_wandb=not args.no_wandb)
-    live = InMemorySink()
-    bus = EventBus([JsonlSink(events_path), live, *trackers.sinks])
-    _preflight(corpus, args.seed, bus)
+    for case in _preflight_cases(corpus, args.seed):
+        with _part(case.run_name, trackers, events_path) as bus:
+            _show_audit(case, corpus.batches[0], bus)
 
     _section(f"2/3  guarded training: a small GPT, {args.steps} steps on synthetic text, with injected faults")
     for line in faults.describe():
         print("  - " + line)
-    model = _gpt(len(corpus.vocab), args.seed)
-    guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=5, log_dir=str(spike_dir),
-                                        warmup_steps=10, verbose=False, bus=bus)
-    if args.rollback:
-        guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback", rollback_every=10)
-    guarded = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model, **guard_kwargs)
-    shown = 0
+    live = InMemorySink()
+    with _part("2-guarded-training", trackers, events_path, live) as bus:
+        model = _gpt(len(corpus.vocab), args.seed)
+        guard_kwargs: dict[str, Any] = dict(spike_threshold=10.0, nan_action="skip", log_every=5,
+                                            log_dir=str(spike_dir), warmup_steps=10, verbose=False, bus=bus)
+        if args.rollback:
+            guard_kwargs.update(max_consecutive_skips=2, escalate_to="rollback", rollback_every=10)
+        guarded = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model, **guard_kwargs)
+        shown = 0
 
-    def show_incidents(bar: _Bar) -> None:
-        nonlocal shown
-        events = live.events
-        for event in events[shown:]:
-            if event.kind in ("spike", "rollback", "halt"):
-                bar.write(_one_line(event))
-        shown = len(events)
+        def show_incidents(bar: _Bar) -> None:
+            nonlocal shown
+            events = live.events
+            for event in events[shown:]:
+                if event.kind in ("spike", "rollback", "halt"):
+                    bar.write(_one_line(event))
+            shown = len(events)
 
-    guarded_run = _train(model, guarded, corpus, faults, label="guarded  ", progress=not args.no_progress,
-                         guarded=True, on_step=show_incidents)
-    guarded.close()
-    bus.flush(10)
-    show_incidents(_Bar(0, "", False))
-    print(f"guard: {guarded.total_spikes} spike(s), {guarded.total_skips} skip(s), "
-          f"{guarded.total_rollbacks} rollback(s) in {guarded_run.seconds:.1f}s")
+        guarded_run = _train(model, guarded, corpus, faults, label="guarded  ", progress=not args.no_progress,
+                             guarded=True, on_step=show_incidents)
+        guarded.close()
+        bus.flush(10)
+        show_incidents(_Bar(0, "", False))
+        print(f"guard: {guarded.total_spikes} spike(s), {guarded.total_skips} skip(s), "
+              f"{guarded.total_rollbacks} rollback(s) in {guarded_run.seconds:.1f}s")
 
-    _section("3/3  the same run without the guard")
-    plain_model = _gpt(len(corpus.vocab), args.seed)
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3)
-    plain_run = _train(plain_model, plain, corpus, faults, label="unguarded", progress=not args.no_progress,
-                       guarded=False)
-    print(_side_by_side(guarded_run.losses, plain_run.losses, faults))
-
-    trackers.log_losses(guarded_run.losses, plain_run.losses)
-    bus.close(15)
-    trackers.finish()
+        _section("3/3  the same run without the guard")
+        plain_model = _gpt(len(corpus.vocab), args.seed)
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=3e-3)
+        plain_run = _train(plain_model, plain, corpus, faults, label="unguarded", progress=not args.no_progress,
+                           guarded=False)
+        print(_side_by_side(guarded_run.losses, plain_run.losses, faults))
+        trackers.log_series({"loss": guarded_run.losses, "unguarded_loss": plain_run.losses})
 
     _section("incidents (guardtower report)")
     log = load_run_log(out)
@@ -430,12 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from guardtower._plot import plot_run_log
 
-        for step, norm in guarded_run.global_norms.items():
-            log.global_norms.setdefault(step, norm)
-        for name, points in guarded_run.layer_norms.items():
-            log.layer_norms.setdefault(name, {}).update(points)
         plot = plot_run_log(log, out / "grad_norms.png")
-        notes.append(f"plot: {plot}  (guardtower report {out} --plot incidents.png)")
+        notes.append(f"plot: {plot}  (the same picture: guardtower report {out} --plot incidents.png)")
     except ImportError:
         notes.append('plot: matplotlib is not installed (pip install "guardtower[plot]")')
     notes += trackers.notes

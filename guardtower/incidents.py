@@ -8,15 +8,17 @@ guard's summary events and the norms recorded with each incident.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from guardtower._jsonl import read_json_lines
+from guardtower._argparse import ArgumentParser
+from guardtower._eventlog import Malformed, describe_malformed, read_event_log
+from guardtower.errors import ConfigError, MissingDependencyError
 from guardtower.events import (
     Event,
     HaltEvent,
@@ -27,13 +29,14 @@ from guardtower.events import (
     SpikeEvent,
     SummaryEvent,
     _decode,
-    event_from_record,
 )
 from guardtower.severity import Severity
 
 __all__ = ["Incident", "RunLog", "load_run_log", "format_table", "main"]
 
 _REPORT_PREFIX = "guardtower.spike-report/"
+#: the most steps one rollback can undo that the report shades (rollback_every is 100 by default)
+_MAX_UNDONE = 100_000
 
 
 @dataclass(frozen=True)
@@ -67,42 +70,37 @@ class RunLog:
     #: steps of the loss history, when the summaries carry it
     losses: dict[int, float] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
+    #: lines of the event files that are not guardtower events
+    malformed: list[Malformed] = field(default_factory=list)
+    #: the last optimizer step any event mentions (None when no event carries a step)
+    last_step: int | None = None
 
 
-def load_run_log(path: str | Path) -> RunLog:
-    """Read a JSONL event file, or every event file and spike report under a directory."""
+def load_run_log(path: str | os.PathLike[str]) -> RunLog:
+    """Read a JSONL event file, or every event file and spike report under a directory.
+
+    Lines that are not guardtower events are counted in ``malformed`` (a neighbour's JSONL file under a
+    directory is left out without a word), so the command can say what it skipped.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("path", f"expected a file or directory path, got {type(path).__name__}",
+                          "pass a log_dir or an events.jsonl path")
     root = Path(path)
+    if not root.exists():
+        raise ConfigError("path", f"no such file or directory: {str(root)!r}", "pass a log_dir or an events.jsonl path")
     log = RunLog()
-    events: list[Event] = []
-    if root.is_file():
-        log.files.append(root)
-        events.extend(_read_jsonl(root))
-    else:
-        for file in sorted(root.rglob("*.jsonl")):
-            log.files.append(file)
-            events.extend(_read_jsonl(file))
+    events = read_event_log(root)
+    log.files.extend(events.files)
+    log.malformed.extend(events.malformed)
+    found = list(events.events)
+    if root.is_dir():
         for file in sorted(root.rglob("*.json")):
             event = _spike_report_event(file)
             if event is not None:
                 log.files.append(file)
-                events.append(event)
-    _merge(log, events)
+                found.append(event)
+    _merge(log, found)
     return log
-
-
-def _read_jsonl(path: Path) -> Iterator[Event]:
-    """Events from a JSONL file: ``JsonlSink`` logs, and dead-letter spools (whose lines wrap an ``event``).
-
-    Lines that are not guardtower events (other tools' JSONL, a torn last line) are skipped, so pointing the
-    command at a whole log_dir never fails on a neighbour's file.
-    """
-    for record in read_json_lines(path):
-        if isinstance(record, dict) and "kind" not in record and isinstance(record.get("event"), dict):
-            record = record["event"]
-        try:
-            yield event_from_record(record)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
 
 
 def _spike_report_event(file: Path) -> SpikeEvent | None:
@@ -113,12 +111,15 @@ def _spike_report_event(file: Path) -> SpikeEvent | None:
         return None
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith(_REPORT_PREFIX):
         return None
+    step = data.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        return None
     try:
         trigger = data.get("trigger") or {}
         history = data.get("history") or {}
         return SpikeEvent(
             event_id=str(data["event_id"]), time=float(data["time"]), run=str(data["run"]), rank=int(data["rank"]),
-            step=data.get("step"), severity=Severity.WARN, layer=str(trigger.get("layer", "")),
+            step=step, severity=Severity.WARN, layer=str(trigger.get("layer", "")),
             module=str(trigger.get("module", "")), reason=str(data.get("reason", "spike")),
             norm=float(trigger.get("norm", math.nan)), baseline=float(trigger.get("baseline", math.nan)),
             ratio=float(trigger.get("ratio", math.nan)), threshold=float(data.get("threshold", math.nan)),
@@ -138,6 +139,8 @@ def _merge(log: RunLog, events: list[Event]) -> None:
     seen: set[tuple[Any, ...]] = set()
     for event in sorted(events, key=lambda e: (e.step if e.step is not None else -1, e.time)):
         step = event.step
+        if step is not None and not isinstance(event, PreflightEvent):
+            log.last_step = step if log.last_step is None else max(log.last_step, step)
         if isinstance(event, SummaryEvent) and step is not None:
             log.global_norms.setdefault(step, event.grad_norm)
             if event.loss is not None:
@@ -167,7 +170,10 @@ def _merge(log: RunLog, events: list[Event]) -> None:
                 log.layer_norms.setdefault(name, {})[step] = norm
             _merge_event_history(log, event)
         if isinstance(event, RollbackEvent):
-            log.skipped_steps.update(range(event.to_step + 1, event.from_step + 1))
+            undone = event.from_step - event.to_step
+            # a damaged record must not make the reader build an absurd range
+            log.skipped_steps.update(range(event.to_step + 1, event.from_step + 1) if 0 <= undone <= _MAX_UNDONE
+                                     else [event.from_step])
 
 
 def _merge_event_history(log: RunLog, event: SpikeEvent) -> None:
@@ -209,6 +215,7 @@ def _incident(event: Event) -> Incident | None:
 
 def format_table(incidents: Sequence[Incident]) -> str:
     """A plain-text table: step, kind, layer, ratio, action (plus run/rank when there are several)."""
+    incidents = _incident_list(incidents)
     multi = len({(i.run, i.rank) for i in incidents}) > 1
     header = ["step", "kind", "layer", "ratio", "action"] + (["run", "rank"] if multi else [])
     rows = [header]
@@ -223,6 +230,18 @@ def format_table(incidents: Sequence[Incident]) -> str:
     return "\n".join(lines)
 
 
+def _incident_list(value: Any) -> list[Incident]:
+    """``value`` as a list, or a ConfigError when it is not a sequence of Incident."""
+    try:
+        items = None if isinstance(value, (str, bytes)) else list(value)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(i, Incident) for i in items):
+        raise ConfigError("incidents", f"expected a sequence of Incident, got {type(value).__name__}",
+                          "pass load_run_log(path).incidents")
+    return items
+
+
 def _fmt_ratio(ratio: float | None) -> str:
     if ratio is None:
         return "-"
@@ -234,34 +253,37 @@ def _fmt_ratio(ratio: float | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    """Exit status: 0 listed, 2 bad usage or unreadable input (also after listing, when lines were skipped)."""
+    parser = ArgumentParser(
         prog="guardtower report",
         description="List the incidents (rejected steps, rollbacks, halts, failed pre-flights) of a run.",
     )
     parser.add_argument("path", help="a log_dir or a JSONL event file")
-    parser.add_argument("--plot", metavar="OUT.png", help="draw the gradient-norm history around each incident")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="draw the whole run's gradient norms with a panel per incident (or burst) below")
     parser.add_argument("--json", action="store_true", help="print the incidents as JSON lines")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
 
-    path = Path(args.path)
-    if not path.exists():
-        print(f"guardtower report: no such file or directory: {path}", file=sys.stderr)
+    try:
+        log = load_run_log(args.path)
+    except ConfigError as exc:
+        print(f"guardtower report: {exc}", file=sys.stderr)
         return 2
-    log = load_run_log(path)
+    path = Path(args.path)
     if not log.files:
-        print(f"guardtower report: no event file (*.jsonl) or spike report in {path}", file=sys.stderr)
+        problem = f" ({describe_malformed(log.malformed)})" if log.malformed else ""
+        print(f"guardtower report: no guardtower event or spike report in {path}{problem}", file=sys.stderr)
         return 2
     if args.json:
         for incident in log.incidents:
             print(json.dumps({k: _json_number(v) for k, v in vars(incident).items()}, allow_nan=False))
-    elif log.incidents:
-        print(f"{len(log.incidents)} incident(s) in {path}")
-        print(format_table(log.incidents))
     else:
-        print(f"no incidents in {path} ({len(log.files)} file(s) read)")
+        steps = "no step recorded" if log.last_step is None else _count(log.last_step, "step")
+        print(f"{steps}, {_count(len(log.incidents), 'incident')} in {path}")
+        if log.incidents:
+            print(format_table(log.incidents))
     if args.plot:
         from guardtower._plot import plot_run_log
-        from guardtower.errors import MissingDependencyError
 
         try:
             out = plot_run_log(log, args.plot)
@@ -269,7 +291,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"guardtower report: {exc}", file=sys.stderr)
             return 2
         print(f"plot written to {out}")
+    if log.malformed:
+        print(f"guardtower report: {describe_malformed(log.malformed)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _json_number(value: Any) -> Any:

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,8 @@ def _strict(text: str) -> object:
 
 def test_demo_shows_preflight_guarded_and_unguarded_runs_and_writes_everything(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    stdout = _run_demo(out, "--rollback").stdout
+    done = _run_demo(out, "--rollback")
+    stdout = done.stdout
 
     # the story, in order
     marks = ["1/3", "planted bug", "pre-flight: FAIL", "fixed", "pre-flight: PASS", "2/3", "3/3", "final loss"]
@@ -54,7 +56,7 @@ def test_demo_shows_preflight_guarded_and_unguarded_runs_and_writes_everything(t
     assert math.isfinite(guarded_loss) and math.isnan(unguarded_loss)
 
     # the event log: the pre-flight failed then passed, both faults were skipped, the burst was rolled back
-    events = list(read_events(out / "events.jsonl"))
+    events: list[Any] = list(read_events(out / "events.jsonl"))
     assert [e.status for e in events if e.kind == "preflight"] == ["FAIL", "PASS"]
     spikes = {e.step: e for e in events if e.kind == "spike"}
     assert spikes[16].reason == "nonfinite" and spikes[16].action == "skip"
@@ -67,10 +69,44 @@ def test_demo_shows_preflight_guarded_and_unguarded_runs_and_writes_everything(t
     for report in reports:
         _strict(report.read_text())
 
-    assert (out / "grad_norms.png").read_bytes()[:4] == b"\x89PNG"
-    assert list(out.glob("wandb/offline-run-*/run-*.wandb")), "no W&B offline run"
-    assert (out / "mlflow.db").is_file()
     assert "mlflow ui --backend-store-uri sqlite:///" in stdout and "wandb sync" in stdout
+    assert "INFO mlflow" not in stdout + done.stderr and "alembic" not in stdout + done.stderr
+
+    # one plotting path: the demo's picture is what `guardtower report --plot` draws from the same folder
+    from guardtower.cli import main as cli_main
+
+    assert cli_main(["report", str(out), "--plot", str(tmp_path / "again.png")]) == 0
+    assert (out / "grad_norms.png").read_bytes() == (tmp_path / "again.png").read_bytes()
+
+
+def _mlflow_runs(db: Path) -> dict[str, object]:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
+    experiment = client.get_experiment_by_name("guardtower-demo")
+    assert experiment is not None
+    return {run.info.run_name: run for run in client.search_runs([experiment.experiment_id])}
+
+
+def test_demo_trackers_keep_the_failed_preflight_visible_next_to_the_fix(tmp_path: Path) -> None:
+    from _wandb_reader import read_run
+
+    out = tmp_path / "demo"
+    _run_demo(out, "--no-progress")
+    runs: dict[str, Any] = _mlflow_runs(out / "mlflow.db")
+    assert sorted(runs) == ["1a-preflight-planted-bug", "1b-preflight-fixed", "2-guarded-training"]
+    assert runs["1a-preflight-planted-bug"].data.tags["guardtower.preflight"] == "FAIL"
+    assert "LORA-003" in runs["1a-preflight-planted-bug"].data.tags["guardtower.preflight.errors"]
+    assert runs["1b-preflight-fixed"].data.tags["guardtower.preflight"] == "PASS"
+    training = runs["2-guarded-training"].data
+    assert "guardtower.preflight" not in training.tags and training.metrics["guardtower.skipped_steps"] >= 2
+    assert {"loss", "unguarded_loss"} <= set(training.metrics)
+
+    # W&B: three offline runs (their folders sort by start second, so match them by content)
+    summaries = [read_run(d).summary for d in out.glob("wandb/offline-run-*")]
+    assert sorted(str(s.get("guardtower/preflight")) for s in summaries) == ["FAIL", "None", "PASS"]
+    (training_summary,) = [s for s in summaries if "guardtower/preflight" not in s]
+    assert training_summary["guardtower/total_skips"] >= 2
 
 
 def test_demo_degrades_gracefully_without_optional_dependencies(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_log_dir_of_a_real_guarded_run_lists_each_incident_once(tmp_path: Path,
     assert {15, 20} <= log.skipped_steps
     assert set(range(1, 26)) <= set(log.global_norms)  # summaries every step (log_every=1)
     assert cli_main(["report", str(tmp_path)]) == 0
-    assert "2 incident(s)" in capsys.readouterr().out
+    assert "25 steps, 2 incidents in" in capsys.readouterr().out
 
 
 def test_spike_reports_alone_are_enough(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_cli_errors_on_missing_path_and_reports_quiet_runs(tmp_path: Path, capsy
     bus.publish(PreflightEvent(step=0, status="PASS"))
     bus.close(5)
     assert cli_main(["report", str(quiet)]) == 0
-    assert "no incidents" in capsys.readouterr().out
+    assert "1 step, 0 incidents in" in capsys.readouterr().out
 
 
 def test_plot_writes_a_png_with_one_panel_per_incident(tmp_path: Path) -> None:
@@ -159,3 +159,81 @@ def test_plot_writes_a_png_with_one_panel_per_incident(tmp_path: Path) -> None:
 
     height, width = mpimg.imread(out).shape[:2]
     assert width > 1000 and height > 800  # overview + 2 rows of incident panels
+
+
+def _write_burst_run(path: Path) -> None:
+    """Summaries every 5 steps over 60 steps, a spike in h.0.attn at 20, then a burst of NaN at 40-42."""
+    bus = EventBus([JsonlSink(path)])
+    for step in range(5, 61, 5):
+        bus.publish(SummaryEvent(step=step, grad_norm=20.0))
+    bus.publish(SpikeEvent(step=20, layer="h.0.attn", reason="spike", norm=9.0, baseline=0.05, ratio=180.0,
+                           threshold=10.0, global_norm=25.0, action="skip", severity=Severity.WARN,
+                           history_steps=tuple(range(10, 21)), history_global_norms=(20.0,) * 10 + (25.0,),
+                           history_layer_norms=(0.05,) * 10 + (9.0,)))
+    for step in (40, 41, 42):
+        bus.publish(SpikeEvent(step=step, layer="h.1.mlp", reason="nonfinite", norm=math.nan, baseline=0.1,
+                               ratio=math.inf, threshold=10.0, global_norm=math.nan, action="skip",
+                               severity=Severity.WARN, history_steps=tuple(range(step - 5, step + 1)),
+                               history_global_norms=(20.0,) * 5 + (math.nan,),
+                               history_layer_norms=(0.1,) * 5 + (math.nan,)))
+    bus.close(5)
+
+
+def test_plot_draws_the_whole_run_and_one_panel_per_burst(tmp_path: Path) -> None:
+    from guardtower._plot import bursts, figure
+
+    _write_burst_run(tmp_path / "events.jsonl")
+    log = load_run_log(tmp_path)
+    assert [[i.step for i in group] for group in bursts(log.incidents)] == [[20], [40, 41, 42]]
+    fig = figure(log)
+    overview, spike_panel, nan_panel = (ax for ax in fig.axes if ax.get_title() and ax.get_ylabel() != "global norm")
+    (whole_run,) = [line for line in overview.get_lines() if line.get_label() == "global grad norm"]
+    steps = list(whole_run.get_xdata())
+    assert steps[0] <= 5 and steps[-1] == 60  # summaries from the first to the last, not just the windows
+    assert not any(math.isnan(y) for x, y in zip(steps, whole_run.get_ydata()) if x in range(5, 61, 5))
+    assert spike_panel.get_title().startswith("step 20: spike -> skip")
+    assert nan_panel.get_title().startswith("steps 40-42: 3 x nonfinite -> skip")
+
+
+def test_incident_threshold_is_drawn_against_the_trigger_layer_not_the_global_norm(tmp_path: Path) -> None:
+    from guardtower._plot import figure
+
+    _write_burst_run(tmp_path / "events.jsonl")
+    fig = figure(load_run_log(tmp_path))
+    panels = [ax for ax in fig.axes if ax.get_title().startswith("step")]
+    for panel, limit in zip(panels, (0.5, 1.0)):  # the trigger layer's baseline (0.05, 0.1) x threshold 10
+        labels = {line.get_label(): line for line in panel.get_lines()}
+        trigger = next(line for label, line in labels.items() if label.endswith("(trigger)"))
+        threshold = next(line for label, line in labels.items() if label.startswith("threshold of this layer"))
+        assert "h." in trigger.get_label()
+        assert "global grad norm" not in labels  # the global norm has its own axis, on the right
+        twins = [ax for ax in fig.axes if ax is not panel and ax.bbox.bounds == panel.bbox.bounds]
+        assert [line.get_label() for twin in twins for line in twin.get_lines()] == ["global grad norm (right axis)"]
+        assert threshold.get_ydata()[0] == pytest.approx(limit)
+    spike_panel, nan_panel = panels
+    assert max(y for y in spike_panel.get_lines()[0].get_ydata() if not math.isnan(y)) == pytest.approx(9.0)
+    # the NaN steps are marked at the top edge, named in the legend, with no text over the threshold line
+    assert not nan_panel.texts
+    legend = [text.get_text() for text in nan_panel.get_legend().get_texts()]
+    assert "NaN/Inf (off the scale)" in legend
+    (marker,) = [line for line in nan_panel.get_lines() if line.get_label() == "NaN/Inf (off the scale)"]
+    assert list(marker.get_xdata()) == [40, 41, 42]
+
+
+def test_report_on_a_real_clean_run_says_n_steps_0_incidents(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """With the default log_every=50, 20 clean steps still leave a record: the start event and the summary
+    at close."""
+    from guardtower.guard import GuardedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, log_dir=tmp_path,
+                             sinks=[JsonlSink(tmp_path / "events.jsonl")])
+    for _ in range(20):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        guard.step()
+        guard.zero_grad()
+    guard.close()
+    assert cli_main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith(f"20 steps, 0 incidents in {tmp_path}")

@@ -1,0 +1,17 @@
+"""An ``argparse.ArgumentParser`` whose usage errors are one line (``prog: problem (see --help)``), exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+__all__ = ["ArgumentParser"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The standard parser, minus the usage block printed before every error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
