@@ -344,7 +344,7 @@ def test_auto_judge_and_update_never_read_the_device(monkeypatch: pytest.MonkeyP
     assert counter.calls == 0
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", [5, 6, 10, 11, 13])  # seeds on which a tight loss prior from step 1 tripped
 def test_warmup_zero_with_noisy_small_batch_losses_raises_no_alarm(tmp_path: Path, seed: int) -> None:
     """A handful of noisy losses says little about their spread: no rejection while the loss prior is wide."""
     torch.manual_seed(seed)
@@ -354,7 +354,7 @@ def test_warmup_zero_with_noisy_small_batch_losses_raises_no_alarm(tmp_path: Pat
     for _ in range(20):
         loss = torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4))
         loss.backward()
-        guard.step(loss=loss.detach())
+        guard.step(loss=loss.item())
         guard.zero_grad()
     guard.flush()
     assert guard.total_spikes == 0 and guard.step_count == 20
