@@ -308,8 +308,9 @@ class AutoDetector(Detector):
     _per_tensor = {"mean": 0.0, "var": 0.0, "count": 0.0, "peak": 0.0, "run": 0.0, "run_sum": 0.0,
                    "run_max": 0.0, "run_min": 0.0}
     _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the variance uses ema_alpha
-    # the variance prior: gradient norms may move by e^0.5 per step, a loss by e^0.1, until data says otherwise
-    _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT = 0.5, 0.1, 4.0
+    # the variance prior: a series may move by e^0.5 per step until data says otherwise; a loss, once 10 of
+    # its values are in (a handful of noisy losses says little about their spread), by e^0.1
+    _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT, _LOSS_PRIOR_AFTER = 0.5, 0.1, 4.0, 10
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
     _WINSOR = 4.0
 
@@ -373,7 +374,8 @@ class AutoDetector(Detector):
         log_base = mean.clone()
         log_base[:-2] = torch.clamp_min(mean[:-2], math.log(max(self.floor, _TINY)))
         n_eff = count.clamp_max(2.0 / self.ema_alpha)
-        std = torch.sqrt((n_eff * s["var"] + self._prior) / (n_eff + self._PRIOR_WEIGHT))
+        prior = torch.where(count >= self._LOSS_PRIOR_AFTER, self._prior, self._PRIOR_WEIGHT * self._PRIOR_STD ** 2)
+        std = torch.sqrt((n_eff * s["var"] + prior) / (n_eff + self._PRIOR_WEIGHT))
         outlier = torch.maximum(log_base + self._log_ratio, mean + self.sigmas * std)
         beyond_peak = torch.maximum(s["peak"], log_base) + math.log(self.threshold)
         ceiling = torch.minimum(outlier, beyond_peak)
