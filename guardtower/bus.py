@@ -208,12 +208,12 @@ class EventBus:
         return f"EventBus(sinks={[d.sink_id for d in self._deliveries]!r})"
 
 
-def check_sink(sink: Any) -> None:
+def check_sink(sink: Any, argument: str = "sink") -> None:
     """Raise ``ConfigError`` for an object that cannot be a sink (without attaching it anywhere)."""
     for method in ("handle", "flush", "close"):
         if not callable(getattr(sink, method, None)):
             raise ConfigError(
-                "sink",
+                argument,
                 f"{type(sink).__name__} has no callable {method}()",
                 "pass an object implementing the Sink protocol (subclass guardtower.bus.BaseSink)",
             )
@@ -228,7 +228,7 @@ def check_bus_args(bus: EventBus | None, sinks: Iterable[Sink] | None) -> list[S
                           "pass e.g. sinks=[JsonlSink('sg_logs/events.jsonl')]")
     sink_list = list(sinks or ())
     for sink in sink_list:
-        check_sink(sink)
+        check_sink(sink, "sinks")
     return sink_list
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from guardtower._monitor_pass import MAX_LAG, Blame, PassResult, Tracker
-from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower.bus import EventBus, Sink, check_bus_args, resolve_bus
 from guardtower.errors import ConfigError, NonFiniteActivation
 from guardtower.events import HaltEvent, NonFiniteEvent
 from guardtower.severity import Severity
@@ -87,7 +87,7 @@ class Monitor:
         self.nonfinite_passes = 0
         self.last: NonFiniteEvent | None = None
         self._bus_arg = bus
-        self._sinks_arg = list(sinks) if sinks is not None else None
+        self._sinks_arg = check_bus_args(bus, sinks) if sinks is not None else None
         self._bus: EventBus | None = None
         self._owns_bus = False
         self._entered = 0

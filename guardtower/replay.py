@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from guardtower._argparse import ArgumentParser
 from guardtower.errors import GuardtowerError
 from guardtower.events import Event
 from guardtower.spool import Spool, SpoolEntry
@@ -73,7 +74,7 @@ REPLAYERS: dict[str, Replayer] = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="guardtower replay", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="guardtower replay", description=__doc__.splitlines()[0])
     parser.add_argument("spools", nargs="+", metavar="SPOOL", help="spool file(s) (*.jsonl) written by a sink")
     parser.add_argument("--list", action="store_true", help="only list the pending entries, send nothing")
     parser.add_argument("--url", help="alert destination URL (default: the sink's environment variable, "
@@ -87,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 everything sent, 1 entries remain, 2 bad usage or no destination."""
+    """Exit status: 0 everything sent, 1 entries remain, 2 bad usage, no destination or damaged lines."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     missing = [p for p in args.spools if not Path(p).is_file()]
     if missing:
@@ -101,8 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if spool.skipped:
             print(f"{path}: skipped {spool.skipped} unreadable line(s) (damaged, or from another version)",
                   file=sys.stderr)
+            status = 2  # a damaged spool is never silently "fine"
         if not pending:
-            print(f"{path}: nothing to replay")
+            if not spool.skipped:
+                print(f"{path}: nothing to replay")
             continue
         if args.list:
             for entry in pending:

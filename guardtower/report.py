@@ -81,6 +81,12 @@ class Report:
         return "PASS" if self.ok else "FAIL"
 
     def by_check(self, name: str) -> list[Finding]:
+        """Findings of the check ``name`` (e.g. ``"lora_optimizer"``); ``ConfigError`` for a name that is no check."""
+        import guardtower.preflight  # noqa: F401  (registers every check)
+        from guardtower.preflight._registry import CHECKS
+
+        if not isinstance(name, str) or name not in CHECKS:
+            raise ConfigError("name", f"{name!r} is not a check name", f"use one of: {', '.join(sorted(CHECKS))}")
         return [f for f in self.findings if f.check == name]
 
     def by_id(self, catalog_id: str) -> list[Finding]:

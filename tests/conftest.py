@@ -1,3 +1,6 @@
+import os
+from typing import Iterator
+
 import pytest
 
 
@@ -7,3 +10,15 @@ def _no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+@pytest.fixture(autouse=True)
+def _tracker_env() -> Iterator[None]:
+    """Libraries write tracker settings into ``os.environ`` (``mlflow.set_experiment`` sets
+    ``MLFLOW_EXPERIMENT_ID``); put them back so no test sees another test's experiment or run."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(("MLFLOW_", "WANDB_"))}
+    yield
+    for key in [k for k in os.environ if k.startswith(("MLFLOW_", "WANDB_"))]:
+        if key not in saved:
+            del os.environ[key]
+    os.environ.update(saved)

@@ -151,32 +151,8 @@ PROBES = [
     *[Probe(f"format_table-{v!r}", partial(_format_table, v), "incidents") for v in ([1, 2], 5, "x")],
 ]
 
-#: probe id -> who fixes it. These probes fail on this branch today (the constructors are being validated on
-#: their owners' branches); the xfail is strict, so a probe that starts passing fails until it leaves this list.
-_GUARD = "guard-mechanics branch validates the guard's arguments"
-_PREFLIGHT = "preflight branch validates the audit's arguments"
-KNOWN_GAPS: dict[str, str] = {
-    "guard-spike_threshold-True": _GUARD,
-    "guard-verbose-str": _GUARD,
-    "guard-sinks-1.5": _GUARD,
-    "guard-sinks-[1]": _GUARD,
-    "guard-sinks-'jsonl'": _GUARD,
-    "hf-guard-sinks-float": _GUARD,
-    "hf-guard-unknown-kwarg": _GUARD,
-    "audit-checks-[]": _PREFLIGHT,
-    "audit-scaler-str": _PREFLIGHT,
-    "audit-sinks-float": _PREFLIGHT,
-    "monitor-sinks-float": _PREFLIGHT,
-    "report-by_check-int": _PREFLIGHT,
-    "hf-audit-verbose-str": _PREFLIGHT,
-    "hf-audit-sinks-float": _PREFLIGHT,
-}
-
-
 @pytest.mark.parametrize("probe", PROBES, ids=[p.id for p in PROBES])
-def test_bad_argument_is_a_config_error_naming_it(probe: Probe, request: pytest.FixtureRequest) -> None:
-    if probe.id in KNOWN_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[probe.id]))
+def test_bad_argument_is_a_config_error_naming_it(probe: Probe) -> None:
     with pytest.raises(ConfigError) as caught:
         probe.call()
     assert caught.value.argument == probe.argument or probe.argument in str(caught.value).split(":")[0], (
@@ -214,8 +190,7 @@ def _cli(*argv: str) -> tuple[int, str]:
     (["events"], "path"),
     (["report"], "path"),
     (["report", "{log}", "--bogus"], "--bogus"),
-    pytest.param(["replay"], "SPOOL", marks=pytest.mark.xfail(
-        strict=True, reason="replay.py (delivery branch) prints argparse's usage block before the error")),
+    (["replay"], "SPOOL"),
     (["demo", "--steps", "abc"], "--steps"),
     (["demo", "--steps", "5"], "--steps"),
     (["bogus-command"], "bogus-command"),

@@ -126,19 +126,10 @@ _BAD_FILES = {
     "severity": b'{"kind": "summary", "severity": "CRITICAL"}\n',
     "kind-null": b'{"kind": null}\n',
 }
-#: the bad files ``replay`` already refuses as a user error; replay.py and spool.py belong to the delivery
-#: branch, which reworks the spool: until it lands, a spool line that is not an entry gives one line with
-#: status 1 ("internal error") instead of 2
-_REPLAY_REFUSES = {"binary", "latin-1"}
-
-
 @pytest.mark.parametrize("name", sorted(_BAD_FILES))
 @pytest.mark.parametrize("command", [["events"], ["report"], ["report", "--json"], ["replay", "--list"]],
                          ids=["events", "report", "report-json", "replay"])
-def test_bad_files_are_one_line_and_exit_2(request: pytest.FixtureRequest, tmp_path: Path, name: str,
-                                           command: list[str]) -> None:
-    if command[0] == "replay" and name not in _REPLAY_REFUSES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="spool lines are not validated yet (delivery)"))
+def test_bad_files_are_one_line_and_exit_2(tmp_path: Path, name: str, command: list[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(_BAD_FILES[name])
     code, out, err = _run(command[0], str(bad), *command[1:])

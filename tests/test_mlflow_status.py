@@ -74,8 +74,9 @@ def test_hf_halt_ends_the_trainers_mlflow_run_failed_with_the_halt_message(hf_ml
 
 
 def test_hf_opt_out_leaves_the_run_to_the_user(hf_mlflow: Any, tmp_path: Path) -> None:
+    trainer = _halting_trainer(tmp_path, fail_mlflow_run=False)  # alive: MLflowCallback.__del__ would end the run
     with pytest.raises(GradientSpikeError):
-        _halting_trainer(tmp_path, fail_mlflow_run=False).train()
+        trainer.train()
     run = _only_run(hf_mlflow)
     assert run.info.status == "RUNNING" and FAILURE_TAG not in run.data.tags
 

@@ -164,9 +164,10 @@ def _valid(norms: Tensor, accept: Tensor) -> Tensor:
 
 
 def _check_common(threshold: float, ema_alpha: float, warmup_steps: int, threshold_arg: str) -> None:
-    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold > 0):
+    if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and math.isfinite(threshold)
+            and threshold > 0):
         raise ConfigError(threshold_arg, f"must be a positive number, got {threshold!r}", f"pass e.g. {threshold_arg}=10.0")
-    if not (isinstance(ema_alpha, (int, float)) and 0 < ema_alpha < 1):
+    if not (isinstance(ema_alpha, (int, float)) and not isinstance(ema_alpha, bool) and 0 < ema_alpha < 1):
         raise ConfigError("ema_alpha", f"must lie strictly between 0 and 1, got {ema_alpha!r}", "pass e.g. ema_alpha=0.01")
     if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
         raise ConfigError("warmup_steps", f"must be a non-negative int, got {warmup_steps!r}", "pass e.g. warmup_steps=10")

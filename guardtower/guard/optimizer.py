@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from guardtower._jsonl import check_creatable_dir
 from guardtower._dist import current_rank, is_distributed, world_size
+from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, adopt_log_dir, check_bus_args
 from guardtower.errors import ConfigError, GradientSpikeError
 from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, StartEvent, SummaryEvent
@@ -147,6 +148,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         rollback_every = _positive_int(rollback_every, "rollback_every", "100")
         keep = _positive_int(keep, "keep", "2")
         stall_after = check_stall_after(stall_after)
+        verbose = flag("verbose", verbose)
         if on_rollback is not None and not callable(on_rollback):
             raise ConfigError("on_rollback", "must be callable(from_step, to_step)", "pass a function or None")
         if run is not None and not isinstance(run, str):
@@ -222,13 +224,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._user_sinks = user_sinks
         self._owns_bus = bus is None
         self.bus = bus if bus is not None else EventBus()
+        adopt_log_dir([*self._user_sinks, *self.bus.sinks], self.log_dir)  # sets spool paths, creates nothing
         self._report_sink: SpikeReportSink | None = None
         self.heartbeat = None if stall_after is None else Heartbeat(stall_after, self.bus.publish, run=run)
 
     def _start(self) -> None:
         """The first step: attach the sinks and the console box, and publish the ``start`` event."""
         self._started = True
-        adopt_log_dir([*self._user_sinks, *self.bus.sinks], self.log_dir)
         for sink in self._user_sinks:
             self.bus.add_sink(sink)
         self._report_sink = SpikeReportSink(self.log_dir)

@@ -16,6 +16,7 @@ set the callback moves the clipping behind the guard's decision (same norm, appl
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import types
@@ -26,7 +27,8 @@ import torch
 from torch import nn
 
 from guardtower._dist import current_rank
-from guardtower.bus import EventBus, Sink, resolve_bus
+from guardtower._validate import flag, no_unknown_kwargs
+from guardtower.bus import EventBus, Sink, check_bus_args, resolve_bus
 from guardtower.errors import ConfigError, MissingDependencyError, PreflightFailed
 from guardtower.integrations._clip import deferred_clipper
 from guardtower.integrations._run_status import fail_mlflow_runs, failing_runs_on_halt
@@ -76,8 +78,8 @@ class GuardtowerCallback(TrainerCallback):
         select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
         self.checks = checks
         self.raise_on_error = raise_on_error
-        self.verbose = bool(verbose)
-        self.fail_mlflow_run = bool(fail_mlflow_run)
+        self.verbose = flag("verbose", verbose)
+        self.fail_mlflow_run = flag("fail_mlflow_run", fail_mlflow_run)
         self._bus, self._owns_bus = resolve_bus(bus, sinks)
         self.report: Report | None = None
         self._handle: torch.utils.hooks.RemovableHandle | None = None
@@ -258,11 +260,12 @@ class StabilityGuardCallback(TrainerCallback):
         if not isinstance(clip_in_guard, bool):
             raise ConfigError("clip_in_guard", f"expected True or False, got {clip_in_guard!r}",
                               "pass clip_in_guard=False to keep the Trainer's own clipping")
-        if bus is not None and not isinstance(bus, EventBus):
-            raise ConfigError("bus", f"expected an EventBus, got {type(bus).__name__}", "pass guardtower.EventBus(...)")
+        no_unknown_kwargs("StabilityGuardCallback", guard_kwargs,
+                          [name for name in inspect.signature(GuardedOptimizer).parameters if name not in ("base_optimizer", "model")])
+        user_sinks = check_bus_args(bus, sinks)
         self.guard_kwargs: dict[str, Any] = dict(spike_threshold=spike_threshold, nan_action=nan_action,
                                                  **guard_kwargs)
-        self._sinks = list(sinks or ())
+        self._sinks = user_sinks
         # a throwaway guard validates every argument now; constructing one has no side effect
         GuardedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), **self.guard_kwargs,
                          sinks=self._sinks).close()

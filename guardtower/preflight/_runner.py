@@ -51,6 +51,8 @@ def select_checks(checks: str | Iterable[str], *, static_only: bool = False) -> 
         except TypeError:
             raise ConfigError("checks", f"expected 'all', a check name or an iterable of names, got {type(checks).__name__}",
                               "pass checks='all' or e.g. checks=['loss', 'grad_connectivity']") from None
+    if not names:
+        raise ConfigError("checks", "is empty: no check would run", "pass checks='all' or at least one check name")
     unknown = [n for n in names if not isinstance(n, str) or n not in pool]
     if unknown:
         kind = "static check" if static_only else "check"
@@ -120,6 +122,9 @@ def audit(
         raise ConfigError("lr_scheduler", f"expected an LR scheduler with .step(), got {type(lr_scheduler).__name__}",
                           "pass the scheduler you step during training (e.g. get_linear_schedule_with_warmup(...)), "
                           "or leave it out")
+    if scaler is not None and not (callable(getattr(scaler, "scale", None)) and callable(getattr(scaler, "unscale_", None))):
+        raise ConfigError("scaler", f"expected a torch.amp.GradScaler, got {type(scaler).__name__}",
+                          "pass the GradScaler your training loop uses, or leave it out")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError("steps", f"expected a whole number of overfitting steps >= 0, got {steps!r}",
                           "pass e.g. steps=30 to check that 30 steps on this batch drive its loss down, or leave it out")
