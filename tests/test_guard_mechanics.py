@@ -395,7 +395,7 @@ def test_a_broken_base_section_is_refused_and_changes_nothing(tmp_path: Path, ba
     ({"nan_action": "clamp"}, "nan_action"),
     ({"log_dir": 42}, "log_dir"),
     ({"run": 7}, "run"),
-    ({"sinks": [object()]}, "sink"),
+    ({"sinks": [object()]}, "sinks"),
     ({"bus": "bus"}, "bus"),
 ])
 def test_more_bad_arguments_raise_config_error_before_any_change(tmp_path: Path, kwargs: dict[str, Any],
