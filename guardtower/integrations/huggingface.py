@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import nn
 
-from guardtower._dist import current_rank
-from guardtower._validate import flag, no_unknown_kwargs
-from guardtower.bus import EventBus, Sink, check_bus_args, resolve_bus
+from guardtower._validate import no_unknown_kwargs
+from guardtower.bus import EventBus, Sink, check_bus_args
 from guardtower.errors import ConfigError, MissingDependencyError, PreflightFailed
 from guardtower.integrations._clip import deferred_clipper
+from guardtower.integrations._preflight import PreflightCallbackBase
 from guardtower.integrations._run_status import fail_mlflow_runs, failing_runs_on_halt
 
 try:
@@ -50,7 +50,7 @@ logger = logging.getLogger("guardtower.integrations.huggingface")
 _MAX_FRAMES = 40
 
 
-class GuardtowerCallback(TrainerCallback):
+class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
     """Run ``guardtower.audit`` on the Trainer's first real batch, before the first optimizer step.
 
     ``raise_on_error=True`` stops ``trainer.train()`` with ``PreflightFailed`` when the audit finds a FAIL;
@@ -70,18 +70,8 @@ class GuardtowerCallback(TrainerCallback):
         bus: EventBus | None = None,
         fail_mlflow_run: bool = True,
     ) -> None:
-        if not isinstance(raise_on_error, bool):
-            raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
-                              "pass raise_on_error=True to stop training on a failed pre-flight")
-        from guardtower.preflight._runner import select_checks
-
-        select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
-        self.checks = checks
-        self.raise_on_error = raise_on_error
-        self.verbose = flag("verbose", verbose)
-        self.fail_mlflow_run = flag("fail_mlflow_run", fail_mlflow_run)
-        self._bus, self._owns_bus = resolve_bus(bus, sinks)
-        self.report: Report | None = None
+        super().__init__(raise_on_error=raise_on_error, checks=checks, verbose=verbose, sinks=sinks, bus=bus,
+                         fail_mlflow_run=fail_mlflow_run)
         self._handle: torch.utils.hooks.RemovableHandle | None = None
         self._optimizer: Any = None
         self._lr_scheduler: Any = None
@@ -115,8 +105,7 @@ class GuardtowerCallback(TrainerCallback):
     def close(self) -> None:
         """Detach from the model and close the event bus if this callback created it."""
         self._remove_hook()
-        if self._owns_bus:
-            self._bus.close(5.0)
+        super().close()
 
     def _remove_hook(self) -> None:
         if self._handle is not None:
@@ -141,26 +130,14 @@ class GuardtowerCallback(TrainerCallback):
 
     def run_audit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Report | None:
         """Audit ``model`` on one call's inputs with the Trainer's optimizer and scaler; keep and print the report."""
-        from guardtower.preflight import audit
-
         optimizer = _innermost_optimizer(self._optimizer)
         scaler = getattr(self._optimizer, "scaler", None)
 
         def step_fn() -> Any:  # the loss exactly as Trainer.compute_loss gets it: model(**inputs).loss
             return model(*args, **kwargs)
 
-        try:
-            report = audit(model, step_fn, optimizer=optimizer, inputs=kwargs or args, checks=self.checks,
-                           scaler=scaler, lr_scheduler=self._lr_scheduler, bus=self._bus)
-        except ConfigError:
-            raise
-        except Exception:  # a bug in a check must not stop a training run the user did not ask to stop
-            logger.warning("guardtower: the pre-flight audit itself failed; training continues", exc_info=True)
-            return None
-        self.report = report
-        if self.verbose and current_rank() == 0:
-            print(report, flush=True)
-        return report
+        return self._audit(model, step_fn, optimizer=optimizer, inputs=kwargs or args, scaler=scaler,
+                           lr_scheduler=self._lr_scheduler)
 
 
 def _needs_real_step(args: Any) -> bool:

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
-from guardtower._dist import current_rank
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, GradientSpikeError, MissingDependencyError, PreflightFailed
 from guardtower.integrations._clip import deferred_clipper
+from guardtower.integrations._preflight import PreflightCallbackBase
 from guardtower.integrations._run_status import fail_mlflow_runs
 
 try:
@@ -48,7 +48,7 @@ logger = logging.getLogger("guardtower.integrations.lightning")
 COUNTER_KEYS = ("guardtower/spikes", "guardtower/skipped_steps", "guardtower/rollbacks")
 
 
-class GuardtowerPreflight(Callback):
+class GuardtowerPreflight(PreflightCallbackBase, Callback):
     """Run ``guardtower.audit`` on the Trainer's first training batch, before the first optimizer step.
 
     ``raise_on_error=True`` stops ``trainer.fit()`` with ``PreflightFailed`` when the audit finds a FAIL;
@@ -69,18 +69,8 @@ class GuardtowerPreflight(Callback):
         bus: EventBus | None = None,
         fail_mlflow_run: bool = True,
     ) -> None:
-        if not isinstance(raise_on_error, bool):
-            raise ConfigError("raise_on_error", f"expected True or False, got {raise_on_error!r}",
-                              "pass raise_on_error=True to stop training on a failed pre-flight")
-        from guardtower.preflight._runner import select_checks
-
-        select_checks(checks)  # unknown names raise ConfigError now, not at the first batch
-        self.checks = checks
-        self.raise_on_error = raise_on_error
-        self.verbose = bool(verbose)
-        self.fail_mlflow_run = bool(fail_mlflow_run)
-        self._bus, self._owns_bus = resolve_bus(bus, sinks)
-        self.report: Report | None = None
+        super().__init__(raise_on_error=raise_on_error, checks=checks, verbose=verbose, sinks=sinks, bus=bus,
+                         fail_mlflow_run=fail_mlflow_run)
         self._pending = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -106,8 +96,6 @@ class GuardtowerPreflight(Callback):
     def run_audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                   batch_idx: int) -> Report | None:
         """Audit one ``training_step`` on ``batch`` with the Trainer's optimizer and scaler; keep and print."""
-        from guardtower import audit
-
         optimizer = _base_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         model = trainer.strategy.model if isinstance(trainer.strategy.model, torch.nn.Module) else pl_module
@@ -116,24 +104,8 @@ class GuardtowerPreflight(Callback):
             out = trainer.strategy.training_step(batch, batch_idx)
             return out["loss"] if isinstance(out, Mapping) else out
 
-        try:
-            with _no_logging(pl_module):
-                report = audit(model, step_fn, optimizer=optimizer, inputs=batch, checks=self.checks,
-                               scaler=scaler, bus=self._bus)
-        except ConfigError:
-            raise
-        except Exception:  # a bug in a check must not stop a training run the user did not ask to stop
-            logger.warning("guardtower: the pre-flight audit itself failed; training continues", exc_info=True)
-            return None
-        self.report = report
-        if self.verbose and current_rank() == 0:
-            print(report, flush=True)
-        return report
-
-    def close(self) -> None:
-        """Close the event bus if this callback created it."""
-        if self._owns_bus:
-            self._bus.close(5.0)
+        with _no_logging(pl_module):
+            return self._audit(model, step_fn, optimizer=optimizer, inputs=batch, scaler=scaler)
 
 
 class GuardtowerGuard(Callback):
