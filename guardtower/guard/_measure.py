@@ -47,6 +47,7 @@ class GradMeter:
         self._index: dict[tuple[int, ...], Tensor] = {}
         self._layout_key: tuple[int, int, int] = (-1, 0, 0)
         self._plain = False
+        self._all_positions: list[int] = []  # 0..n-1, made once per parameter list, not per step
 
     def norms(self, params: list[Tensor]) -> Tensor:
         grads = [p.grad for p in params]
@@ -54,7 +55,7 @@ class GradMeter:
             # every parameter has a dense gradient of one device and dtype: one multi-tensor pass, no regrouping
             tensors: list[Tensor] = grads  # type: ignore[assignment]
             device, dtype = tensors[0].device, tensors[0].dtype
-            self._groups = [(tensors, list(range(len(tensors))), device)]
+            self._groups = [(tensors, self._all_positions, device)]
             self._sparse = []
             values = self._group_norms(tensors, dtype)
             norms = torch.stack(values)
@@ -68,6 +69,7 @@ class GradMeter:
         key = (len(params), id(params[0]) if params else 0, id(params[-1]) if params else 0)
         if key != self._layout_key:
             self._layout_key = key
+            self._all_positions = list(range(len(params)))
             first = params[0] if params else None
             self._plain = first is not None and all(
                 p.device == first.device and p.dtype == first.dtype and p.layout == torch.strided

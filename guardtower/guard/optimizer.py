@@ -194,6 +194,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._device = _decision_device(params)
         # constants the step reuses instead of allocating them every step
         self._nan = torch.full((), math.nan, device=self._device)
+        self._loss_buf = torch.zeros((), device=self._device)  # a loss given as a Python number
         self._zero = torch.zeros((), device=self._device)
         self._one = torch.ones((), device=self._device)
         self._meter = GradMeter(self._device, process_group)
@@ -509,7 +510,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 value = value.to(self._device, torch.float32, non_blocking=True)
             return None, value
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            return float(loss), torch.full((), float(loss), device=self._device)
+            # one reused device scalar (stack/cat below copy it), not a fresh allocation per step
+            return float(loss), self._loss_buf.fill_(float(loss))
         return None, self._nan
 
     def _agree(self, flags: Tensor, scale: Tensor, clipping: bool) -> tuple[Tensor, Tensor]:
