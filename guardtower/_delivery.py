@@ -537,8 +537,10 @@ class Delivery:
                 except TransientError:
                     ok = False
                     break
-                except Exception as exc:  # the destination refuses these events: keep them, go on
-                    self.log.warn(f"rejected on replay: {_describe(exc)}", len(chunk), "left in the spool")
+                except Exception as exc:  # the destination refuses these events: keep them pending, go on
+                    self.log.warn(f"rejected on replay: {_describe(exc)}", len(chunk),
+                                  "left in the spool for `guardtower replay`")
+                    continue
                 spool.ack_many([e.event_id for e in chunk])
                 sent += len(chunk)
         except OSError as exc:

@@ -139,6 +139,38 @@ def test_overflow_goes_to_the_spool_on_the_worker_and_is_replayed(tmp_path: Path
     bus.close(timeout=5)
 
 
+class RejectingSpoolingSink(SpoolingSink):
+    """A destination that refuses one event for good (a 4xx): the rest of the spool still goes through."""
+
+    replay_batch = 1
+
+    def handle(self, event: Event) -> None:
+        self.gate.wait(10)
+        if event.step == 7:
+            raise ValueError("cannot take step 7")
+        InMemorySink.handle(self, event)
+
+
+def test_an_event_refused_on_replay_stays_pending_in_the_spool_and_the_rest_is_replayed(tmp_path: Path) -> None:
+    sink = RejectingSpoolingSink(tmp_path / "spool.jsonl")
+    bus = EventBus([sink])
+    bus.publish(SummaryEvent(step=0))
+    time.sleep(0.05)
+    for i in range(1, 11):  # 5 fill the queue, 5 more (6..10) are parked for the spool
+        bus.publish(SummaryEvent(step=i))
+    sink.gate.set()
+    assert bus.flush(timeout=10)
+    deadline = time.monotonic() + 10
+    while bus.stats()["sinks"]["spooling"]["backlog"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = bus.stats()["sinks"]["spooling"]
+    assert not stats["backlog"] and adds_up(stats)
+    assert sorted(e.step for e in sink.events) == [i for i in range(11) if i != 7]
+    assert [entry.event.step for entry in sink.spool.entries()] == [7]  # kept for `guardtower replay`
+    assert stats["replayed"] == stats["spooled"] - 1
+    bus.close(timeout=5)
+
+
 def test_sinks_close_concurrently_against_one_deadline() -> None:
     sinks = [HangingSink(), HangingSink(), HangingSink()]
     bus = EventBus(sinks)
