@@ -52,6 +52,20 @@ def _loss_detached(bug: bool) -> Case:
     return m, step, {}
 
 
+@case("LOSS-001/rewrapped")
+def _loss_rewrapped_as_leaf(bug: bool) -> Case:
+    m = mlp()
+
+    def step() -> torch.Tensor:
+        loss = F.mse_loss(m(_X), _Y)
+        if not bug:
+            return loss
+        # backward() raised "element 0 of tensors does not require grad", so the loss was rebuilt to require it
+        return torch.tensor(loss.item(), requires_grad=True)
+
+    return m, step, {}
+
+
 @case("LOSS-002")
 def _loss_not_scalar(bug: bool) -> Case:
     m = _classifier()

@@ -5,6 +5,8 @@ for that bug, and that the fixed twin gets no WARN or FAIL at all. The table is 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -42,12 +44,14 @@ def _unmoved(model: nn.Module, step: Callable[[], Any], opt: torch.optim.Optimiz
     return {n for n, b in before.items() if torch.equal(b, params[n])}
 
 
-def _weights_stuck(key: str, *, full_step: bool = False) -> Callable[[bool], bool]:
+def _weights_stuck(build: Callable[[bool], Case], *, full_step: bool = False) -> Callable[[bool], bool]:
     """Proof for a wiring bug: real steps leave some trainable tensor unmoved that the fixed twin moves."""
 
     def proof(bug: bool) -> bool:
-        model, step, kwargs = CASES[key](bug)
-        return bool(_unmoved(model, step, kwargs.get("optimizer"), full_step=full_step))
+        model, step, kwargs = build(bug)
+        opt = kwargs.get("optimizer") or (
+            None if full_step else torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+        return bool(_unmoved(model, step, opt, full_step=full_step))
 
     return proof
 
@@ -231,16 +235,191 @@ def _schedule_stuck(bug: bool) -> bool:
     return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+# --- proofs for cases whose setup lives in test_audit_checks.py --------------------------------------------------
+def _never_below_half(bug: bool) -> bool:
+    """A sigmoid before BCEWithLogitsLoss: the loss's own sigmoid then never predicts below 0.5 (never "no")."""
+    from tests.test_audit_checks import _X
+
+    model, _, _ = CASES["LOSS-004/bce"](bug)
+    return bool((torch.sigmoid(model(_X)) >= 0.5).all())
+
+
+def _padding_carries_labels(bug: bool) -> bool:
+    batch = token_batch(pad_last=3)  # the batch CASES["DATA-002"] builds
+    labels = batch["input_ids"].clone() if bug else batch["labels"]
+    return bool((labels[batch["attention_mask"] == 0] != -100).any())
+
+
+def _loss_not_finite(key: str) -> Callable[[bool], bool]:
+    """Proof for a batch that trains on nothing: the model's own loss on it is NaN."""
+
+    def proof(bug: bool) -> bool:
+        _, step, _ = CASES[key](bug)
+        with torch.no_grad():
+            return not bool(torch.isfinite(step().loss))
+
+    return proof
+
+
+# --- setups built here: LoRA/PEFT wiring --------------------------------------------------------------------------
+def _lora_trainable_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _lora_base_unfrozen(bug: bool) -> Case:
+    from tests._audit_lora_helpers import lm_batch, lm_step
+    from tests.test_audit_lora import gpt2_lora
+
+    model = gpt2_lora()
+    if bug:  # a "tunable parts" switch re-enables the whole language model after get_peft_model froze it
+        model.base_model.model.transformer.requires_grad_(True)
+    return model, lm_step(model, lm_batch()), {"optimizer": _lora_trainable_optimizer(model)}
+
+
+def _base_weights_move(bug: bool) -> bool:
+    model, step, kwargs = _lora_base_unfrozen(bug)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    _unmoved(model, step, kwargs["optimizer"])
+    params = dict(model.named_parameters())
+    return any(not torch.equal(b, params[n]) for n, b in base.items())
+
+
+def _lora_classifier(bug: bool) -> Case:
+    from tests._audit_lora_helpers import cls_step, lm_batch, lora, tiny_bert_cls
+
+    # without task_type="SEQ_CLS" peft does not know the new head must train (no modules_to_save for it)
+    model = lora(tiny_bert_cls(), target_modules=["query", "value"], **({} if bug else {"task_type": "SEQ_CLS"}))
+    return model, cls_step(model, lm_batch(), torch.tensor([0, 2])), {"optimizer": _lora_trainable_optimizer(model)}
+
+
+def _classifier_frozen(bug: bool) -> bool:
+    model, _, _ = _lora_classifier(bug)
+    return not any(p.requires_grad for n, p in model.named_parameters() if "classifier" in n)
+
+
+def _lora_checkpointing_without_input_grads(bug: bool) -> Case:
+    from tests.test_audit_lora import _checkpointed_llama_cls_ids
+
+    model, step = _checkpointed_llama_cls_ids(input_grads=not bug)
+    return model, step, {"optimizer": _lora_trainable_optimizer(model)}
+
+
+def _adapters_never_train(bug: bool) -> bool:
+    model, step, kwargs = _lora_checkpointing_without_input_grads(bug)
+    return any("lora_" in n for n in _unmoved(model, step, kwargs["optimizer"]))
+
+
+# --- setups built here: optimizer wiring ------------------------------------------------------------------------
+def _optimizer_for_the_other_copy(bug: bool) -> Case:
+    from tests._audit_core_helpers import mlp
+    from tests.test_audit_checks import _X, _Y
+
+    first = mlp()  # e.g. the LoRA variant, with the DoRA variant built next from the same base
+    second = copy.deepcopy(first)
+    opt = torch.optim.Adam((first if bug else second).parameters(), lr=1e-3)  # one name, the wrong model
+    return second, lambda: F.mse_loss(second(_X), _Y), {"optimizer": opt}
+
+
+def _frozen_after_optimizer(bug: bool) -> Case:
+    from tests._audit_core_helpers import mlp
+    from tests.test_audit_checks import _X, _Y
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = lambda: F.mse_loss(model(_X), _Y)  # noqa: E731
+    opt.zero_grad()
+    step().backward()
+    opt.step()  # a first phase trained everything
+    model[0].requires_grad_(False)  # then the first layer is frozen...
+    if not bug:  # ...and the optimizer rebuilt over what still trains
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    return model, step, {"optimizer": opt}
+
+
+def _frozen_layer_moves(bug: bool) -> bool:
+    model, step, kwargs = _frozen_after_optimizer(bug)
+    opt = kwargs["optimizer"]
+    before = [p.detach().clone() for p in model[0].parameters()]
+    for _ in range(2):
+        opt.zero_grad(set_to_none=False)  # the default before PyTorch 2.0: stale gradients become zeros, not None
+        step().backward()
+        opt.step()
+    return any(not torch.equal(b, p) for b, p in zip(before, model[0].parameters()))
+
+
+# --- setups built here: gradient flow and numerics --------------------------------------------------------------
+class _NoGradEncoder(nn.Module):
+    """An encoder meant to train, run under torch.no_grad() (copied from a feature-extraction path)."""
+
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug = bug
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad() if self.bug else contextlib.nullcontext():
+            h = self.encoder(x)
+        return self.head(h)
+
+
+def _encoder_under_no_grad(bug: bool) -> Case:
+    from tests.test_audit_checks import _X, _Y
+
+    model = _NoGradEncoder(bug)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, lambda: F.mse_loss(model(_X), _Y), {"optimizer": opt}
+
+
+def _encoder_never_trains(bug: bool) -> bool:
+    model, step, kwargs = _encoder_under_no_grad(bug)
+    return any(n.startswith("encoder.") for n in _unmoved(model, step, kwargs["optimizer"]))
+
+
+class _PairEncoder(nn.Module):
+    """Embeds both sides of a pair; the output projection has no bias (it would cancel in the difference)."""
+
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug = bug
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16, bias=False))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        diff = self.body(a) - self.body(b)
+        # sqrt(sum(d^2)) has an infinite derivative at d = 0; vector_norm's subgradient there is 0
+        return (diff**2).sum(-1).sqrt() if self.bug else torch.linalg.vector_norm(diff, dim=-1)
+
+
+def _euclidean_distance_of_identical_pair(bug: bool) -> Case:
+    from tests.test_audit_checks import _X
+
+    model = _PairEncoder(bug)
+    a, b = _X, torch.randn(16, 8, generator=torch.Generator().manual_seed(8))
+    b[5] = a[5]  # an anchor paired with itself (a duplicate in the dataset)
+    target = torch.ones(16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, lambda: F.mse_loss(model(a, b), target), {"optimizer": opt}
+
+
+def _weights_nan_after_a_step(bug: bool) -> bool:
+    model, step, kwargs = _euclidean_distance_of_identical_pair(bug)
+    step().backward()
+    kwargs["optimizer"].step()
+    return not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 CORPUS: list[Bug] = [
     Bug("loop-zero-grad-between", "https://velog.io/@rhss10/기본-optimizer.zerograd는-어디에-넣어주어야-할까",
-        "training loop", "LOOP-001", _case("LOOP-001"), _weights_stuck("LOOP-001", full_step=True)),
+        "training loop", "LOOP-001", _case("LOOP-001"), _weights_stuck(_case("LOOP-001"), full_step=True)),
     Bug("loop-step-before-backward", "https://theneuralbase.com/pytorch/learn/beginner/forward-pass-loss-backward-step/",
-        "training loop", "LOOP-002", _case("LOOP-002"), _weights_stuck("LOOP-002", full_step=True)),
+        "training loop", "LOOP-002", _case("LOOP-002"), _weights_stuck(_case("LOOP-002"), full_step=True)),
     Bug("loop-no-zero-grad", "https://preproom.ai/learn/model-training-pytorch.html",
         "training loop", "LOOP-003", _case("LOOP-003"), _grads_accumulate),
     Bug("new-head-not-in-optimizer",
         "https://runebook.dev/en/docs/pytorch/generated/torch.optim.adafactor/torch.optim.Adafactor.add_param_group",
-        "optimizer wiring", "OPT-001", _case("OPT-001"), _weights_stuck("OPT-001")),
+        "optimizer wiring", "OPT-001", _case("OPT-001"), _weights_stuck(_case("OPT-001"))),
     Bug("linear-schedule-zero-steps", "https://github.com/huggingface/transformers/pull/5316",
         "optimizer wiring", "OPT-004", _case("OPT-004/schedule"), _schedule_stuck),
     Bug("no-decay-name-filter", "https://github.com/huggingface/transformers/issues/16908",
@@ -258,11 +437,11 @@ CORPUS: list[Bug] = [
     Bug("labels-shifted-twice", "https://github.com/huggingface/transformers/pull/44642",
         "labels", "DATA-004", _case("DATA-004"), _labels_preshifted),
     Bug("reentrant-checkpoint-frozen-input", "https://github.com/huggingface/transformers/issues/26221",
-        "gradient checkpointing", "GRAD-006", _case("GRAD-006"), _weights_stuck("GRAD-006")),
+        "gradient checkpointing", "GRAD-006", _case("GRAD-006"), _weights_stuck(_case("GRAD-006"))),
     Bug("fp16-adamw-nan", "https://github.com/TUDB-Labs/mLoRA/pull/11",
         "precision", "NAN-004", _case("NAN-004"), _nonfinite_after_step),
     Bug("bf16-weights-no-update", "https://github.com/keras-team/keras-hub/issues/2629",
-        "precision", "AMP-002", _case("AMP-002"), _weights_stuck("AMP-002")),
+        "precision", "AMP-002", _case("AMP-002"), _weights_stuck(_case("AMP-002"))),
     Bug("eval-mode-left-on", "https://github.com/shubhamagarwal92/mmd/issues/14",
         "train/eval mode", "MODE-001", _case("MODE-001"), _trains_in_eval_mode),
     Bug("reshape-mixes-batch",
@@ -272,6 +451,31 @@ CORPUS: list[Bug] = [
         "LoRA/PEFT", "LORA-002", _peft_reloaded, _adapters_frozen),
     Bug("lora-on-mha-out-proj", "https://github.com/helicalAI/helical/pull/405",
         "LoRA/PEFT", "GRAD-001", _lora_on_mha_out_proj, _mha_adapter_never_trains),
+    Bug("optimizer-before-adapters", "https://github.com/adapter-hub/adapters/issues/260",
+        "LoRA/PEFT", "LORA-003", _case("OPT-003/peft"), _weights_stuck(_case("OPT-003/peft"))),
+    Bug("lora-classifier-frozen", "https://github.com/TNI-playground/Fed_HeLLo/issues/2",
+        "LoRA/PEFT", "LORA-008", _lora_classifier, _classifier_frozen),
+    Bug("lora-base-unfrozen", "https://github.com/LLaVA-VL/LLaVA-NeXT/issues/508",
+        "LoRA/PEFT", "LORA-001", _lora_base_unfrozen, _base_weights_move),
+    Bug("lora-checkpointing-frozen-inputs", "https://github.com/kohya-ss/sd-scripts/issues/91",
+        "LoRA/PEFT", "LORA-006", _lora_checkpointing_without_input_grads, _adapters_never_train),
+    Bug("optimizer-for-the-other-model", "https://github.com/rasbt/dora-from-scratch/pull/1",
+        "optimizer wiring", "OPT-003", _optimizer_for_the_other_copy, _weights_stuck(_optimizer_for_the_other_copy)),
+    Bug("frozen-after-optimizer",
+        "https://discuss.pytorch.org/t/why-there-is-still-a-small-change-in-frozen-layer-parameters/153740",
+        "optimizer wiring", "OPT-002", _frozen_after_optimizer, _frozen_layer_moves),
+    Bug("loss-rewrapped-requires-grad", "https://github.com/ludwig-ai/ludwig/pull/3572",
+        "losses", "LOSS-001", _case("LOSS-001/rewrapped"), _weights_stuck(_case("LOSS-001/rewrapped"))),
+    Bug("sigmoid-before-bce-with-logits", "https://github.com/yudi-mars/daisyRec/pull/15",
+        "losses", "LOSS-004", _case("LOSS-004/bce"), _never_below_half),
+    Bug("padding-labelled", "https://github.com/meta-llama/llama-cookbook/issues/73",
+        "labels", "DATA-002", _case("DATA-002"), _padding_carries_labels),
+    Bug("response-template-not-found", "https://github.com/huggingface/trl/issues/1820",
+        "labels", "DATA-001", _case("DATA-001"), _loss_not_finite("DATA-001")),
+    Bug("encoder-under-no-grad", "https://github.com/rll-research/cic/issues/5",
+        "gradient flow", "GRAD-001", _encoder_under_no_grad, _encoder_never_trains),
+    Bug("sqrt-distance-identical-pair", "https://github.com/huggingface/sentence-transformers/pull/4033",
+        "numerics", "NAN-002", _euclidean_distance_of_identical_pair, _weights_nan_after_a_step),
 ]
 
 

@@ -223,6 +223,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         return trace
     trace.loss = loss.detach()
     trace.loss_requires_grad = loss.requires_grad
+    trace.loss_is_leaf = loss.grad_fn is None
     if "backward" in trace.loop_events or any(p.grad is not None for p in ctx.params.values()):
         # step_fn ran backward itself; its gradients are the ones to judge (never a second backward on its graph)
         trace.backward = trace.user_backward = True

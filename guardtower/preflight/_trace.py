@@ -83,6 +83,9 @@ class StepTrace:
     step_grads: list[int] = field(default_factory=list)
     """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
     loss_requires_grad: bool = False
+    loss_is_leaf: bool = False
+    """the loss has no ``grad_fn``: a tensor built anew (``torch.tensor(loss.item(), requires_grad=True)``), not
+    the result of the step's computation"""
     input_grads: dict[str, float | None] | None = None
     """watched input (float input or embedding output) -> norm of the gradient the loss sent it, or None"""
     leak: list[LeakEntry] = field(default_factory=list)

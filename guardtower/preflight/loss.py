@@ -110,6 +110,13 @@ def check_loss(ctx: AuditContext) -> Iterable[Finding]:
             "under torch.no_grad()), so backward() cannot reach any parameter",
             "LOSS-001", {"dtype": str(loss.dtype)},
         ))
+    elif trainable and trace.loss_requires_grad and trace.loss_is_leaf and not trace.user_backward:
+        findings.append(Finding(
+            "loss", Severity.ERROR,
+            "the loss is a new leaf tensor that requires grad (torch.tensor(loss.item(), requires_grad=True), or "
+            "loss.requires_grad = True on a detached loss): backward() runs but reaches no parameter",
+            "LOSS-001", {"dtype": str(loss.dtype), "leaf": True},
+        ))
     if loss.numel() != 1:
         findings.append(Finding(
             "loss", Severity.ERROR,
