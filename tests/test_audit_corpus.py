@@ -20,6 +20,7 @@ from guardtower.preflight import audit
 from guardtower.severity import Severity
 
 from tests._audit_core_helpers import token_batch
+from tests._dist_launch import run_two_ranks
 from tests.test_audit_checks import CASES, Case
 
 pytestmark = pytest.mark.slow
@@ -57,11 +58,17 @@ def _weights_stuck(build: Callable[[bool], Case], *, full_step: bool = False) ->
 
 
 @dataclass(frozen=True)
-class Bug:
+class Entry:
+    """One row of the table in docs/audit-corpus.md."""
+
     key: str
     source: str
     bug_class: str
     caught_by: str
+
+
+@dataclass(frozen=True)
+class Bug(Entry):
     build: Callable[[bool], Case]
     proof: Callable[[bool], bool]
     """True when the bug is present in this setup (must be True for the bug, False for the twin)"""
@@ -479,6 +486,13 @@ CORPUS: list[Bug] = [
 ]
 
 
+#: cases on real torch.distributed (gloo, two ranks): built, proven and audited by _audit_corpus_dist_worker.py
+DIST_CORPUS: list[Entry] = [
+    Entry("ddp-batchnorm-per-rank", "https://github.com/LibreYOLO/libreyolo/pull/531", "distributed", "DDP-002"),
+    Entry("ddp-same-batch-every-rank", "https://github.com/PatrickHua/SimSiam/issues/16", "distributed", "DDP-006"),
+]
+
+
 @pytest.mark.parametrize("bug", CORPUS, ids=lambda b: b.key)
 def test_the_bug_is_real_and_caught_and_its_twin_is_quiet(bug: Bug) -> None:
     assert bug.proof(True) and not bug.proof(False), "the reproduction does not show the bug"
@@ -491,7 +505,29 @@ def test_the_bug_is_real_and_caught_and_its_twin_is_quiet(bug: Bug) -> None:
     assert not loud, "\n".join(loud)
 
 
+@pytest.fixture(scope="module")
+def dist_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Both ranks' results for every distributed case, from one two-process launch."""
+    return run_two_ranks(ROOT / "tests" / "_audit_corpus_dist_worker.py", tmp_path_factory.mktemp("corpus-dist"))
+
+
+def test_the_distributed_worker_runs_exactly_the_distributed_cases(dist_ranks: list[dict[str, Any]]) -> None:
+    for rank in dist_ranks:
+        assert {name.split("/")[0] for name in rank} == {b.key for b in DIST_CORPUS}
+
+
+@pytest.mark.parametrize("bug", DIST_CORPUS, ids=lambda b: b.key)
+def test_the_distributed_bug_is_real_and_caught_and_its_twin_is_quiet(bug: Entry,
+                                                                      dist_ranks: list[dict[str, Any]]) -> None:
+    for rank in dist_ranks:
+        real, twin = rank[f"{bug.key}/bug"], rank[f"{bug.key}/twin"]
+        assert "error" not in real and "error" not in twin, real.get("error") or twin.get("error")
+        assert real["proof"] and not twin["proof"], "the reproduction does not show the bug"
+        assert any(catalog_id == bug.caught_by for catalog_id, _ in real["loud"]), real["loud"]
+        assert not twin["loud"], twin["loud"]
+
+
 def test_the_corpus_table_lists_every_case() -> None:
     table = (ROOT / "docs" / "audit-corpus.md").read_text()
-    missing = [b.key for b in CORPUS if f"`{b.key}`" not in table or b.source not in table]
+    missing = [b.key for b in [*CORPUS, *DIST_CORPUS] if f"`{b.key}`" not in table or b.source not in table]
     assert not missing, missing

@@ -4,11 +4,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,44 +12,16 @@ import pytest
 from guardtower.failure_modes import CATALOG
 from guardtower.severity import Severity
 
+from tests._dist_launch import run_two_ranks
+
 WORKER = Path(__file__).with_name("_audit_dist_worker.py")
 DDP_IDS = {f"DDP-00{n}" for n in range(1, 7)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Launch two ranks once; return each rank's {scenario: result}."""
-    out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[1]), env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:] if rank < len(logs) else ''}"
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_two_ranks(WORKER, tmp_path_factory.mktemp("dist"))
     for rank, result in enumerate(results):
         errors = {name: r["error"] for name, r in result.items() if "error" in r}
         assert not errors, f"rank {rank} scenario errors: {errors}"

@@ -1,0 +1,114 @@
+"""One rank of the corpus's distributed cases (``tests/test_audit_corpus.py``): for every case, its bug and its
+fixed twin on real torch.distributed (gloo), each with the proof that the bug is there (a collective over both
+ranks) and one ``audit()``. Writes ``{"<case>/bug" | "<case>/twin": {"proof", "loud"}}`` to ``<out>/rank<r>.json``.
+
+usage: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/_audit_corpus_dist_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from _audit_dist_worker import first_batch, net, step  # noqa: E402
+from guardtower.preflight import audit  # noqa: E402
+from guardtower.severity import Severity  # noqa: E402
+
+Setup = tuple[DDP, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """The proof holds if it holds on some rank; every rank returns the same answer."""
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _batchnorm_per_rank(bug: bool) -> Setup:
+    model = net(batchnorm=True)
+    if not bug:
+        # SyncBatchNorm, the thread's fix, runs under DDP on GPUs only; on CPU ranks the rank-independent fix is a
+        # per-sample normalisation (GroupNorm), which computes the same thing whatever the sharding
+        model.bn = nn.GroupNorm(4, 16)
+    return DDP(model), first_batch(sharded=True)
+
+
+def _not_what_one_process_computes(bug: bool) -> bool:
+    """Each rank normalises its shard with its own statistics: a sample's output differs from the output the
+    same model gives it inside the global batch (what single-process training on that batch computes)."""
+    ddp, (x, _) = _batchnorm_per_rank(bug)
+    reference = copy.deepcopy(ddp.module)
+    everything = torch.cat(_gathered(x))
+    rank, n = dist.get_rank(), x.shape[0]
+    with torch.no_grad():
+        local = ddp(x)
+        expected = reference(everything)[rank * n:(rank + 1) * n]
+    return _on_any_rank(not torch.allclose(local, expected, atol=1e-5))
+
+
+def _same_batch(bug: bool) -> Setup:
+    return DDP(net()), first_batch(sharded=not bug)  # bug: a DataLoader without DistributedSampler
+
+
+def _ranks_compute_the_same_gradients(bug: bool) -> bool:
+    """Every rank's own gradient (before DDP averages them) is the same: the second rank adds no data."""
+    ddp, batch = _same_batch(bug)
+    with ddp.no_sync():
+        step(ddp, batch)().backward()
+    grads = _gathered(ddp.module.fc1.weight.grad)
+    return _on_any_rank(all(torch.equal(grads[0], g) for g in grads[1:]))
+
+
+CASES: dict[str, tuple[Callable[[bool], Setup], Callable[[bool], bool]]] = {
+    "ddp-batchnorm-per-rank": (_batchnorm_per_rank, _not_what_one_process_computes),
+    "ddp-same-batch-every-rank": (_same_batch, _ranks_compute_the_same_gradients),
+}
+
+
+def _run(build: Callable[[bool], Setup], proof: Callable[[bool], bool], bug: bool) -> dict[str, Any]:
+    shown = proof(bug)
+    model, batch = build(bug)
+    report = audit(model, step(model, batch))
+    return {"proof": shown, "loud": [[f.catalog_id, f.severity.label] for f in report if f.severity >= Severity.WARN]}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results: dict[str, Any] = {}
+    for key, (build, proof) in CASES.items():
+        for bug in (True, False):
+            name = f"{key}/{'bug' if bug else 'twin'}"
+            try:
+                results[name] = _run(build, proof, bug)
+            except Exception:  # noqa: BLE001 - reported to the test, which fails with the traceback
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
