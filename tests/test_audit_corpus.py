@@ -118,13 +118,6 @@ def _nll_gets_logits(bug: bool) -> bool:
     return bool((out > 0).any())
 
 
-def _nonfinite_after_step(bug: bool) -> bool:
-    model, step, kwargs = CASES["NAN-004"](bug)
-    step().backward()
-    kwargs["optimizer"].step()
-    return not all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
 def _trains_in_eval_mode(bug: bool) -> bool:
     model, _, _ = CASES["MODE-001"](bug)
     return not model.training
@@ -316,6 +309,29 @@ def _adapters_never_train(bug: bool) -> bool:
     return any("lora_" in n for n in _unmoved(model, step, kwargs["optimizer"]))
 
 
+def _lora_cast_to_half(bug: bool) -> Case:
+    from tests._audit_lora_helpers import lm_batch, lm_step
+    from tests.test_audit_lora import gpt2_lora
+
+    model = gpt2_lora()
+    if bug:  # "to save memory" after get_peft_model: the trainable adapters become float16 too
+        model.half()
+    return model, lm_step(model, lm_batch()), {"optimizer": _lora_trainable_optimizer(model)}
+
+
+def _nonfinite_after_one_step(build: Callable[[bool], Case]) -> Callable[[bool], bool]:
+    """Proof for a precision bug: one real optimizer step turns the finite weights NaN/Inf."""
+
+    def proof(bug: bool) -> bool:
+        model, step, kwargs = build(bug)
+        out = step()
+        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+        kwargs["optimizer"].step()
+        return not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+    return proof
+
+
 # --- setups built here: optimizer wiring ------------------------------------------------------------------------
 def _optimizer_for_the_other_copy(bug: bool) -> Case:
     from tests._audit_core_helpers import mlp
@@ -410,13 +426,6 @@ def _euclidean_distance_of_identical_pair(bug: bool) -> Case:
     return model, lambda: F.mse_loss(model(a, b), target), {"optimizer": opt}
 
 
-def _weights_nan_after_a_step(bug: bool) -> bool:
-    model, step, kwargs = _euclidean_distance_of_identical_pair(bug)
-    step().backward()
-    kwargs["optimizer"].step()
-    return not all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
 CORPUS: list[Bug] = [
     Bug("loop-zero-grad-between", "https://velog.io/@rhss10/기본-optimizer.zerograd는-어디에-넣어주어야-할까",
         "training loop", "LOOP-001", _case("LOOP-001"), _weights_stuck(_case("LOOP-001"), full_step=True)),
@@ -446,7 +455,7 @@ CORPUS: list[Bug] = [
     Bug("reentrant-checkpoint-frozen-input", "https://github.com/huggingface/transformers/issues/26221",
         "gradient checkpointing", "GRAD-006", _case("GRAD-006"), _weights_stuck(_case("GRAD-006"))),
     Bug("fp16-adamw-nan", "https://github.com/TUDB-Labs/mLoRA/pull/11",
-        "precision", "NAN-004", _case("NAN-004"), _nonfinite_after_step),
+        "precision", "NAN-004", _case("NAN-004"), _nonfinite_after_one_step(_case("NAN-004"))),
     Bug("bf16-weights-no-update", "https://github.com/keras-team/keras-hub/issues/2629",
         "precision", "AMP-002", _case("AMP-002"), _weights_stuck(_case("AMP-002"))),
     Bug("eval-mode-left-on", "https://github.com/shubhamagarwal92/mmd/issues/14",
@@ -482,7 +491,12 @@ CORPUS: list[Bug] = [
     Bug("encoder-under-no-grad", "https://github.com/rll-research/cic/issues/5",
         "gradient flow", "GRAD-001", _encoder_under_no_grad, _encoder_never_trains),
     Bug("sqrt-distance-identical-pair", "https://github.com/huggingface/sentence-transformers/pull/4033",
-        "numerics", "NAN-002", _euclidean_distance_of_identical_pair, _weights_nan_after_a_step),
+        "numerics", "NAN-002", _euclidean_distance_of_identical_pair,
+        _nonfinite_after_one_step(_euclidean_distance_of_identical_pair)),
+    Bug("lora-cast-to-half", "https://github.com/huggingface/peft/issues/1522",
+        "LoRA/PEFT", "LORA-010", _lora_cast_to_half, _nonfinite_after_one_step(_lora_cast_to_half)),
+    Bug("relu-bias-init-dead", "https://github.com/facebookresearch/dlrm/pull/358",
+        "numerics", "RELU-001", _case("RELU-001"), _weights_stuck(_case("RELU-001"))),
 ]
 
 
@@ -490,6 +504,8 @@ CORPUS: list[Bug] = [
 DIST_CORPUS: list[Entry] = [
     Entry("ddp-batchnorm-per-rank", "https://github.com/LibreYOLO/libreyolo/pull/531", "distributed", "DDP-002"),
     Entry("ddp-same-batch-every-rank", "https://github.com/PatrickHua/SimSiam/issues/16", "distributed", "DDP-006"),
+    Entry("ddp-forward-bypasses-wrapper", "https://github.com/jingyaogong/minimind/issues/853", "distributed",
+          "DDP-004"),
 ]
 
 
