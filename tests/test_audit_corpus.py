@@ -19,9 +19,9 @@ from torch import nn
 from guardtower.preflight import audit
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import token_batch
+from tests._audit_core_helpers import mlp, token_batch
 from tests._dist_launch import run_two_ranks
-from tests.test_audit_checks import CASES, Case
+from tests.test_audit_checks import _X, _Y, CASES, Case
 
 pytestmark = pytest.mark.slow
 
@@ -96,23 +96,17 @@ def _labels_preshifted(bug: bool) -> bool:
 
 def _rows_are_probabilities(bug: bool) -> bool:
     model, _, _ = CASES["LOSS-004"](bug)
-    from tests.test_audit_checks import _X
-
     out = model(_X)
     return bool(((out.sum(-1) - 1).abs() < 1e-5).all())
 
 
 def _broadcasts(bug: bool) -> bool:
-    from tests.test_audit_checks import _X, _Y
-
     model, _, _ = CASES["LOSS-005"](bug)
     target = _Y.squeeze(-1) if bug else _Y
     return tuple(torch.broadcast_shapes(model(_X).shape, target.shape)) != tuple(model(_X).shape)
 
 
 def _nll_gets_logits(bug: bool) -> bool:
-    from tests.test_audit_checks import _X
-
     model, _, _ = CASES["LOSS-008"](bug)
     out = model(_X) if bug else F.log_softmax(model(_X), -1)
     return bool((out > 0).any())
@@ -238,8 +232,6 @@ def _schedule_stuck(bug: bool) -> bool:
 # --- proofs for cases whose setup lives in test_audit_checks.py --------------------------------------------------
 def _never_below_half(bug: bool) -> bool:
     """A sigmoid before BCEWithLogitsLoss: the loss's own sigmoid then never predicts below 0.5 (never "no")."""
-    from tests.test_audit_checks import _X
-
     model, _, _ = CASES["LOSS-004/bce"](bug)
     return bool((torch.sigmoid(model(_X)) >= 0.5).all())
 
@@ -250,11 +242,11 @@ def _padding_carries_labels(bug: bool) -> bool:
     return bool((labels[batch["attention_mask"] == 0] != -100).any())
 
 
-def _loss_not_finite(key: str) -> Callable[[bool], bool]:
+def _loss_not_finite(build: Callable[[bool], Case]) -> Callable[[bool], bool]:
     """Proof for a batch that trains on nothing: the model's own loss on it is NaN."""
 
     def proof(bug: bool) -> bool:
-        _, step, _ = CASES[key](bug)
+        _, step, _ = build(bug)
         with torch.no_grad():
             return not bool(torch.isfinite(step().loss))
 
@@ -334,9 +326,6 @@ def _nonfinite_after_one_step(build: Callable[[bool], Case]) -> Callable[[bool],
 
 # --- setups built here: optimizer wiring ------------------------------------------------------------------------
 def _optimizer_for_the_other_copy(bug: bool) -> Case:
-    from tests._audit_core_helpers import mlp
-    from tests.test_audit_checks import _X, _Y
-
     first = mlp()  # e.g. the LoRA variant, with the DoRA variant built next from the same base
     second = copy.deepcopy(first)
     opt = torch.optim.Adam((first if bug else second).parameters(), lr=1e-3)  # one name, the wrong model
@@ -344,12 +333,12 @@ def _optimizer_for_the_other_copy(bug: bool) -> Case:
 
 
 def _frozen_after_optimizer(bug: bool) -> Case:
-    from tests._audit_core_helpers import mlp
-    from tests.test_audit_checks import _X, _Y
-
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = lambda: F.mse_loss(model(_X), _Y)  # noqa: E731
+
+    def step() -> torch.Tensor:
+        return F.mse_loss(model(_X), _Y)
+
     opt.zero_grad()
     step().backward()
     opt.step()  # a first phase trained everything
@@ -388,8 +377,6 @@ class _NoGradEncoder(nn.Module):
 
 
 def _encoder_under_no_grad(bug: bool) -> Case:
-    from tests.test_audit_checks import _X, _Y
-
     model = _NoGradEncoder(bug)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     return model, lambda: F.mse_loss(model(_X), _Y), {"optimizer": opt}
@@ -416,8 +403,6 @@ class _PairEncoder(nn.Module):
 
 
 def _euclidean_distance_of_identical_pair(bug: bool) -> Case:
-    from tests.test_audit_checks import _X
-
     model = _PairEncoder(bug)
     a, b = _X, torch.randn(16, 8, generator=torch.Generator().manual_seed(8))
     b[5] = a[5]  # an anchor paired with itself (a duplicate in the dataset)
@@ -487,7 +472,7 @@ CORPUS: list[Bug] = [
     Bug("padding-labelled", "https://github.com/meta-llama/llama-cookbook/issues/73",
         "labels", "DATA-002", _case("DATA-002"), _padding_carries_labels),
     Bug("response-template-not-found", "https://github.com/huggingface/trl/issues/1820",
-        "labels", "DATA-001", _case("DATA-001"), _loss_not_finite("DATA-001")),
+        "labels", "DATA-001", _case("DATA-001"), _loss_not_finite(_case("DATA-001"))),
     Bug("encoder-under-no-grad", "https://github.com/rll-research/cic/issues/5",
         "gradient flow", "GRAD-001", _encoder_under_no_grad, _encoder_never_trains),
     Bug("sqrt-distance-identical-pair", "https://github.com/huggingface/sentence-transformers/pull/4033",
