@@ -44,9 +44,11 @@ _CORE: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "LOSS-001", "Loss is detached from the graph", Severity.ERROR,
-        "The loss tensor does not require grad, so backward() cannot reach any parameter.",
+        "The loss tensor does not require grad, or is a new leaf made to require it, so backward() cannot reach "
+        "any parameter.",
         "Calling .item()/.detach(), rebuilding the loss with torch.tensor(...), or computing it under "
-        "torch.no_grad() gives a perfectly printable number; loss curves look normal while weights never change.",
+        "torch.no_grad() gives a perfectly printable number; loss curves look normal while weights never change. "
+        "Rebuilding it with requires_grad=True silences the backward() error and still trains nothing.",
         "Return the loss tensor produced by the model/criterion itself; keep .item() for logging only.",
         "https://pytorch.org/docs/stable/notes/autograd.html",
         ("loss", "wiring"),

@@ -465,7 +465,7 @@ CORPUS: list[Bug] = [
     Bug("frozen-after-optimizer",
         "https://discuss.pytorch.org/t/why-there-is-still-a-small-change-in-frozen-layer-parameters/153740",
         "optimizer wiring", "OPT-002", _frozen_after_optimizer, _frozen_layer_moves),
-    Bug("loss-rewrapped-requires-grad", "https://github.com/ludwig-ai/ludwig/pull/3572",
+    Bug("loss-rewrapped-requires-grad", "https://github.com/speechbrain/speechbrain/issues/735",
         "losses", "LOSS-001", _case("LOSS-001/rewrapped"), _weights_stuck(_case("LOSS-001/rewrapped"))),
     Bug("sigmoid-before-bce-with-logits", "https://github.com/yudi-mars/daisyRec/pull/15",
         "losses", "LOSS-004", _case("LOSS-004/bce"), _never_below_half),
