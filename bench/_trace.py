@@ -194,7 +194,7 @@ def replay(detector: Detector, trace: Trace, use_loss: bool = True,
         detector.update(norms, global_norm, loss, reject)
         r = bool(reject)
         rejected.append(r)
-        absorbed += int(bool(verdict.absorbed))
+        absorbed += int(bool(verdict.absorbed) and not r)  # a rejected step re-baselines nothing
         if r and not (override and t in override):
             false_alarms += 1
         consecutive = consecutive + 1 if r else 0

@@ -50,7 +50,7 @@ class Verdict(NamedTuple):
     """
 
     spike: Tensor  # bool 0-d: a gradient series or the loss tripped: the step is rejected
-    absorbed: Tensor  # bool 0-d: a slot would have tripped but was accepted as a sustained level shift
+    absorbed: Tensor  # bool 0-d: a slot tripped once too often at one level: re-baselined if the step is accepted
     report: tuple[Tensor, ...]
 
 
@@ -89,6 +89,7 @@ class Detector(ABC):
         self.device = torch.device("cpu")
         self._state: dict[str, Tensor] = {}
         self._limits: tuple[Tensor, Tensor] | None = None
+        self._grad_spike: Tensor | None = None
 
     def resize(self, n: int, device: torch.device) -> None:
         """Make room for ``n`` tensors on ``device``; existing baselines keep their positions.
@@ -130,6 +131,12 @@ class Detector(ABC):
             raise RuntimeError("limits() is only defined after judge()")
         return self._limits
 
+    def grad_spike(self) -> Tensor:
+        """bool 0-d: a gradient series (not only the loss) tripped in the step judged last."""
+        if self._grad_spike is None:
+            raise RuntimeError("grad_spike() is only defined after judge()")
+        return self._grad_spike
+
     def explain(self, report: Tensor, norms: list[float]) -> Explanation:
         """Read a recorded ``Verdict.report`` (the concatenated tensors, on the host); ``norms`` per tensor."""
         n = self.n
@@ -144,7 +151,8 @@ class Detector(ABC):
         self._limits = (limits, g_limit)
         false = torch.zeros((), dtype=torch.bool, device=tripped.device)
         loss_tripped = false if loss_tripped is None else loss_tripped
-        spike = tripped.any() | g_tripped | loss_tripped
+        self._grad_spike = tripped.any() | g_tripped
+        spike = self._grad_spike | loss_tripped
         report = (ratios, g_ratio.reshape(1), baselines, g_baseline.reshape(1), tripped, g_tripped.reshape(1),
                   loss_tripped.reshape(1))
         return Verdict(spike, false, report)
@@ -358,7 +366,7 @@ class AutoDetector(Detector):
         self.floor = float(floor)
         self.absorb_after = absorb_after
         self._tick = 0  # steps judged: picks the row of the trip ring (a host int, never read from the device)
-        self._pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
+        self._pending: tuple[Tensor, ...] | None = None
 
     # -- layout -------------------------------------------------------------------------------------------
 
@@ -425,17 +433,16 @@ class AutoDetector(Detector):
         g2 = global_norm * global_norm
         # the norm^2 of all other tensors; > 0 wherever n2 > 0, and never 0/0 when every gradient is zero
         rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS).clamp_min(_TINY)
-        x = torch.log(torch.cat([n2 / rest, torch.stack([g2, loss])]))
+        # a negative loss (a log-likelihood, a reward) has no log: clamped to 0, its log -inf never trips
+        x = torch.log(torch.cat([n2 / rest, torch.stack([g2, loss]).clamp_min(0.0)]))
         raw = ~(x <= self._ceiling)  # NaN trips too
         # the trip ring: this step's value where the slot tripped, NaN/Inf elsewhere; a slot whose last
         # ``absorb_after`` values all tripped, within the margin of each other, has shifted its level
-        self._state["ring"] = ring = torch.select_scatter(self._state["ring"], x / raw, 0,
-                                                          self._tick % self.absorb_after)
-        self._tick += 1
+        ring = torch.select_scatter(self._state["ring"], x / raw, 0, self._tick % self.absorb_after)
         low, high = torch.aminmax(ring, dim=0)
         absorb = (high - low) <= self._margin
         tripped = raw ^ absorb
-        self._pending = (norms, x, absorb, rest, tripped)
+        self._pending = (norms, x, absorb, rest, tripped, ring)  # update() commits the ring: judge changes nothing
         return Verdict(tripped.any(), absorb.any(), (x, self._base, tripped, absorb))
 
     def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
@@ -444,8 +451,10 @@ class AutoDetector(Detector):
             self.judge(norms, global_norm, loss)
             pending = self._pending
         assert pending is not None
-        _, x, absorb, _, _ = pending
+        _, x, absorb, _, _, ring = pending
         self._pending = None
+        self._state["ring"] = ring  # the run of trips counts rejected steps too: that is what absorbs a shift
+        self._tick += 1
         level, spread, peak, count = self._rows
         fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
         value = torch.where(absorb, x, torch.clamp_max(x, self._cap))
