@@ -320,8 +320,8 @@ class AutoDetector(Detector):
     4 observations) that fades as accepted observations accumulate, and ``warmup_steps=0`` lets the first
     accepted observation seed the baseline; the loss is judged once 10 of its values are in. A tensor whose
     typical share is below ``floor`` is judged against that floor, so a negligible gradient cannot trip.
-    What enters a baseline is capped at the ceiling (from the first value on, also in warmup). The global
-    norm and the loss are judged against a level no lower than a fraction of their all-time peak.
+    What enters a baseline is capped at 4 standard deviations above the level (from the first value on). The
+    global norm is judged against a level no lower than a tenth of its all-time peak.
 
     A sustained level shift is absorbed: when a slot has tripped ``absorb_after`` times in a row with values
     within a factor ``threshold`` of each other, that step is accepted (``Verdict.absorbed``) and the slot
@@ -340,7 +340,8 @@ class AutoDetector(Detector):
     # judged only once 10 of its values are in (a handful of noisy losses says little about their spread)
     _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT, _LOSS_WARMUP = 0.5, 0.1, 4.0, 10
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
-    _SCALE_FLOORS = (10.0, 3.0)  # the global norm's and the loss's level, at least their peak over these
+    _SCALE_FLOOR = 10.0  # the global norm's level is at least its all-time peak over this
+    _WINSOR = 4.0
     _MAD_TO_STD = math.sqrt(math.pi / 2)  # std / mean absolute deviation of a normal distribution
     _SHARE_EPS = 1e-6  # a tensor holding all of the gradient has share 1/sqrt(eps), not inf
     _BIG = 1e30  # "cannot trip" / "no cap" in log space: finite, so an Inf value still compares above it
@@ -383,22 +384,25 @@ class AutoDetector(Detector):
         gate = unit * log_t
         gate[-1] = math.log(self.loss_ratio)
         self._gate = gate.to(device)
-        # the global norm and the loss keep their all-time peak (no decay): their level is judged no lower
-        # than that peak over _SCALE_FLOORS, so in a run whose loss has fallen 1000x (memorised data) a hard
-        # batch is judged on the scale of the problem, not on the tiny loss and gradient of the easy ones
+        # the global norm and the loss keep their all-time peak (no decay). The global norm's level is judged
+        # no lower than that peak over _SCALE_FLOOR, so in a run whose loss has fallen 1000x (memorised
+        # data) the gradient of a hard batch is judged on the scale of the problem, not on the tiny gradients
+        # of the easy batches; the loss, whose hard batches are rejected and so never raise a recent peak,
+        # trips on its level and spread alone
         decay = unit * self._PEAK_DECAY
         decay[-2:] = 0.0
         self._decay = decay.to(device)
         floor = torch.full((m,), 2 * math.log(self.floor) if self.floor > 0 else -self._BIG)
-        floor[-2] = -2 * math.log(self._SCALE_FLOORS[0])
-        floor[-1] = -math.log(self._SCALE_FLOORS[1])
+        floor[-2] = -2 * math.log(self._SCALE_FLOOR)
+        floor[-1] = -self._BIG
         self._floor = floor.to(device)
         from_peak = torch.zeros(m)
-        from_peak[-2:] = 1.0
+        from_peak[-2] = 1.0
         self._from_peak = from_peak.to(device)
         self._sigma = self.sigmas * self._MAD_TO_STD
-        # rows: the ceiling judged against, the same as the cap on what enters a baseline, the baseline the
-        # report shows; each applies once count >= start (the cap and the baseline from the first value on)
+        self._winsor = self._WINSOR * self._MAD_TO_STD
+        # rows: the ceiling judged against, the cap on what enters a baseline, the baseline the report
+        # shows; each applies once count >= start (the cap and the baseline from the first value on)
         start = torch.ones(3, m)
         start[0] = max(self.warmup_steps, 1)
         start[0, -1] = max(self.warmup_steps, self._LOSS_WARMUP)
@@ -432,7 +436,8 @@ class AutoDetector(Detector):
         base = torch.maximum(level, torch.addcmul(self._floor, peak, self._from_peak))
         outlier = torch.maximum(base + self._gate, torch.add(level, spread, alpha=self._sigma))
         ceiling = torch.minimum(outlier, torch.maximum(peak, base) + self._margin)
-        derived = torch.where(count < self._start_at, self._before_start, torch.stack([ceiling, ceiling, base]))
+        cap = torch.add(level, spread, alpha=self._winsor)
+        derived = torch.where(count < self._start_at, self._before_start, torch.stack([ceiling, cap, base]))
         self._ceiling, self._cap, self._base = derived.unbind(0)
 
     # -- the step -----------------------------------------------------------------------------------------
