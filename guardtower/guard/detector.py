@@ -320,8 +320,12 @@ class AutoDetector(Detector):
     4 observations) that fades as accepted observations accumulate, and ``warmup_steps=0`` lets the first
     accepted observation seed the baseline; the loss is judged once 10 of its values are in. A tensor whose
     typical share is below ``floor`` is judged against that floor, so a negligible gradient cannot trip.
-    What enters a baseline is capped at 4 standard deviations above the level (from the first value on). The
-    global norm is judged against a level no lower than a tenth of its all-time peak.
+    What enters a baseline is capped at the ceiling (from the second value on, warmup included).
+
+    The scale of the problem: the global norm's level counts as no lower than a tenth of its all-time
+    largest accepted value, the loss's as no lower than a third. A run that memorises its data ends with a
+    loss 1,000x below its start; a hard batch then lifts loss and gradient x50-x500 above the easy batches'
+    level, yet stays well inside what the run saw at its start: that is no spike.
 
     A sustained level shift is absorbed: when a slot has tripped ``absorb_after`` times in a row with values
     within a factor ``threshold`` of each other, that step is accepted (``Verdict.absorbed``) and the slot
@@ -340,12 +344,12 @@ class AutoDetector(Detector):
     # judged only once 10 of its values are in (a handful of noisy losses says little about their spread)
     _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT, _LOSS_WARMUP = 0.5, 0.1, 4.0, 10
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
-    _SCALE_FLOOR = 10.0  # the global norm's level is at least its all-time peak over this
-    _WINSOR = 4.0
+    _SCALE_FLOORS = (10.0, 3.0)  # the global norm's and the loss's level count as at least their scale over these
+    _LOSS_SIGMA_SHARE = 0.8  # the loss, a smoother series than any norm, is judged at 0.8 x ``sigmas``
     _MAD_TO_STD = math.sqrt(math.pi / 2)  # std / mean absolute deviation of a normal distribution
     _SHARE_EPS = 1e-6  # a tensor holding all of the gradient has share 1/sqrt(eps), not inf
     _BIG = 1e30  # "cannot trip" / "no cap" in log space: finite, so an Inf value still compares above it
-    _ROWS = ("level", "spread", "peak", "count")
+    _ROWS = ("level", "spread", "peak", "count", "scale")
 
     def __init__(self, threshold: float = 10.0, *, sigmas: float = 6.0, loss_ratio: float = 1.5,
                  ema_alpha: float = 0.01, warmup_steps: int = 10, floor: float = 1e-3,
@@ -384,36 +388,32 @@ class AutoDetector(Detector):
         gate = unit * log_t
         gate[-1] = math.log(self.loss_ratio)
         self._gate = gate.to(device)
-        # the global norm and the loss keep their all-time peak (no decay). The global norm's level is judged
-        # no lower than that peak over _SCALE_FLOOR, so in a run whose loss has fallen 1000x (memorised
-        # data) the gradient of a hard batch is judged on the scale of the problem, not on the tiny gradients
-        # of the easy batches; the loss, whose hard batches are rejected and so never raise a recent peak,
-        # trips on its level and spread alone
-        decay = unit * self._PEAK_DECAY
-        decay[-2:] = 0.0
-        self._decay = decay.to(device)
+        self._decay = (unit * self._PEAK_DECAY).to(device)
+        # a tensor's share is judged no lower than ``floor``; the global norm and the loss no lower than their
+        # all-time scale (the ``scale`` row) over _SCALE_FLOORS
         floor = torch.full((m,), 2 * math.log(self.floor) if self.floor > 0 else -self._BIG)
-        floor[-2] = -2 * math.log(self._SCALE_FLOOR)
-        floor[-1] = -self._BIG
+        floor[-2] = -2 * math.log(self._SCALE_FLOORS[0])
+        floor[-1] = -math.log(self._SCALE_FLOORS[1])
         self._floor = floor.to(device)
-        from_peak = torch.zeros(m)
-        from_peak[-2] = 1.0
-        self._from_peak = from_peak.to(device)
-        self._sigma = self.sigmas * self._MAD_TO_STD
-        self._winsor = self._WINSOR * self._MAD_TO_STD
-        # rows: the ceiling judged against, the cap on what enters a baseline, the baseline the report
-        # shows; each applies once count >= start (the cap and the baseline from the first value on)
-        start = torch.ones(3, m)
-        start[0] = max(self.warmup_steps, 1)
-        start[0, -1] = max(self.warmup_steps, self._LOSS_WARMUP)
+        from_scale = torch.zeros(m)
+        from_scale[-2:] = 1.0
+        self._from_scale = from_scale.to(device)
+        sigma = torch.full((m,), self.sigmas * self._MAD_TO_STD)
+        sigma[-1] *= self._LOSS_SIGMA_SHARE
+        self._sigma = sigma.to(device)
+        self._tiny = torch.full((), _TINY, device=device)
+        # a slot is judged once count >= start
+        start = torch.full((m,), float(max(self.warmup_steps, 1)))
+        start[-1] = max(self.warmup_steps, self._LOSS_WARMUP)
         self._start_at = start.to(device)
-        self._before_start = torch.tensor([[self._BIG], [self._BIG], [math.nan]], device=device)
+        self._big = torch.full((), self._BIG, device=device)
         self._rate_offset = torch.tensor([[1.0], [1.0 + self._PRIOR_WEIGHT]], device=device)
         self._rate_floor = torch.tensor([[self._LEVEL_ALPHA], [self.ema_alpha]], device=device)
         self._rebase_rates = torch.tensor([[1.0], [0.0]], device=device)  # jump the level, keep the spread
         prior = unit * self._PRIOR_STD / self._MAD_TO_STD
         prior[-1] = self._LOSS_PRIOR_STD / self._MAD_TO_STD
-        state = torch.stack([torch.zeros(m), prior, torch.full((m,), -self._BIG), torch.zeros(m)]).to(device)
+        state = torch.stack([torch.zeros(m), prior, torch.full((m,), -self._BIG), torch.zeros(m),
+                             torch.full((m,), -self._BIG)]).to(device)
         ring = torch.full((self.absorb_after, m), math.nan, device=device)
         old, old_ring = self._state.get("state"), self._state.get("ring")
         if old is not None and old_ring is not None:
@@ -432,21 +432,22 @@ class AutoDetector(Detector):
 
     def _derive(self, state: Tensor) -> None:
         """What the next step is judged against, from the state (computed once, after each update)."""
-        self._rows = level, spread, peak, count = state.unbind(0)
-        base = torch.maximum(level, torch.addcmul(self._floor, peak, self._from_peak))
-        outlier = torch.maximum(base + self._gate, torch.add(level, spread, alpha=self._sigma))
+        self._rows = level, spread, peak, count, scale = state.unbind(0)
+        base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale))
+        outlier = torch.maximum(base + self._gate, torch.addcmul(level, spread, self._sigma))
         ceiling = torch.minimum(outlier, torch.maximum(peak, base) + self._margin)
-        cap = torch.add(level, spread, alpha=self._winsor)
-        derived = torch.where(count < self._start_at, self._before_start, torch.stack([ceiling, cap, base]))
-        self._ceiling, self._cap, self._base = derived.unbind(0)
+        # what enters a baseline is capped at the ceiling from the second value on (warmup included), so one
+        # outlier accepted early moves it by a bounded amount; it is judged only once warm
+        self._cap = torch.where(count < 1.0, self._big, ceiling)
+        self._ceiling = torch.where(count < self._start_at, self._big, self._cap)
+        self._base, self._count = base, count
 
     # -- the step -----------------------------------------------------------------------------------------
 
     def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
         n2 = norms * norms
-        g2 = global_norm * global_norm
-        # the norm^2 of all other tensors; > 0 wherever n2 > 0, and never 0/0 when every gradient is zero
-        rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS).clamp_min(_TINY)
+        g2 = torch.addcmul(self._tiny, global_norm, global_norm)  # never 0: no 0/0 when every gradient is zero
+        rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS)  # the others' norm^2; > 0 wherever n2 > 0
         # a negative loss (a log-likelihood, a reward) has no log: clamped to 0, its log -inf never trips
         x = torch.log(torch.cat([n2 / rest, torch.stack([g2, loss]).clamp_min(0.0)]))
         raw = ~(x <= self._ceiling)  # NaN trips too
@@ -457,7 +458,7 @@ class AutoDetector(Detector):
         absorb = (high - low) <= self._margin
         tripped = raw ^ absorb
         self._pending = (norms, x, absorb, rest, tripped, ring)  # update() commits the ring: judge changes nothing
-        return Verdict(tripped.any(), absorb.any(), (x, self._base, tripped, absorb))
+        return Verdict(tripped.any(), absorb.any(), (x, self._base, self._count, tripped, absorb))
 
     def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
         pending = self._pending
@@ -469,7 +470,7 @@ class AutoDetector(Detector):
         self._pending = None
         self._state["ring"] = ring  # the run of trips counts rejected steps too: that is what absorbs a shift
         self._tick += 1
-        level, spread, peak, count = self._rows
+        level, spread, peak, count, scale = self._rows
         fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
         value = torch.where(absorb, x, torch.clamp_max(x, self._cap))
         deviation = value - level
@@ -478,7 +479,8 @@ class AutoDetector(Detector):
         level_rate, spread_rate = rates.unbind(0)
         candidate = torch.stack([torch.lerp(level, value, level_rate),
                                  torch.lerp(spread, deviation.abs(), spread_rate),
-                                 torch.maximum(peak - self._decay, value), count + 1.0])
+                                 torch.maximum(peak - self._decay, value), count + 1.0,
+                                 torch.maximum(scale, value)])
         state = torch.where(fold, candidate, self._state["state"])
         self._state["state"] = state
         self._derive(state)
@@ -501,10 +503,11 @@ class AutoDetector(Detector):
         """Ratios of the slots' values to their levels; a baseline norm is the norm over its ratio."""
         n = self.n
         m = n + 2
-        x, base, tripped, absorb = report[:m], report[m:2 * m], report[2 * m:3 * m], report[3 * m:4 * m]
+        x, base, count, tripped, absorb = report.reshape(5, m).unbind(0)
         half = torch.full((m,), 0.5)
         half[-1] = 1.0
-        ratios = torch.exp((x - base) * half).nan_to_num(0.0, posinf=math.inf, neginf=0.0).tolist()
+        seen = torch.where(count > 0, torch.exp((x - base) * half), 0.0)  # no baseline yet: ratio 0
+        ratios: list[float] = seen.nan_to_num(0.0, posinf=math.inf, neginf=0.0).tolist()
         global_norm = math.exp(0.5 * float(x[n])) if math.isfinite(float(x[n])) else float("nan")
         values = [*norms, global_norm]
         baselines = [v / r if r > 0 and math.isfinite(r) else 0.0 for v, r in zip(values, ratios)]
