@@ -27,14 +27,13 @@ from guardtower.guard.detector import Detector, Verdict
 __all__ = ["OLMoCoreRule", "ZClipRule", "LightningSpikeRule", "MegatronRule", "RULES"]
 
 
-def _global_verdict(norms: Tensor, global_tripped: Tensor, global_ratio: Tensor, global_baseline: Tensor,
-                    global_limit: Tensor, loss_tripped: Tensor) -> Verdict:
+def _global_verdict(rule: Detector, norms: Tensor, global_tripped: Tensor, global_ratio: Tensor,
+                    global_baseline: Tensor, global_limit: Tensor, loss_tripped: Tensor) -> Verdict:
     """A verdict of a rule that never judges single tensors."""
     n = norms.shape[0]
-    false = torch.zeros((), dtype=torch.bool, device=norms.device)
-    return Verdict(torch.zeros(n, dtype=torch.bool, device=norms.device), torch.ones_like(norms),
-                   torch.zeros_like(norms), global_tripped, global_ratio, global_baseline,
-                   torch.full_like(norms, math.inf), global_limit, loss_tripped, false)
+    return rule._norm_verdict(torch.zeros(n, dtype=torch.bool, device=norms.device), torch.ones_like(norms),
+                              torch.zeros_like(norms), torch.full_like(norms, math.inf), global_tripped,
+                              global_ratio, global_baseline, global_limit, loss_tripped)
 
 
 def _finite(x: Tensor) -> Tensor:
@@ -83,11 +82,11 @@ class OLMoCoreRule(Detector):
         g_limit = g_mean + self.threshold * g_std
         loss_tripped = active & _finite(loss) & (loss - l_mean > self.threshold * l_std)
         g_tripped = (count >= max(2, self.window // 2)) & (global_norm > g_limit)
-        return _global_verdict(norms, g_tripped, global_norm / g_mean.clamp_min(1e-30), g_mean,
+        return _global_verdict(self, norms, g_tripped, global_norm / g_mean.clamp_min(1e-30), g_mean,
                                torch.where(count >= self.window // 2, g_limit, torch.full_like(g_limit, math.inf)),
                                loss_tripped)
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
         self._loss.push(loss, _finite(loss))  # OLMo-core appends every step's loss and norm, skipped or not
         self._norm.push(global_norm, _finite(global_norm))
 
@@ -109,10 +108,11 @@ class ZClipRule(Detector):
         warm, limit = self._limit()
         tripped = warm & (global_norm > limit)
         false = torch.zeros((), dtype=torch.bool, device=norms.device)
-        return _global_verdict(norms, tripped, global_norm / self._state["mean"].clamp_min(1e-30), self._state["mean"],
+        return _global_verdict(self, norms, tripped, global_norm / self._state["mean"].clamp_min(1e-30), self._state["mean"],
                                torch.where(warm, limit, torch.full_like(limit, math.inf)), false)
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
+        accept = ~reject
         s = self._state
         ok = _finite(global_norm)
         g = torch.where(ok, global_norm, torch.zeros_like(global_norm))
@@ -150,10 +150,11 @@ class LightningSpikeRule(Detector):
         count, mean, _ = self._loss.stats()
         tripped = (count >= self.window) & _finite(loss) & (loss - mean >= self.threshold * mean.abs())
         false = torch.zeros((), dtype=torch.bool, device=norms.device)
-        return _global_verdict(norms, false, global_norm.new_ones(()), global_norm.new_zeros(()),
+        return _global_verdict(self, norms, false, global_norm.new_ones(()), global_norm.new_zeros(()),
                                global_norm.new_full((), math.inf), tripped)
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
+        accept = ~reject
         self._loss.push(loss, _finite(loss) & accept)
 
 
@@ -171,10 +172,11 @@ class MegatronRule(Detector):
         g_limit = self.threshold * s["norm_max"]
         g_tripped = g_ready & (global_norm > g_limit)
         loss_tripped = (s["loss_count"] >= self.samples) & _finite(loss) & (loss > self.threshold * s["loss_max"])
-        return _global_verdict(norms, g_tripped, global_norm / s["norm_max"].clamp_min(1e-30), s["norm_max"],
+        return _global_verdict(self, norms, g_tripped, global_norm / s["norm_max"].clamp_min(1e-30), s["norm_max"],
                                torch.where(g_ready, g_limit, torch.full_like(g_limit, math.inf)), loss_tripped)
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
+        accept = ~reject
         s = self._state
         for x, key, count in ((global_norm, "norm_max", "norm_count"), (loss, "loss_max", "loss_count")):
             take = _finite(x) & (s[count] < self.samples)

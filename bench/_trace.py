@@ -156,7 +156,12 @@ class ReplayResult:
 
 
 def _decide(detector: Detector, norms: Tensor, global_norm: Tensor, loss: Tensor) -> tuple[Tensor, Any]:
+    """As the guard decides: the verdict, plus a non-finite gradient unless the detector judges that itself."""
+    if not math.isfinite(float(loss)):
+        loss = torch.tensor(detector.absent_loss)  # the traces mark a missing loss with NaN
     verdict = detector.judge(norms, global_norm, loss)
+    if detector.judges_nonfinite:
+        return verdict.spike, verdict
     nonfinite = ~torch.isfinite(norms).all() | ~torch.isfinite(global_norm)
     return verdict.spike | nonfinite, verdict
 
@@ -186,10 +191,10 @@ def replay(detector: Detector, trace: Trace, use_loss: bool = True,
             norms, global_norm = override[t]
         loss = trace.loss[t] if use_loss else nan
         reject, verdict = _decide(detector, norms, global_norm, loss)
-        detector.update(norms, global_norm, loss, ~reject)
+        detector.update(norms, global_norm, loss, reject)
         r = bool(reject)
         rejected.append(r)
-        absorbed += int(bool(verdict.absorbed))
+        absorbed += int(bool(verdict.absorbed) and not r)  # a rejected step re-baselines nothing
         if r and not (override and t in override):
             false_alarms += 1
         consecutive = consecutive + 1 if r else 0

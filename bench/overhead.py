@@ -2,8 +2,8 @@
 
 For each model, one set of weights and one fused AdamW take blocks of full training steps (zero_grad,
 forward, backward, optimizer step) through each variant — plain ``base.step()``, the guard with
-``nan_action="skip"`` (the default), ``"clip"`` with ``clip="global"`` and ``clip="per_tensor"``, and the skip guard with the lean
-``detector="ratio"`` (what the guard's mechanics cost without the default detector's statistics) —
+``nan_action="skip"`` (the default), ``"clip"`` with ``clip="global"`` and ``clip="per_tensor"``, and the skip guard with the old
+default ``detector="ratio"`` (for comparison) —
 interleaved (the order rotates every repeat, so machine load hits every variant alike; a device synchronize
 ends each block on CUDA). Reported per variant: the median over repeats of (its block time / the plain block
 of the same repeat), and the guard's own cost isolated (interleaved ``base.step()``/``guard.step()`` pairs on
@@ -120,7 +120,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "skip": {},
     "clip_global": {"nan_action": "clip", "clip": "global"},
     "clip_per_tensor": {"nan_action": "clip", "clip": "per_tensor"},
-    # the same mechanics with the lean old detector (its false alarms only skip steps here: same cost)
+    # the old default detector, for comparison (its false alarms only skip steps here: same cost)
     "skip_ratio_detector": {"detector": "ratio", "max_consecutive_skips": None},
 }
 

@@ -124,3 +124,15 @@ class SyncCounter:
             return original(t, *args)
 
         return wrapper
+
+
+def explain(detector: Any, verdict: Any, norms: torch.Tensor) -> Any:
+    """The detector's host reading of a verdict, as the guard makes it from a step record."""
+    report = torch.cat([t.to(torch.float32) for t in verdict.report]).cpu()
+    return detector.explain(report, norms.tolist())
+
+
+def same_detector_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> bool:
+    """Equal detector states (NaN, an empty slot, equals NaN); ``skip`` names entries allowed to differ."""
+    return a.keys() == b.keys() and all(
+        torch.equal(torch.nan_to_num(a[k], nan=1234.5), torch.nan_to_num(b[k], nan=1234.5)) for k in a if k not in skip)

@@ -26,7 +26,7 @@ def run(detector: Detector, norms: list[float], losses: list[float]) -> list[boo
     for g, l in zip(norms, losses):
         x, loss = torch.tensor([g]), torch.tensor(l)
         verdict = detector.judge(x, global_of(x), loss)
-        detector.update(x, global_of(x), loss, ~verdict.spike)
+        detector.update(x, global_of(x), loss, verdict.spike)
         out.append(bool(verdict.spike))
     return out
 

@@ -13,7 +13,8 @@ from guardtower.errors import ConfigError
 from guardtower.events import SpikeEvent
 from guardtower.guard import GuardedOptimizer
 from guardtower.testing import capture_events
-from tests._guard_helpers import TinyNet, backward, full_state, make, same_state, scale_grad, train
+from tests._guard_helpers import (TinyNet, backward, full_state, make, same_detector_state, same_state, scale_grad,
+                                   train)
 
 
 def test_is_an_optimizer_sharing_groups_state_and_defaults(tmp_path: Path) -> None:
@@ -84,7 +85,8 @@ def test_grad_scaler_overflow_is_not_a_spike_and_does_not_poison_the_next_step(t
     assert same_state(before, full_state(model, guard))
     assert guard.total_spikes == 0 and not any(isinstance(e, SpikeEvent) for e in events)
     detector_after = guard.detector.state_dict()["state"]
-    assert all(torch.equal(detector_before[k], detector_after[k]) for k in detector_before)
+    # the ring of recent trips records every judged step (an overflow breaks a run of trips); nothing else moves
+    assert same_detector_state(detector_before, detector_after, skip=("ring",))
     with capture_events() as events:
         for i in range(21, 25):
             scaled_step(i)
@@ -222,7 +224,7 @@ def test_state_dict_round_trip_carries_baselines_and_counters(tmp_path: Path) ->
     other.load_state_dict(saved)
     assert (other.step_count, other.total_spikes, other.total_skips) == (20, 1, 1)
     a, b = guard.detector.state_dict()["state"], other.detector.state_dict()["state"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_detector_state(a, b)
     # both continue identically
     train(model, guard, 3, start=20)
     train(other_model, other, 3, start=20)

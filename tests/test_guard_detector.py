@@ -12,16 +12,23 @@ import torch
 from guardtower.errors import ConfigError
 from guardtower.guard import GuardedOptimizer, PreUpdateEMADetector, RatioDetector, RollingSigmaDetector, ZScoreDetector
 from guardtower.guard.detector import AutoDetector, Detector, make_detector
+from tests._guard_helpers import explain, same_detector_state
 
 
-def feed(detector: Detector, norms: torch.Tensor) -> tuple[bool, torch.Tensor]:
-    """One guarded step as the optimizer does it: judge, then update only when accepted."""
-    global_norm = torch.linalg.vector_norm(norms)
-    loss = torch.tensor(math.nan)
+def decide(detector: Detector, norms: torch.Tensor, global_norm: torch.Tensor, loss: torch.Tensor) -> Any:
+    """judge() as the guard uses it: (reject, verdict); a non-finite norm rejects unless the detector says so."""
     verdict = detector.judge(norms, global_norm, loss)
-    spike = verdict.spike
-    detector.update(norms, global_norm, loss, ~spike)
-    return bool(spike), verdict.ratios
+    reject = verdict.spike if detector.judges_nonfinite else verdict.spike | ~torch.isfinite(global_norm)
+    return reject, verdict
+
+
+def feed(detector: Detector, norms: torch.Tensor) -> tuple[bool, list[float]]:
+    """One guarded step as the optimizer does it: judge, then update (which folds only an accepted step)."""
+    global_norm = torch.linalg.vector_norm(norms)
+    loss = torch.tensor(detector.absent_loss)
+    reject, verdict = decide(detector, norms, global_norm, loss)
+    detector.update(norms, global_norm, loss, reject)
+    return bool(reject), explain(detector, verdict, norms).ratios
 
 
 def noisy(n: int, step: int) -> torch.Tensor:
@@ -81,7 +88,7 @@ def test_a_non_finite_norm_never_enters_a_baseline() -> None:
         feed(detector, noisy(4, s))
     bad = noisy(4, 10)
     bad[1] = math.nan
-    detector.update(bad, torch.linalg.vector_norm(bad), torch.tensor(math.nan), torch.tensor(True))
+    detector.update(bad, torch.linalg.vector_norm(bad), torch.tensor(math.nan), torch.tensor(False))
     assert all(torch.isfinite(v).all() for v in detector.state_dict()["state"].values())
 
 
@@ -127,14 +134,16 @@ def test_limits_are_the_largest_norms_that_pass(factory: object) -> None:
         feed(detector, noisy(4, s))
     norms = noisy(4, 60)
     nan = torch.tensor(math.nan)
-    limits = detector.judge(norms, torch.linalg.vector_norm(norms), nan).limits
+    detector.judge(norms, torch.linalg.vector_norm(norms), nan)
+    limits = detector.limits()[0]
     assert torch.isfinite(limits).all()
     for i in range(4):
         for factor, trips in ((0.98, False), (1.02, True)):
             probe = norms.clone()
             probe[i] = limits[i] * factor
             # the global norm is held at its healthy value so only tensor i is judged against its limit
-            assert bool(detector.judge(probe, torch.linalg.vector_norm(norms), nan).tripped[i]) is trips
+            verdict = detector.judge(probe, torch.linalg.vector_norm(norms), nan)
+            assert explain(detector, verdict, probe).tripped[i] is trips
 
 
 @pytest.mark.parametrize("factory", ALL)
@@ -142,9 +151,10 @@ def test_limits_are_infinite_before_warmup(factory: object) -> None:
     detector = factory()  # type: ignore[operator]
     detector.resize(4, torch.device("cpu"))
     norms = noisy(4, 0)
-    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(math.nan))
-    assert torch.isinf(verdict.limits).all() and torch.isinf(verdict.global_limit)
-    assert not bool(verdict.loss_tripped) and not bool(verdict.absorbed)
+    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(detector.absent_loss))
+    limits, global_limit = detector.limits()
+    assert torch.isinf(limits).all() and torch.isinf(global_limit)
+    assert not explain(detector, verdict, norms).loss_tripped and not bool(verdict.absorbed)
 
 
 # ---------------------------------------------------------------- the default: AutoDetector
@@ -162,9 +172,9 @@ def stream(detector: Detector, steps: range, n: int = 4, scale: dict[int, float]
                 norms[tensor] *= factor
         global_norm = torch.linalg.vector_norm(norms)
         value = torch.tensor((loss or {}).get(s, 2.0 * (1 + 0.02 * math.sin(s))))
-        verdict = detector.judge(norms, global_norm, value)
-        detector.update(norms, global_norm, value, ~verdict.spike)
-        out.append((bool(verdict.spike), bool(verdict.absorbed)))
+        reject, verdict = decide(detector, norms, global_norm, value)
+        detector.update(norms, global_norm, value, reject)
+        out.append((bool(reject), bool(verdict.absorbed) and not bool(reject)))  # as the guard counts it
     return out
 
 
@@ -184,9 +194,10 @@ def test_warmup_zero_lets_the_first_observation_seed_the_baseline() -> None:
     detector = auto(warmup_steps=0)
     first = noisy(4, 0) * 1e3  # whatever the first step looks like, there is nothing to compare it with
     verdict = detector.judge(first, torch.linalg.vector_norm(first), torch.tensor(2.0))
-    assert not bool(verdict.spike) and torch.isinf(verdict.limits).all()
-    detector.update(first, torch.linalg.vector_norm(first), torch.tensor(2.0), ~verdict.spike)
-    assert torch.isfinite(detector.judge(first, torch.linalg.vector_norm(first), torch.tensor(2.0)).limits).all()
+    assert not bool(verdict.spike) and torch.isinf(detector.limits()[0]).all()
+    detector.update(first, torch.linalg.vector_norm(first), torch.tensor(2.0), verdict.spike)
+    detector.judge(first, torch.linalg.vector_norm(first), torch.tensor(2.0))
+    assert torch.isfinite(detector.limits()[0]).all()
     # from the second step on it judges: ordinary noise passes, a x1e4 jump on one tensor does not
     assert stream(detector, range(1, 30), scale={20: 1e4}) == [(s == 20, False) for s in range(1, 30)]
 
@@ -233,20 +244,38 @@ def test_a_loss_spike_is_caught_with_unchanged_gradients() -> None:
     assert [s for s, (r, _) in zip(range(80), out) if r] == [60]
     norms = noisy(4, 80)
     verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(30.0))
-    assert bool(verdict.loss_tripped) and not bool(verdict.tripped.any()) and not bool(verdict.global_tripped)
+    seen = explain(detector, verdict, norms)
+    assert seen.loss_tripped and not any(seen.tripped) and not seen.global_tripped
 
 
-def test_a_missing_loss_neither_trips_nor_enters_the_baseline() -> None:
+@pytest.mark.parametrize("loss", [AutoDetector.absent_loss, -3.0])  # absent, or negative (a log-likelihood)
+def test_a_missing_or_negative_loss_neither_trips_nor_enters_the_baseline(loss: float) -> None:
     detector = auto()
     stream(detector, range(50))
-    before = {k: v.clone() for k, v in detector.state_dict()["state"].items()}
+    before = detector.state_dict()["state"]["state"].clone()
     norms = noisy(4, 50)
-    nan = torch.tensor(math.nan)
-    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), nan)
-    assert not bool(verdict.loss_tripped) and not bool(verdict.spike)
-    detector.update(norms, torch.linalg.vector_norm(norms), nan, ~verdict.spike)
-    after = detector.state_dict()["state"]
-    assert all(torch.equal(before[k][-1], after[k][-1]) for k in before)  # the loss slot is last
+    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(loss))
+    assert not explain(detector, verdict, norms).loss_tripped and not bool(verdict.spike)
+    detector.update(norms, torch.linalg.vector_norm(norms), torch.tensor(loss), verdict.spike)
+    after = detector.state_dict()["state"]["state"]
+    assert torch.equal(before[:, -1], after[:, -1])  # the loss slot (last) is untouched
+    assert not torch.equal(before[:, :-1], after[:, :-1])  # the gradient slots took the step in
+
+
+def test_a_nan_loss_is_rejected_and_so_is_a_nan_gradient_from_the_first_step() -> None:
+    detector = auto()
+    norms = noisy(4, 0)
+    assert bool(detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(math.nan)).spike)
+    norms[1] = math.nan
+    assert bool(detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(2.0)).spike)
+
+
+def test_an_all_zero_gradient_is_not_a_spike() -> None:
+    detector = auto()
+    stream(detector, range(30))
+    zero = torch.zeros(4)
+    verdict = detector.judge(zero, torch.linalg.vector_norm(zero), torch.tensor(2.0))
+    assert not bool(verdict.spike)
 
 
 def test_spike_threshold_is_honoured() -> None:
@@ -269,12 +298,14 @@ def test_limits_follow_shares_back_to_norms() -> None:
     detector = auto()
     stream(detector, range(60))
     norms = noisy(4, 60)
-    verdict = detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(2.0))
+    detector.judge(norms, torch.linalg.vector_norm(norms), torch.tensor(2.0))
+    limits = detector.limits()[0].clone()
     for i in range(4):
         for factor, trips in ((0.98, False), (1.02, True)):
             probe = norms.clone()
-            probe[i] = verdict.limits[i] * factor
-            assert bool(detector.judge(probe, torch.linalg.vector_norm(probe), torch.tensor(2.0)).tripped[i]) is trips
+            probe[i] = limits[i] * factor
+            verdict = detector.judge(probe, torch.linalg.vector_norm(probe), torch.tensor(2.0))
+            assert explain(detector, verdict, probe).tripped[i] is trips
 
 
 def test_auto_state_dict_round_trip_continues_identically() -> None:
@@ -289,11 +320,12 @@ def test_auto_state_dict_round_trip_continues_identically() -> None:
     "corrupt",
     [
         lambda s: s.pop("state"),
-        lambda s: s["state"].pop("peak"),
-        lambda s: s["state"].update(mean=torch.zeros(3)),
-        lambda s: s["state"].update(var=[0.0] * 6),
+        lambda s: s["state"].pop("ring"),
+        lambda s: s["state"].update(state=torch.zeros(4, 3)),
+        lambda s: s["state"].update(ring=[0.0] * 6),
         lambda s: s.update(n=5),
         lambda s: s.update(name="ratio"),
+        lambda s: s.update(tick=-1),
     ],
 )
 def test_load_state_dict_validates_everything_before_changing_anything(corrupt: Any) -> None:
@@ -305,8 +337,7 @@ def test_load_state_dict_validates_everything_before_changing_anything(corrupt: 
     with pytest.raises(ConfigError) as info:
         detector.load_state_dict(saved)
     assert info.value.argument == "state_dict"
-    after = detector.state_dict()["state"]
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same_detector_state(before, detector.state_dict()["state"])
 
 
 @pytest.mark.parametrize(
@@ -339,7 +370,7 @@ def test_auto_judge_and_update_never_read_the_device(monkeypatch: pytest.MonkeyP
     global_norm = torch.linalg.vector_norm(norms)
     counter.active = True
     verdict = detector.judge(norms, global_norm, torch.tensor(2.0))
-    detector.update(norms, global_norm, torch.tensor(2.0), ~verdict.spike)
+    detector.update(norms, global_norm, torch.tensor(2.0), verdict.spike)
     counter.active = False
     assert counter.calls == 0
 

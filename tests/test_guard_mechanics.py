@@ -19,7 +19,7 @@ from guardtower.events import SkipEvent, SpikeEvent, StartEvent, SummaryEvent, e
 from guardtower.guard import GuardedOptimizer
 from guardtower.sinks import JsonlSink
 from guardtower.testing import InMemorySink, capture_events
-from tests._guard_helpers import (OPTIMIZERS, SyncCounter, TinyNet, backward, full_state, make, same_state, scale_grad,
+from tests._guard_helpers import (OPTIMIZERS, SyncCounter, TinyNet, backward, full_state, explain, make, same_state, scale_grad,
                                   train)
 
 
@@ -100,7 +100,7 @@ def test_the_loss_reaches_the_detector_on_the_device(tmp_path: Path, loss_kind: 
     guard.step()
     assert seen[0].dtype == torch.float32 and seen[0].dim() == 0 and seen[0].device == guard._device
     assert float(seen[0]) == pytest.approx(float(loss))
-    assert torch.isnan(seen[1])  # no loss given: NaN
+    assert float(seen[1]) == guard.detector.absent_loss  # no loss given
 
 
 def test_observe_loss_is_used_by_the_next_step_only(tmp_path: Path) -> None:
@@ -129,9 +129,9 @@ def test_clip_scales_a_finite_spike_to_the_limit_and_applies_it(tmp_path: Path, 
     backward(model, 30)
     scale_grad("inp.weight", 1e4)(model)
     norms = guard._meter.norms(guard._params)
-    verdict = guard.detector.judge(norms, torch.linalg.vector_norm(norms), guard._nan)
-    limit = float(verdict.limits[0])
-    assert bool(verdict.tripped[0]) and float(norms[0]) > limit
+    verdict = guard.detector.judge(norms, torch.linalg.vector_norm(norms), guard._absent_loss)
+    limit = float(guard.detector.limits()[0][0])
+    assert explain(guard.detector, verdict, norms).tripped[0] and float(norms[0]) > limit
     before = full_state(model, guard)
     with capture_events() as events:
         guard.step()
@@ -410,12 +410,15 @@ def test_more_bad_arguments_raise_config_error_before_any_change(tmp_path: Path,
 
 
 # ---------------------------------------------------------------- the flat hot path
-@pytest.mark.parametrize("nan_action", ["skip", "clip"])
-def test_the_ops_a_guard_adds_do_not_grow_with_the_number_of_tensors(nan_action: str) -> None:
-    small, large = added_ops(30, nan_action=nan_action), added_ops(250, nan_action=nan_action)
+@pytest.mark.parametrize("clip", [None, "global", "per_tensor"])
+def test_the_ops_a_guard_adds_do_not_grow_with_the_number_of_tensors(clip: str | None) -> None:
+    kwargs: dict[str, Any] = {} if clip is None else {"nan_action": "clip", "clip": clip}
+    small, large = added_ops(30, **kwargs), added_ops(250, **kwargs)
     assert small == large
-    # the guard's own share (measure, decide, record, skip or clip), beside the detector's judge/update
-    assert large.mechanics <= (20 if nan_action == "skip" else 36)
+    if clip is None:  # the default: at most 60 ops a step in all, the guard's own share (measure, decide, record) 10
+        assert large.total <= 60 and large.mechanics <= 10
+    else:  # clipping adds the limits, the factor and one multiply per group
+        assert large.mechanics <= 40
 
 
 # ---------------------------------------------------------------- the readback helper

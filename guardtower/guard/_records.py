@@ -19,25 +19,19 @@ from guardtower._readback import Fence, host_copy
 __all__ = ["HEADER", "Header", "StepRecord", "RecordQueue"]
 
 class Header(NamedTuple):
-    """The fields at the start of every record; per-tensor norms, ratios, baselines, tripped flags follow.
+    """A record's header, read every step; its body (per-tensor norms, then the detector's report) is read
+    only when an incident or a summary needs it.
 
-    The first four are agreed across ranks (set if set on any rank): ``reject`` (spike or non-finite),
-    ``skip`` (the update was not applied), ``grad_spike`` (the gradients, not only the loss, tripped) and
-    ``nonfinite``; the detector's ``global_tripped``/``loss_tripped``/``absorbed`` are this rank's.
-    ``scale`` is the factor ``nan_action="clip"`` multiplied the gradients by (the smallest one per tensor).
+    ``reject`` (spike or non-finite) and ``skip`` (the update was not applied) are agreed across ranks (set if
+    set on any rank); ``absorbed`` (the detector re-baselined a level shift) is this rank's. ``scale`` is the
+    factor ``nan_action="clip"`` multiplied the gradients by (the smallest one per tensor).
     """
 
     reject: float
     skip: float
-    grad_spike: float
-    nonfinite: float
-    global_tripped: float
-    loss_tripped: float
     absorbed: float
     overflow: float
     global_norm: float
-    global_baseline: float
-    global_ratio: float
     loss: float
     scale: float
 
@@ -48,15 +42,16 @@ HEADER = Header._fields
 @dataclass
 class StepRecord:
     step: int
-    data: Tensor  # host float32 vector; valid once ``fence`` is done
+    head: Tensor  # host float32 vectors; valid once ``fence`` is done
+    body: Tensor
     fence: Fence | None
     n: int
     lr: float | None
     loss: float | None  # a loss given as a Python number
-    loss_on_device: bool  # the loss slot of ``data`` holds the loss tensor's value
+    loss_on_device: bool  # the loss slot of ``head`` holds the loss tensor's value
 
     def header(self) -> Header:
-        return Header(*self.data[:len(HEADER)].tolist())
+        return Header(*self.head.tolist())
 
     def done(self) -> bool:
         return self.fence is None or self.fence.done()
@@ -72,20 +67,22 @@ class RecordQueue:
     def __init__(self, max_lag: int = 2, ring_size: int = 40) -> None:
         self.max_lag = max_lag
         self._pending: collections.deque[StepRecord] = collections.deque()
-        self._ring: list[Tensor | None] = [None] * ring_size
+        self._ring: list[tuple[Tensor | None, Tensor | None]] = [(None, None)] * ring_size
         self._next = 0
 
-    def push(self, step: int, vec: Tensor, n: int, lr: float | None, loss: float | None,
+    def push(self, step: int, head: Tensor, body: Tensor, n: int, lr: float | None, loss: float | None,
              loss_on_device: bool) -> None:
+        """Queue a step's record: on the CPU the tensors as they are, else host copies fenced together."""
         fence = None
-        if vec.device.type == "cpu":
-            data = vec
-        else:
+        device = head.device
+        if device.type != "cpu":
             slot = self._next % len(self._ring)
             self._next += 1
-            data = self._ring[slot] = host_copy(vec, self._ring[slot])
-            fence = Fence(vec.device)
-        self._pending.append(StepRecord(step, data, fence, n, lr, loss, loss_on_device))
+            old_head, old_body = self._ring[slot]
+            head, body = host_copy(head, old_head), host_copy(body, old_body)
+            self._ring[slot] = (head, body)
+            fence = Fence(device)
+        self._pending.append(StepRecord(step, head, body, fence, n, lr, loss, loss_on_device))
 
     def ready(self, block: bool = False, wait_for_old: bool = True) -> Iterator[StepRecord]:
         """Pop the records that can be read now, oldest first.

@@ -67,7 +67,7 @@ class ActionPolicy:
                                                  and self.escalate_to == "rollback")
 
 
-def clip_factor(mode: str, norms: Tensor, global_norm: Tensor, verdict: Any) -> Tensor:
+def clip_factor(mode: str, norms: Tensor, global_norm: Tensor, limits: Tensor, global_limit: Tensor) -> Tensor:
     """The factor that brings a spike within the detector's limits: 0-d (``"global"``) or one per tensor.
 
     ``"global"`` keeps the update's direction: the largest factor <= 1 that puts the global norm and every
@@ -76,11 +76,11 @@ def clip_factor(mode: str, norms: Tensor, global_norm: Tensor, verdict: Any) -> 
     (0/0, inf/inf: a non-finite step, which is skipped, never scaled) counts as 1.
     """
     if mode == "global":
-        ratios = torch.cat([verdict.limits, verdict.global_limit.reshape(1)]) / torch.cat(
+        ratios = torch.cat([limits, global_limit.reshape(1)]) / torch.cat(
             [norms, global_norm.reshape(1)])
         return ratios.nan_to_num(1.0, 1.0).amin().clamp_max(1.0)
-    each = (verdict.limits / norms).nan_to_num(1.0, 1.0).clamp_max(1.0)
-    together = (verdict.global_limit / torch.linalg.vector_norm(norms * each)).nan_to_num(1.0, 1.0).clamp_max(1.0)
+    each = (limits / norms).nan_to_num(1.0, 1.0).clamp_max(1.0)
+    together = (global_limit / torch.linalg.vector_norm(norms * each)).nan_to_num(1.0, 1.0).clamp_max(1.0)
     return each * together
 
 

@@ -28,6 +28,7 @@ from guardtower.errors import ConfigError
 
 __all__ = [
     "Verdict",
+    "Explanation",
     "Detector",
     "AutoDetector",
     "RatioDetector",
@@ -42,22 +43,28 @@ _TINY = 1e-30
 
 
 class Verdict(NamedTuple):
-    """One step's judgement, all on the device. Non-finite norms are the guard's business, not the detector's."""
+    """One step's judgement, on the device; what the host needs to explain it travels in ``report``.
 
-    tripped: Tensor  # bool [n]: this tensor alone would reject the step
-    ratios: Tensor  # float32 [n]: norm / baseline, for reports
-    baselines: Tensor  # float32 [n]
-    global_tripped: Tensor  # bool 0-d
-    global_ratio: Tensor  # float32 0-d
-    global_baseline: Tensor  # float32 0-d
-    limits: Tensor  # float32 [n]: the largest norm this tensor could have had and been accepted (inf: cannot trip)
-    global_limit: Tensor  # float32 0-d: the same for the global norm (what nan_action="clip" scales down to)
-    loss_tripped: Tensor  # bool 0-d: the loss alone would reject the step (False when the loss is NaN/absent)
-    absorbed: Tensor  # bool 0-d: would have tripped, but accepted as a sustained level shift (re-baselined)
+    ``report`` holds 1-d tensors that the guard copies into its step record as they are (no extra op); the
+    host reads them back with ``Detector.explain`` only when an incident or a summary needs the detail.
+    """
 
-    @property
-    def spike(self) -> Tensor:
-        return self.tripped.any() | self.global_tripped | self.loss_tripped
+    spike: Tensor  # bool 0-d: a gradient series or the loss tripped: the step is rejected
+    absorbed: Tensor  # bool 0-d: a slot tripped once too often at one level: re-baselined if the step is accepted
+    report: tuple[Tensor, ...]
+
+
+class Explanation(NamedTuple):
+    """A recorded verdict, read on the host."""
+
+    tripped: list[bool]  # per tensor: this tensor alone would reject the step
+    ratios: list[float]  # per tensor: norm / baseline (0 before the baseline has a value)
+    baselines: list[float]
+    global_tripped: bool
+    global_ratio: float
+    global_baseline: float
+    loss_tripped: bool
+    absorbed: list[int]  # slots re-baselined on a sustained level shift (n: the global norm, n + 1: the loss)
 
 
 class Detector(ABC):
@@ -65,10 +72,14 @@ class Detector(ABC):
 
     Subclasses list their per-tensor state in ``_per_tensor`` (attribute name -> initial value) and their
     global state in ``_scalars``; ``resize`` and ``state_dict`` are generic over those.
+    ``judges_nonfinite``: the verdict's ``spike`` already holds for a NaN/Inf global norm, so the guard need
+    not test for it on the device. ``absent_loss``: the value the guard passes when no loss was given.
     """
 
     name: str = "detector"
     threshold: float = 10.0
+    judges_nonfinite: bool = False
+    absent_loss: float = math.nan
     _per_tensor: dict[str, float] = {}
     _scalars: dict[str, float] = {}
     _global_slot: bool = False
@@ -77,6 +88,8 @@ class Detector(ABC):
         self.n = 0
         self.device = torch.device("cpu")
         self._state: dict[str, Tensor] = {}
+        self._limits: tuple[Tensor, Tensor] | None = None
+        self._grad_spike: Tensor | None = None
 
     def resize(self, n: int, device: torch.device) -> None:
         """Make room for ``n`` tensors on ``device``; existing baselines keep their positions.
@@ -105,11 +118,44 @@ class Detector(ABC):
 
     @abstractmethod
     def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
-        """Compare this step's norms (and loss, float32 0-d, NaN when absent) with the baselines; no state change."""
+        """Compare this step's norms (and loss, float32 0-d, ``absent_loss`` when absent) with the baselines."""
 
     @abstractmethod
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
-        """Fold the step into the baselines where ``accept`` (bool 0-d) holds; a no-op otherwise."""
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
+        """Fold the step judged last into the baselines unless ``reject`` (bool 0-d) holds."""
+
+    def limits(self) -> tuple[Tensor, Tensor]:
+        """(per tensor, global): the largest norms the step judged last could have had and been accepted
+        (``inf``: cannot trip). What ``nan_action="clip"`` scales a spike down to."""
+        if self._limits is None:
+            raise RuntimeError("limits() is only defined after judge()")
+        return self._limits
+
+    def grad_spike(self) -> Tensor:
+        """bool 0-d: a gradient series (not only the loss) tripped in the step judged last."""
+        if self._grad_spike is None:
+            raise RuntimeError("grad_spike() is only defined after judge()")
+        return self._grad_spike
+
+    def explain(self, report: Tensor, norms: list[float]) -> Explanation:
+        """Read a recorded ``Verdict.report`` (the concatenated tensors, on the host); ``norms`` per tensor."""
+        n = self.n
+        values = report.tolist()
+        ratios, baselines, tripped = values[:n + 1], values[n + 1:2 * n + 2], values[2 * n + 2:3 * n + 3]
+        return Explanation([bool(t) for t in tripped[:n]], ratios[:n], baselines[:n], bool(tripped[n]), ratios[n],
+                           baselines[n], bool(values[3 * n + 3]), [])
+
+    def _norm_verdict(self, tripped: Tensor, ratios: Tensor, baselines: Tensor, limits: Tensor, g_tripped: Tensor,
+                      g_ratio: Tensor, g_baseline: Tensor, g_limit: Tensor, loss_tripped: Tensor | None = None) -> Verdict:
+        """The verdict of a detector that judges per-tensor norms and the global norm (and maybe the loss)."""
+        self._limits = (limits, g_limit)
+        false = torch.zeros((), dtype=torch.bool, device=tripped.device)
+        loss_tripped = false if loss_tripped is None else loss_tripped
+        self._grad_spike = tripped.any() | g_tripped
+        spike = self._grad_spike | loss_tripped
+        report = (ratios, g_ratio.reshape(1), baselines, g_baseline.reshape(1), tripped, g_tripped.reshape(1),
+                  loss_tripped.reshape(1))
+        return Verdict(spike, false, report)
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "n": self.n, "state": {k: v.detach().cpu().clone() for k, v in self._state.items()}}
@@ -149,13 +195,6 @@ def _warm(count: Tensor, warmup: int) -> Tensor:
 def _limit(warm: Tensor, limit: Tensor) -> Tensor:
     """The accepted-norm ceiling where the detector can trip, ``inf`` where it cannot (still warming up)."""
     return torch.where(warm, limit, torch.full_like(limit, math.inf))
-
-
-def _norm_verdict(tripped: Tensor, ratios: Tensor, baselines: Tensor, limits: Tensor, g_tripped: Tensor,
-                  g_ratio: Tensor, g_baseline: Tensor, g_limit: Tensor) -> Verdict:
-    """A verdict of a detector that judges the norms only: the loss never trips, nothing is absorbed."""
-    false = torch.zeros((), dtype=torch.bool, device=tripped.device)
-    return Verdict(tripped, ratios, baselines, g_tripped, g_ratio, g_baseline, limits, g_limit, false, false)
 
 
 def _valid(norms: Tensor, accept: Tensor) -> Tensor:
@@ -206,15 +245,14 @@ class _LogEMA(Detector):
         effective[-1:] = base[-1:].clamp_min(_TINY)
         return x, x / effective, base, effective, warm
 
-    @staticmethod
-    def _verdict(tripped: Tensor, ratios: Tensor, base: Tensor, limits: Tensor) -> Verdict:
-        return _norm_verdict(tripped[:-1], ratios[:-1], base[:-1], limits[:-1], tripped[-1], ratios[-1], base[-1],
-                             limits[-1])
+    def _verdict(self, tripped: Tensor, ratios: Tensor, base: Tensor, limits: Tensor) -> Verdict:
+        return self._norm_verdict(tripped[:-1], ratios[:-1], base[:-1], limits[:-1], tripped[-1], ratios[-1],
+                                  base[-1], limits[-1])
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
         s = self._state
         x = torch.cat([norms, global_norm.reshape(1)])
-        valid = accept & torch.isfinite(x) & (x > 0)
+        valid = ~reject & torch.isfinite(x) & (x > 0)
         log_x = torch.log(torch.where(valid, x, torch.ones_like(x)))
         step = torch.clamp_min(1.0 / (s["count"] + 1.0), self.ema_alpha)
         delta = log_x - s["log_base"]
@@ -265,55 +303,53 @@ class ZScoreDetector(_LogEMA):
                              _limit(warm, ceiling))
 
 
-class _AutoStep(NamedTuple):
-    """One step as ``AutoDetector`` sees it, per slot; computed by ``judge`` and reused by ``update``."""
-
-    log_x: Tensor
-    robust: Tensor
-    valid: Tensor
-    tripped: Tensor
-    absorb: Tensor
-    run: Tensor
-    run_sum: Tensor
-    run_max: Tensor
-    run_min: Tensor
-    limit: Tensor
-    ratio: Tensor
-    base: Tensor
-
-
 class AutoDetector(Detector):
     """The default: a step is a spike when a gradient norm (or the loss) leaves its own recent range.
 
     Slots: every gradient tensor's *share* (its norm over the norm of all other tensors, which cancels the
     common-mode swings that move every gradient together: batch difficulty, a loss near zero), the global
     norm, and the loss when given. Each slot keeps, over accepted steps only, a fast EMA level and a slow EMA
-    variance of its log value and a peak envelope (the largest recent value, forgetting a factor 10 per 100
-    accepted steps). A slot trips when its value exceeds
+    spread (mean absolute deviation) of its log value, and a peak envelope (the largest recent value,
+    forgetting a factor 10 per 100 accepted steps). A slot trips when its value exceeds
 
     - ``threshold`` x its peak envelope (heavy-tailed series: anything far beyond what was seen), **or**
     - ``threshold`` x its level (``loss_ratio`` x for the loss) *and* ``sigmas`` standard deviations above
       it in log space (stable series: a jump far outside their noise).
 
-    Warmup is an effective sample count: the variance starts from a prior (log-std 0.5 with the weight of
+    Warmup is an effective sample count: the spread starts from a prior (log-std 0.5 with the weight of
     4 observations) that fades as accepted observations accumulate, and ``warmup_steps=0`` lets the first
-    accepted observation seed the baseline. A tensor whose typical share is below ``floor`` is judged
-    against that floor, so a negligible gradient cannot trip.
+    accepted observation seed the baseline; the loss is judged once 10 of its values are in. A tensor whose
+    typical share is below ``floor`` is judged against that floor, so a negligible gradient cannot trip.
+    What enters a baseline is capped at the ceiling (from the second value on, warmup included).
+
+    The scale of the problem: the global norm's level counts as no lower than a tenth of its all-time
+    largest accepted value, the loss's as no lower than a third. A run that memorises its data ends with a
+    loss 1,000x below its start; a hard batch then lifts loss and gradient x50-x500 above the easy batches'
+    level, yet stays well inside what the run saw at its start: that is no spike.
 
     A sustained level shift is absorbed: when a slot has tripped ``absorb_after`` times in a row with values
     within a factor ``threshold`` of each other, that step is accepted (``Verdict.absorbed``) and the slot
-    re-baselined on them. Spikes that come and go, or keep growing, never qualify.
+    re-baselined on it. Spikes that come and go, or keep growing, never qualify.
+
+    Cost: a fixed number of vector ops per step whatever the number of tensors (``bench/overhead.py``
+    counts them). Norm slots are kept as log(x^2), which saves a square root; the constants are per slot.
+    A NaN/Inf anywhere trips (``judges_nonfinite``); an absent loss is 0, whose log never trips nor enters.
     """
 
     name = "auto"
-    _per_tensor = {"mean": 0.0, "var": 0.0, "count": 0.0, "peak": 0.0, "run": 0.0, "run_sum": 0.0,
-                   "run_max": 0.0, "run_min": 0.0}
-    _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the variance uses ema_alpha
-    # the variance prior: a series may move by e^0.5 per step until data says otherwise; a loss, once 10 of
-    # its values are in (a handful of noisy losses says little about their spread), by e^0.1
-    _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT, _LOSS_PRIOR_AFTER = 0.5, 0.1, 4.0, 10
+    judges_nonfinite = True
+    absent_loss = 0.0
+    _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the spread uses ema_alpha
+    # the spread prior: a series may move by e^0.5 per step until data says otherwise; a loss by e^0.1,
+    # judged only once 10 of its values are in (a handful of noisy losses says little about their spread)
+    _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT, _LOSS_WARMUP = 0.5, 0.1, 4.0, 10
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
-    _WINSOR = 4.0
+    _SCALE_FLOORS = (10.0, 3.0)  # the global norm's and the loss's level count as at least their scale over these
+    _LOSS_SIGMA_SHARE = 0.8  # the loss, a smoother series than any norm, is judged at 0.8 x ``sigmas``
+    _MAD_TO_STD = math.sqrt(math.pi / 2)  # std / mean absolute deviation of a normal distribution
+    _SHARE_EPS = 1e-6  # a tensor holding all of the gradient has share 1/sqrt(eps), not inf
+    _BIG = 1e30  # "cannot trip" / "no cap" in log space: finite, so an Inf value still compares above it
+    _ROWS = ("level", "spread", "peak", "count", "scale")
 
     def __init__(self, threshold: float = 10.0, *, sigmas: float = 6.0, loss_ratio: float = 1.5,
                  ema_alpha: float = 0.01, warmup_steps: int = 10, floor: float = 1e-3,
@@ -335,104 +371,167 @@ class AutoDetector(Detector):
         self.warmup_steps = int(warmup_steps)
         self.floor = float(floor)
         self.absorb_after = absorb_after
-        self._log_ratio = torch.zeros(0)
-        self._prior = torch.zeros(0)
-        self._pending: tuple[Tensor, Tensor, Tensor, _AutoStep] | None = None
+        self._tick = 0  # steps judged: picks the row of the trip ring (a host int, never read from the device)
+        self._pending: tuple[Tensor, ...] | None = None
+
+    # -- layout -------------------------------------------------------------------------------------------
 
     def resize(self, n: int, device: torch.device) -> None:
         """Slots: the ``n`` tensors, then the global norm, then the loss (both kept at the end)."""
         if n == self.n and device == self.device and self._state:
             return
-        new: dict[str, Tensor] = {}
-        for key, init in self._per_tensor.items():
-            t = torch.full((n + 2,), init, dtype=torch.float32, device=device)
-            old = self._state.get(key)
-            if old is not None:
-                keep = min(n, old.shape[0] - 2)
-                t[:keep] = old[:keep].to(device)
-                t[-2:] = old[-2:].to(device)
-            new[key] = t
-        self._state = new
+        m = n + 2
+        unit = torch.full((m,), 2.0)  # norm slots hold log(x^2), the loss slot log(loss)
+        unit[-1] = 1.0
+        log_t = math.log(self.threshold)
+        self._margin = (unit * log_t).to(device)  # beyond the peak; the width of an absorbable run
+        gate = unit * log_t
+        gate[-1] = math.log(self.loss_ratio)
+        self._gate = gate.to(device)
+        self._decay = (unit * self._PEAK_DECAY).to(device)
+        # a tensor's share is judged no lower than ``floor``; the global norm and the loss no lower than their
+        # all-time scale (the ``scale`` row) over _SCALE_FLOORS
+        floor = torch.full((m,), 2 * math.log(self.floor) if self.floor > 0 else -self._BIG)
+        floor[-2] = -2 * math.log(self._SCALE_FLOORS[0])
+        floor[-1] = -math.log(self._SCALE_FLOORS[1])
+        self._floor = floor.to(device)
+        from_scale = torch.zeros(m)
+        from_scale[-2:] = 1.0
+        self._from_scale = from_scale.to(device)
+        sigma = torch.full((m,), self.sigmas * self._MAD_TO_STD)
+        sigma[-1] *= self._LOSS_SIGMA_SHARE
+        self._sigma = sigma.to(device)
+        self._tiny = torch.full((), _TINY, device=device)
+        # a slot is judged once count >= start
+        start = torch.full((m,), float(max(self.warmup_steps, 1)))
+        start[-1] = max(self.warmup_steps, self._LOSS_WARMUP)
+        self._start_at = start.to(device)
+        self._big = torch.full((), self._BIG, device=device)
+        self._rate_offset = torch.tensor([[1.0], [1.0 + self._PRIOR_WEIGHT]], device=device)
+        self._rate_floor = torch.tensor([[self._LEVEL_ALPHA], [self.ema_alpha]], device=device)
+        self._rebase_rates = torch.tensor([[1.0], [0.0]], device=device)  # jump the level, keep the spread
+        prior = unit * self._PRIOR_STD / self._MAD_TO_STD
+        prior[-1] = self._LOSS_PRIOR_STD / self._MAD_TO_STD
+        state = torch.stack([torch.zeros(m), prior, torch.full((m,), -self._BIG), torch.zeros(m),
+                             torch.full((m,), -self._BIG)]).to(device)
+        ring = torch.full((self.absorb_after, m), math.nan, device=device)
+        old, old_ring = self._state.get("state"), self._state.get("ring")
+        if old is not None and old_ring is not None:
+            keep = min(n, old.shape[1] - 2)
+            for new_t, old_t in ((state, old), (ring, old_ring)):
+                new_t[:, :keep] = old_t[:, :keep].to(device)
+                new_t[:, -2:] = old_t[:, -2:].to(device)
         self.n = n
         self.device = device
-        gate = torch.full((n + 2,), math.log(self.threshold), device=device)
-        gate[-1] = math.log(self.loss_ratio)
-        self._log_ratio = gate
-        prior = torch.full((n + 2,), self._PRIOR_WEIGHT * self._PRIOR_STD ** 2, device=device)
-        prior[-1] = self._PRIOR_WEIGHT * self._LOSS_PRIOR_STD ** 2
-        self._prior = prior
+        self._set_state(state, ring)
+
+    def _set_state(self, state: Tensor, ring: Tensor) -> None:
+        self._state = {"state": state, "ring": ring}
+        self._derive(state)
         self._pending = None
 
-    def _step(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> _AutoStep:
-        """Everything ``judge`` and ``update`` need about one step, on the device."""
-        s = self._state
-        g2 = global_norm * global_norm
-        rest = torch.sqrt(torch.clamp_min(g2 - norms * norms, g2 * 1e-6))
-        x = torch.cat([norms / rest, global_norm.reshape(1), loss.to(norms.dtype).reshape(1)])
-        valid = torch.isfinite(x) & (x > 0)
-        log_x = torch.log(torch.where(valid, x, torch.ones_like(x)))
-        mean, count, run = s["mean"], s["count"], s["run"]
-        log_base = mean.clone()
-        log_base[:-2] = torch.clamp_min(mean[:-2], math.log(max(self.floor, _TINY)))
-        n_eff = count.clamp_max(2.0 / self.ema_alpha)
-        prior = torch.where(count >= self._LOSS_PRIOR_AFTER, self._prior, self._PRIOR_WEIGHT * self._PRIOR_STD ** 2)
-        std = torch.sqrt((n_eff * s["var"] + prior) / (n_eff + self._PRIOR_WEIGHT))
-        outlier = torch.maximum(log_base + self._log_ratio, mean + self.sigmas * std)
-        beyond_peak = torch.maximum(s["peak"], log_base) + math.log(self.threshold)
-        ceiling = torch.minimum(outlier, beyond_peak)
-        seeded = count > 0
-        warm = seeded & (count >= self.warmup_steps)
-        raw = warm & valid & (log_x > ceiling)
-        in_run = run > 0
-        zero = torch.zeros_like(log_x)
-        new_run = torch.where(raw, run + 1.0, zero)
-        run_sum = torch.where(raw, torch.where(in_run, s["run_sum"], zero) + log_x, zero)
-        run_max = torch.where(raw, torch.where(in_run, torch.maximum(s["run_max"], log_x), log_x), zero)
-        run_min = torch.where(raw, torch.where(in_run, torch.minimum(s["run_min"], log_x), log_x), zero)
-        absorb = raw & (new_run >= self.absorb_after) & (run_max - run_min <= math.log(self.threshold))
-        # back from shares to norms for the limits and baselines the guard reports and clips to
-        scale = torch.cat([rest, rest.new_ones(2)])
-        limit = torch.where(warm, torch.exp(ceiling) * scale, torch.full_like(x, math.inf))
-        base = torch.exp(log_base) * scale * seeded
-        # what enters the baseline: winsorized at 4 std, so one accepted outlier (in warmup, or just below the
-        # ceiling) moves the level, variance and envelope by a bounded amount
-        robust = torch.where(seeded, mean + torch.clamp(log_x - mean, -self._WINSOR * std, self._WINSOR * std), log_x)
-        return _AutoStep(log_x, robust, valid, raw & ~absorb, absorb, new_run, run_sum, run_max, run_min, limit,
-                         x * scale / base.clamp_min(_TINY) * seeded, base)
+    def _derive(self, state: Tensor) -> None:
+        """What the next step is judged against, from the state (computed once, after each update)."""
+        self._rows = level, spread, peak, count, scale = state.unbind(0)
+        base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale))
+        outlier = torch.maximum(base + self._gate, torch.addcmul(level, spread, self._sigma))
+        ceiling = torch.minimum(outlier, torch.maximum(peak, base) + self._margin)
+        # what enters a baseline is capped at the ceiling from the second value on (warmup included), so one
+        # outlier accepted early moves it by a bounded amount; it is judged only once warm
+        self._cap = torch.where(count < 1.0, self._big, ceiling)
+        self._ceiling = torch.where(count < self._start_at, self._big, self._cap)
+        self._base, self._count = base, count
+
+    # -- the step -----------------------------------------------------------------------------------------
 
     def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
-        step = self._step(norms, global_norm, loss)
-        self._pending = (norms, global_norm, loss, step)  # a cache for update() of this same step, not state
-        t = step.tripped
-        return Verdict(t[:-2], step.ratio[:-2], step.base[:-2], t[-2], step.ratio[-2], step.base[-2],
-                       step.limit[:-2], step.limit[-2], t[-1], step.absorb.any() & ~t.any())
+        n2 = norms * norms
+        g2 = torch.addcmul(self._tiny, global_norm, global_norm)  # never 0: no 0/0 when every gradient is zero
+        rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS)  # the others' norm^2; > 0 wherever n2 > 0
+        # a negative loss (a log-likelihood, a reward) has no log: clamped to 0, its log -inf never trips
+        x = torch.log(torch.cat([n2 / rest, torch.stack([g2, loss]).clamp_min(0.0)]))
+        raw = ~(x <= self._ceiling)  # NaN trips too
+        # the trip ring: this step's value where the slot tripped, NaN/Inf elsewhere; a slot whose last
+        # ``absorb_after`` values all tripped, within the margin of each other, has shifted its level
+        ring = torch.select_scatter(self._state["ring"], x / raw, 0, self._tick % self.absorb_after)
+        low, high = torch.aminmax(ring, dim=0)
+        absorb = (high - low) <= self._margin
+        tripped = raw ^ absorb
+        self._pending = (norms, x, absorb, rest, tripped, ring)  # update() commits the ring: judge changes nothing
+        return Verdict(tripped.any(), absorb.any(), (x, self._base, self._count, tripped, absorb))
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
         pending = self._pending
-        if pending is not None and pending[0] is norms and pending[1] is global_norm and pending[2] is loss:
-            step = pending[3]
-        else:
-            step = self._step(norms, global_norm, loss)
+        if pending is None or pending[0] is not norms:
+            self.judge(norms, global_norm, loss)
+            pending = self._pending
+        assert pending is not None
+        _, x, absorb, _, _, ring = pending
         self._pending = None
-        s = self._state
-        fold = accept & step.valid & ~step.absorb
-        rebase = accept & step.absorb
-        first = 1.0 / (s["count"] + 1.0)
-        rate = torch.clamp_min(first, self.ema_alpha)
-        delta = step.robust - s["mean"]
-        s["var"].copy_(torch.where(fold, (1.0 - rate) * (s["var"] + rate * delta * delta), s["var"]))
-        level = s["mean"] + torch.clamp_min(first, self._LEVEL_ALPHA) * delta
-        s["mean"].copy_(torch.where(fold, level, torch.where(rebase, step.run_sum / step.run, s["mean"])))
-        decayed = torch.where(s["count"] > 0, s["peak"] - self._PEAK_DECAY, step.robust)
-        s["peak"].copy_(torch.where(fold, torch.maximum(decayed, step.robust),
-                                    torch.where(rebase, step.run_max, s["peak"])))
-        s["count"].add_(fold.to(torch.float32))
-        # the run of consecutive trips is counted on rejected steps too: that is what lets a shift be absorbed
-        zero = torch.zeros_like(step.run)
-        s["run"].copy_(torch.where(rebase, zero, step.run))
-        s["run_sum"].copy_(torch.where(rebase, zero, step.run_sum))
-        s["run_max"].copy_(torch.where(rebase, zero, step.run_max))
-        s["run_min"].copy_(torch.where(rebase, zero, step.run_min))
+        self._state["ring"] = ring  # the run of trips counts rejected steps too: that is what absorbs a shift
+        self._tick += 1
+        level, spread, peak, count, scale = self._rows
+        fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
+        value = torch.where(absorb, x, torch.clamp_max(x, self._cap))
+        deviation = value - level
+        rates = torch.where(absorb, self._rebase_rates,
+                            (count + self._rate_offset).reciprocal().clamp_min(self._rate_floor))
+        level_rate, spread_rate = rates.unbind(0)
+        candidate = torch.stack([torch.lerp(level, value, level_rate),
+                                 torch.lerp(spread, deviation.abs(), spread_rate),
+                                 torch.maximum(peak - self._decay, value), count + 1.0,
+                                 torch.maximum(scale, value)])
+        state = torch.where(fold, candidate, self._state["state"])
+        self._state["state"] = state
+        self._derive(state)
+
+    def limits(self) -> tuple[Tensor, Tensor]:
+        """Back from shares to norms: a tensor's limit is its ceiling share times the norm of the others."""
+        if self._pending is None:
+            raise RuntimeError("limits() is only defined between judge() and update()")
+        rest = self._pending[3]
+        limit = torch.exp(self._ceiling[:-1] * 0.5)  # a ceiling at _BIG gives inf: cannot trip
+        return limit[:-1] * torch.sqrt(rest), limit[-1]
+
+    def grad_spike(self) -> Tensor:
+        """bool 0-d: a gradient series (not only the loss) tripped in the step judged last."""
+        if self._pending is None:
+            raise RuntimeError("grad_spike() is only defined between judge() and update()")
+        return self._pending[4][:-1].any()
+
+    def explain(self, report: Tensor, norms: list[float]) -> Explanation:
+        """Ratios of the slots' values to their levels; a baseline norm is the norm over its ratio."""
+        n = self.n
+        m = n + 2
+        x, base, count, tripped, absorb = report.reshape(5, m).unbind(0)
+        half = torch.full((m,), 0.5)
+        half[-1] = 1.0
+        seen = torch.where(count > 0, torch.exp((x - base) * half), 0.0)  # no baseline yet: ratio 0
+        ratios: list[float] = seen.nan_to_num(0.0, posinf=math.inf, neginf=0.0).tolist()
+        global_norm = math.exp(0.5 * float(x[n])) if math.isfinite(float(x[n])) else float("nan")
+        values = [*norms, global_norm]
+        baselines = [v / r if r > 0 and math.isfinite(r) else 0.0 for v, r in zip(values, ratios)]
+        flags = [bool(t) for t in tripped.tolist()]
+        return Explanation(flags[:n], ratios[:n], baselines[:n], flags[n], ratios[n], baselines[n], flags[n + 1],
+                           [i for i, a in enumerate(absorb.tolist()) if a])
+
+    # -- persistence --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["tick"] = self._tick
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
+        tick = state.get("tick")
+        if not isinstance(tick, int) or isinstance(tick, bool) or tick < 0:
+            raise ConfigError("state_dict", f"auto detector state 'tick' must be a non-negative int, got {tick!r}",
+                              "load a state dict saved from the same model, parameter groups and detector")
+        saved = state["state"]
+        self._tick = tick
+        self._set_state(saved["state"].to(self.device, torch.float32).clone(),
+                        saved["ring"].to(self.device, torch.float32).clone())
 
 
 class PreUpdateEMADetector(Detector):
@@ -473,11 +572,11 @@ class PreUpdateEMADetector(Detector):
         g_ratio = global_norm / g_ema.clamp_min(_TINY)
         tripped = _warm(count, self.warmup_steps) & (ratios > self.threshold)
         g_tripped = _warm(g_count, self.warmup_steps) & (g_ratio > self.threshold)
-        return _norm_verdict(tripped, ratios, ema, self._ceiling(s["ema"], s["count"]), g_tripped, g_ratio, g_ema,
+        return self._norm_verdict(tripped, ratios, ema, self._ceiling(s["ema"], s["count"]), g_tripped, g_ratio, g_ema,
                              self._ceiling(s["g_ema"], s["g_count"]))
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
-        """Folds in every finite step, ``accept`` or not: that is the flaw this detector demonstrates."""
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
+        """Folds in every finite step, rejected or not: that is the flaw this detector demonstrates."""
         s = self._state
         for x, ema_key, count_key in ((norms, "ema", "count"), (global_norm, "g_ema", "g_count")):
             ema, count = self._folded(x, s[ema_key], s[count_key])
@@ -530,12 +629,13 @@ class RollingSigmaDetector(Detector):
         g_mean, g_std = g_mean[0], g_std[0]
         warm, g_warm = _warm(s["count"], self.warmup_steps), _warm(s["g_count"], self.warmup_steps)
         limit, g_limit = mean + self.threshold * std, g_mean + self.threshold * g_std
-        return _norm_verdict(warm & (norms > limit), norms / mean.clamp_min(_TINY), mean, _limit(warm, limit),
+        return self._norm_verdict(warm & (norms > limit), norms / mean.clamp_min(_TINY), mean, _limit(warm, limit),
                              g_warm & (global_norm > g_limit), global_norm / g_mean.clamp_min(_TINY), g_mean,
                              _limit(g_warm, g_limit))
 
-    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, accept: Tensor) -> None:
+    def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
         s = self._state
+        accept = ~reject
         valid = _valid(norms, accept)
         g_valid = _valid(global_norm, accept)
         # index_select/index_copy_ with a device index: indexing with a 0-d tensor would read it on the host

@@ -36,9 +36,9 @@ from guardtower.guard._checks import check_guard_state as _check_guard_state
 from guardtower.guard._checks import check_params as _check_params
 from guardtower.guard._checks import decision_device as _decision_device
 from guardtower.guard._measure import GradMeter
-from guardtower.guard._records import HEADER, Header, RecordQueue, StepRecord
+from guardtower.guard._records import Header, RecordQueue, StepRecord
 from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, device_skip, supports_device_skip
-from guardtower.guard.detector import Detector, make_detector
+from guardtower.guard.detector import Detector, Explanation, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
 from guardtower.heartbeat import Heartbeat, check_stall_after
@@ -46,8 +46,6 @@ from guardtower.severity import Severity
 
 __all__ = ["GuardedOptimizer"]
 
-_H = len(HEADER)
-_AGREED = 4  # reject, skip, grad_spike, nonfinite: the flags every rank agrees on (set on any rank)
 _HISTORY = 32
 _TOP = 10
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -193,7 +191,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._params = params
         self._device = _decision_device(params)
         # constants the step reuses instead of allocating them every step
-        self._nan = torch.full((), math.nan, device=self._device)
+        self._absent_loss = torch.full((), self.detector.absent_loss, device=self._device)
         self._loss_buf = torch.zeros((), device=self._device)  # a loss given as a Python number
         self._zero = torch.zeros((), device=self._device)
         self._one = torch.ones((), device=self._device)
@@ -213,6 +211,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._total_rollbacks = 0
         self._total_overflows = 0
         self._total_clips = 0
+        self._total_level_shifts = 0  # slots re-baselined on a sustained level shift (a summary metric)
         self.consecutive_rejections = 0
         self._closed = False
         self._started = False
@@ -433,12 +432,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         scaler_found_inf: Tensor | None = getattr(self, "found_inf", None)
         with torch.no_grad():
-            flags, found_inf = self._judge(step, loss, grad_scale, scaler_found_inf)
+            skip, found_inf = self._judge(step, loss, grad_scale, scaler_found_inf)
 
         out: Any = None
         if self._host_decides:
             # the one host sync of non-fused optimizers / raise / rollback (skip == reject unless clipping)
-            if bool(flags[1]):
+            if bool(skip):
                 self._drain(block=True)  # publishes this step's events; rolls back or raises
                 if self._report_sink is not None and self._last_report is not None:
                     self._report_sink.wait_written(self._last_report, _REPORT_WAIT_S)  # on disk on return
@@ -461,46 +460,51 @@ class GuardedOptimizer(torch.optim.Optimizer):
                scaler_found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
         """Measure, decide and act on the device; queue the step's record.
 
-        Returns the flags (bool, agreed across ranks: reject, skip, ...) and the optimizer's ``found_inf`` (float 0/1).
-        The op count of this method does not depend on the number of parameters (bench/overhead.py counts it).
+        Returns ``skip`` (bool 0-d, agreed across ranks: the update is not applied) and the optimizer's
+        ``found_inf`` (float 0/1). The op count of this method does not depend on the number of parameters,
+        and the default path (auto detector, skip) adds no op it can leave out (bench/overhead.py counts them).
         """
         device = self._device
+        detector = self.detector
         norms = self._meter.norms(self._params)
         if grad_scale is not None:  # GradScaler handed us still-scaled gradients
             norms = norms / grad_scale.to(device, torch.float32, non_blocking=True).reshape(())
         global_norm = torch.linalg.vector_norm(norms)
-        nonfinite = (global_norm * 0.0) != 0.0  # NaN or Inf: any non-finite norm makes the global one so
         loss_value, loss_t = self._loss_tensor(loss)
-        verdict = self.detector.judge(norms, global_norm, loss_t)
-        grad_spike = verdict.tripped.any() | verdict.global_tripped
-        reject = grad_spike | verdict.loss_tripped | nonfinite
+        verdict = detector.judge(norms, global_norm, loss_t)
         clipping = self.policy.nan_action == "clip"
-        # clip applies a finite gradient spike scaled down; NaN/Inf and a loss-only spike are skipped
-        skip = (nonfinite | (verdict.loss_tripped & ~grad_spike)) if clipping else reject
-        flags = torch.stack([reject, skip, grad_spike, nonfinite, verdict.global_tripped, verdict.loss_tripped,
-                             verdict.absorbed])
-        scale = clip_factor(self.clip, norms, global_norm, verdict) if clipping else self._one
+        reject = verdict.spike
+        nonfinite: Tensor | None = None
+        if clipping or not detector.judges_nonfinite:
+            nonfinite = (global_norm * 0.0) != 0.0  # NaN or Inf: any non-finite norm makes the global one so
+            reject = reject | nonfinite
+        skip, scale, grad_spike = reject, self._one, reject
+        if clipping:
+            assert nonfinite is not None
+            # clip applies a finite gradient spike scaled down; NaN/Inf and a loss-only spike are skipped
+            grad_spike = detector.grad_spike()
+            skip = nonfinite | (reject & ~grad_spike)
+            scale = clip_factor(self.clip, norms, global_norm, *detector.limits())
         overflow = self._zero
         if scaler_found_inf is not None:  # an overflow step is the scaler's, not a spike
             overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(())
-            flags = flags & (overflow == 0)
+            clean = overflow == 0
+            reject, skip = reject & clean, skip & clean
         if self._distributed():
-            flags, scale = self._agree(flags, scale, clipping)
-        if scaler_found_inf is not None or self._distributed():
-            reject = flags[0] | (overflow > 0)  # "not folded into the baselines" from here on
-        self.detector.update(norms, global_norm, loss_t, ~reject)
+            reject, skip, scale = self._agree(reject, skip, grad_spike, scale, clipping)
+        unfolded = reject if scaler_found_inf is None else reject | (overflow > 0)  # kept out of the baselines
+        detector.update(norms, global_norm, loss_t, unfolded)
         if self._buffers:
-            self._buffers.settle(reject)
+            self._buffers.settle(unfolded)
         if clipping:
-            self._meter.scale(torch.where(flags[1], self._one, scale))
+            self._meter.scale(torch.where(skip, self._one, scale))
 
-        values = torch.stack([overflow, global_norm, verdict.global_baseline, verdict.global_ratio, loss_t,
-                              scale.amin() if scale.dim() else scale])
-        vec = torch.cat([flags, values, norms, verdict.ratios, verdict.baselines,
-                         verdict.tripped])  # cat promotes the bool flags to float32
-        self._records.push(step, vec, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
-        found_inf = flags[1].to(torch.float32) if scaler_found_inf is None else flags[1] + overflow
-        return flags, found_inf
+        header = torch.stack([reject, skip, verdict.absorbed, overflow, global_norm, loss_t,
+                              scale.amin() if scale.dim() else scale])  # stack promotes the flags to float32
+        body = torch.cat([norms, *verdict.report])
+        self._records.push(step, header, body, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
+        found_inf = skip.to(torch.float32) if scaler_found_inf is None else skip + overflow
+        return skip, found_inf
 
     def _loss_tensor(self, loss: Any) -> tuple[float | None, Tensor]:
         """(the loss as a Python number if it was one, the loss as float32 0-d on the device, NaN if absent)."""
@@ -512,27 +516,28 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             # one reused device scalar (stack/cat below copy it), not a fresh allocation per step
             return float(loss), self._loss_buf.fill_(float(loss))
-        return None, self._nan
+        return None, self._absent_loss
 
-    def _agree(self, flags: Tensor, scale: Tensor, clipping: bool) -> tuple[Tensor, Tensor]:
+    def _agree(self, reject: Tensor, skip: Tensor, grad_spike: Tensor, scale: Tensor,
+               clipping: bool) -> tuple[Tensor, Tensor, Tensor]:
         """One all-reduce: every rank rejects, skips and clips (by the smallest factor) together.
 
-        The first ``_AGREED`` flags are combined (set on any rank); the detector's own marks stay this rank's.
+        ``reject`` and ``skip`` are combined (set on any rank); the detector's own marks stay this rank's.
         A clip needs the same gradients on every rank; when only some ranks' gradients tripped (a rank-local
         corruption), the step is skipped everywhere instead.
         """
         import torch.distributed as dist
 
-        parts = [flags[:_AGREED]]
+        parts = [torch.stack([reject, skip])]
         if clipping:
-            parts += [~flags[2:3], -scale.reshape(-1)]
+            parts += [torch.stack([grad_spike, ~grad_spike]), -scale.reshape(-1)]
         packed = torch.cat(parts).to(torch.float32)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
-        agreed = torch.cat([packed[:_AGREED] > 0, flags[_AGREED:]])
+        reject, skip = packed[0] > 0, packed[1] > 0
         if clipping:
-            agreed[1] |= agreed[2] & (packed[_AGREED] > 0)  # some ranks tripped, others did not: skip
-            scale = (-packed[_AGREED + 1:]).reshape(scale.shape)
-        return agreed, scale
+            skip = skip | ((packed[2] > 0) & (packed[3] > 0))  # some ranks tripped, others did not: skip
+            scale = (-packed[4:]).reshape(scale.shape)
+        return reject, skip, scale
 
     def _distributed(self) -> bool:
         return self.process_group is not None or (is_distributed() and world_size() > 1)
@@ -551,26 +556,34 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _handle(self, record: StepRecord) -> None:
         head = record.header()
         loss = record.loss if record.loss is not None else (head.loss if record.loss_on_device else None)
-        self._history.append((record.step, head.global_norm, record.data))
+        self._history.append((record.step, head.global_norm, record.body))
         if head.overflow:
             self._total_overflows += 1
         elif head.reject:
             self._incident(record, head, loss)
         else:
             self.consecutive_rejections = 0
+            if head.absorbed:
+                self._total_level_shifts += 1
         if record.step % self.log_every == 0:
-            self._summary(record.step, head.global_norm, loss, record.lr, head, record)
+            self._summary(record.step, head.global_norm, loss, record.lr, record)
+
+    def _explain(self, record: StepRecord) -> tuple[list[float], Explanation]:
+        """The step's per-tensor norms and the detector's reading of its verdict (host work, on demand)."""
+        n = record.n
+        norms = record.body[:n].tolist()
+        return norms, self.detector.explain(record.body[n:], norms)
 
     def _summary(self, step: int, grad_norm: float, loss: float | None, lr: float | None,
-                 head: Header | None = None, record: StepRecord | None = None) -> None:
+                 record: StepRecord | None = None) -> None:
         self._last_summary = step
         metrics = {"overflow_steps": float(self._total_overflows), "clipped_steps": float(self._total_clips),
-                   "consecutive_rejections": float(self.consecutive_rejections)}
-        if head is not None and record is not None:
-            n = record.n
-            ratios = record.data[_H + n:_H + 2 * n]
-            metrics.update({"global_baseline": head.global_baseline, "global_ratio": head.global_ratio,
-                            "max_layer_ratio": max(ratios.nan_to_num(0.0).tolist(), default=0.0)})
+                   "consecutive_rejections": float(self.consecutive_rejections),
+                   "level_shifts": float(self._total_level_shifts)}
+        if record is not None:
+            _, seen = self._explain(record)
+            metrics.update({"global_baseline": seen.global_baseline, "global_ratio": seen.global_ratio,
+                            "max_layer_ratio": max((r for r in seen.ratios if math.isfinite(r)), default=0.0)})
         self._publish(SummaryEvent(
             **self._run_kw, step=step, grad_norm=grad_norm, loss=loss, lr=lr, total_spikes=self._total_spikes,
             total_skips=self._total_skips, total_rollbacks=self._total_rollbacks, metrics=metrics,
@@ -578,15 +591,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _incident(self, record: StepRecord, head: Header, loss: float | None) -> None:
         n = record.n
-        data = record.data
-        norms = data[_H:_H + n].tolist()
-        ratios = data[_H + n:_H + 2 * n].tolist()
-        baselines = data[_H + 2 * n:_H + 3 * n].tolist()
-        tripped = data[_H + 3 * n:_H + 4 * n].tolist()
+        norms, seen = self._explain(record)
+        ratios, baselines = seen.ratios, seen.baselines
         names = self._names
         nonfinite = [i for i in range(n) if not math.isfinite(norms[i])]
-        candidates = [i for i in range(n) if tripped[i]]
-        reason = "nonfinite" if head.nonfinite else "spike"
+        candidates = [i for i in range(n) if seen.tripped[i]]
+        loss_nonfinite = loss is not None and not math.isfinite(loss)
+        reason = "nonfinite" if nonfinite or not math.isfinite(head.global_norm) or loss_nonfinite else "spike"
         trigger: int | None = None
         if nonfinite:
             trigger = nonfinite[0]
@@ -595,17 +606,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if trigger is not None:
             layer, norm, baseline = names[trigger], norms[trigger], baselines[trigger]
             ratio = math.inf if nonfinite else ratios[trigger]
-        elif head.loss_tripped and not head.nonfinite and not head.global_tripped:
-            layer, norm, baseline, ratio = "loss", head.global_norm, head.global_baseline, head.global_ratio
+        elif seen.loss_tripped and math.isfinite(head.global_norm) and not seen.global_tripped:
+            layer, norm, baseline, ratio = "loss", head.global_norm, seen.global_baseline, seen.global_ratio
         else:  # the global norm alone tripped, or another rank rejected the step (its gradients differed)
-            layer = "global" if head.global_tripped or not math.isfinite(head.global_norm) else "peer-rank"
-            norm, baseline, ratio = head.global_norm, head.global_baseline, head.global_ratio
+            layer = "global" if seen.global_tripped or not math.isfinite(head.global_norm) else "peer-rank"
+            norm, baseline, ratio = head.global_norm, seen.global_baseline, seen.global_ratio
         order = sorted(range(n), key=lambda i: -(math.inf if not math.isfinite(norms[i]) else ratios[i]))
         top = tuple((names[i], norms[i], ratios[i] if math.isfinite(norms[i]) else math.inf) for i in order[:_TOP])
         history = list(self._history)
         steps = tuple(s for s, _, _ in history)
         global_hist = tuple(g for _, g, _ in history)
-        layer_hist = tuple((float(d[_H + trigger]) if trigger is not None and d.shape[0] > _H + trigger else g)
+        layer_hist = tuple((float(d[trigger]) if trigger is not None and d.shape[0] > trigger else g)
                            for _, g, d in history)
 
         self._total_spikes += 1
