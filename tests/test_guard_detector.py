@@ -389,3 +389,25 @@ def test_warmup_zero_with_noisy_small_batch_losses_raises_no_alarm(tmp_path: Pat
         guard.zero_grad()
     guard.flush()
     assert guard.total_spikes == 0 and guard.step_count == 20
+
+
+def test_the_guard_absorbs_a_sustained_shift_and_its_summary_counts_it(tmp_path: Path) -> None:
+    """Every gradient x30 from step 40 on (a loss summed instead of averaged): rejected until absorbed."""
+    from guardtower.events import SummaryEvent
+    from guardtower.testing import capture_events
+    from tests._guard_helpers import make, train
+
+    def times_30(step: int, model: torch.nn.Module) -> None:
+        if step >= 40:
+            for p in model.parameters():
+                assert p.grad is not None
+                p.grad.mul_(30.0)
+
+    model, guard = make(tmp_path, log_every=10)
+    with capture_events() as events:
+        train(model, guard, 80, corrupt=times_30)
+        guard.flush()
+    assert 1 <= guard.total_skips < guard.detector.absorb_after  # rejected until the 8th, then accepted
+    summaries = [e for e in events if isinstance(e, SummaryEvent)]
+    assert summaries[-1].metrics["level_shifts"] >= 1 and summaries[0].metrics["level_shifts"] == 0
+    guard.close()
