@@ -920,6 +920,53 @@ def _float64(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(_X.to(dtype)), _Y.to(dtype)), {}
 
 
+# --- data-parallel wrappers recognised by class name -----------------------------------------------------------
+class DistributedDataParallel(nn.Module):
+    """A wrapper that is not torch's class but carries its name, as apex.parallel.DistributedDataParallel and
+    users' own wrappers do: the real model in ``.module``, no ``no_sync()``, no ``find_unused_parameters``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+class _WithSpare(nn.Module):
+    def __init__(self, spare: bool) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.spare = nn.Linear(8, 8) if spare else None  # built for an experiment, never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@case("DDP-001/wrapper-by-name")
+def _named_ddp_unused(bug: bool) -> Case:
+    m = DistributedDataParallel(_WithSpare(spare=bug))
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": torch.optim.SGD(m.parameters(), lr=0.01)}
+
+
+@case("DDP-007")
+def _data_parallel_summary(bug: bool) -> Case:
+    m: nn.Module = DistributedDataParallel(mlp()) if bug else mlp()
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+def test_ddp_007_names_the_wrapper_and_its_settings() -> None:
+    model, step, kwargs = CASES["DDP-007"](True)
+    (summary,) = audit(model, step, **kwargs).by_id("DDP-007")
+    assert summary.severity is Severity.INFO and summary.details["wrapper"] == "DistributedDataParallel"
+    model.find_unused_parameters = True  # torch's DDP attribute, read when present
+    (summary,) = audit(model, step, **kwargs).by_id("DDP-007")
+    assert summary.details["find_unused_parameters"] is True and "find_unused_parameters=True" in summary.message
+    model, step, kwargs = CASES["DDP-001/wrapper-by-name"](True)
+    model.find_unused_parameters = True
+    assert not audit(model, step, **kwargs).by_id("DDP-001")  # the wrapper tolerates the unused layer
+
+
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_triggers(key: str) -> None:
