@@ -524,3 +524,31 @@ def test_lora_009_silent_for_hand_rolled_lora_on_some_blocks() -> None:
     model = loralib_llama_cls(layers=[0])  # a choice, not a target_modules pattern gone wrong
     report = lora_summary(model)
     assert not report.by_id("LORA-009") and report.ok, str(report)
+
+
+def loralib_gpt2(mark_only_lora: bool) -> nn.Module:
+    """loralib's own GPT-2 recipe: c_attn as a MergedLinear adapting q and v only, biases of LoRA layers trained."""
+    import loralib
+
+    model = tiny_gpt2()
+    for block in model.transformer.h:
+        old = block.attn.c_attn
+        new = loralib.MergedLinear(32, 96, r=4, lora_alpha=8, enable_lora=[True, False, True], fan_in_fan_out=True)
+        new.weight.data.copy_(old.weight.data)
+        new.bias.data.copy_(old.bias.data)
+        block.attn.c_attn = new
+    if mark_only_lora:
+        loralib.mark_only_lora_as_trainable(model, bias="lora_only")
+    return model
+
+
+def test_loralib_merged_linear_gpt2_quiet_when_marked_caught_when_not() -> None:
+    model = loralib_gpt2(mark_only_lora=True)
+    batch = lm_batch()
+    report = run_audit(model, lm_step(model, batch), optimizer=trainable_optimizer(model))
+    assert report.ok and not report.warnings, str(report)
+    model = loralib_gpt2(mark_only_lora=False)
+    report = run_audit(model, lm_step(model, batch), optimizer=trainable_optimizer(model))
+    (finding,) = report.by_id("LORA-001")
+    assert any("c_proj.weight" in p for p in finding.details["params"])
+    assert not any("c_attn" in p or "wte" in p or "ln_" in p for p in finding.details["params"])
