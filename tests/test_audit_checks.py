@@ -655,6 +655,13 @@ def test_loop_watch_leaves_tensor_grad_as_it_was() -> None:
     model, step, kwargs = CASES["LOOP-003/grads-set-to-none"](False)
     audit(model, step, **kwargs)
     assert "grad" not in torch.Tensor.__dict__  # the audit's property is gone: the C descriptor serves .grad
+
+    def raising_step() -> torch.Tensor:
+        step()
+        raise RuntimeError("the user's step fails after clearing")
+
+    assert audit(model, raising_step, **kwargs).by_id("LOSS-006")
+    assert "grad" not in torch.Tensor.__dict__
     p = nn.Parameter(torch.ones(2))
     p.grad = torch.full((2,), 3.0)
     assert p.grad.tolist() == [3.0, 3.0]
