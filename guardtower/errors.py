@@ -55,7 +55,7 @@ class PreflightFailed(GuardtowerError):
     def __init__(self, report: Report) -> None:
         self.report = report
         ids = ", ".join(sorted({f.catalog_id for f in report.errors}))
-        super().__init__(f"pre-flight failed with {len(report.errors)} error(s): {ids}\n{report}")
+        super().__init__(f"pre-flight failed with {len(report.errors)} blocking issue(s): {ids}\n{report}")
 
 
 class GradientSpikeError(GuardtowerError):

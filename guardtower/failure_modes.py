@@ -503,7 +503,8 @@ _LORA: tuple[FailureMode, ...] = (
         "save_pretrained() stores just the adapter, so every base-weight update is thrown away at save time.",
         fix="Build the model with get_peft_model() after any manual requires_grad changes, and do not call "
         "model.train()/requires_grad_(True) on the whole model afterwards; list extra trainable modules in "
-        "modules_to_save instead.",
+        "modules_to_save instead. With loralib or hand-rolled LoRA layers, freeze everything but the factors "
+        "(loralib.mark_only_lora_as_trainable(model)) before unfreezing a head.",
         reference=_PEFT_LORA,
         tags=("lora", "peft", "freezing"),
     ),
@@ -643,6 +644,19 @@ _LORA: tuple[FailureMode, ...] = (
         reference="https://github.com/huggingface/peft/issues/2777",
         tags=("lora", "peft", "weight-tying"),
     ),
+    FailureMode(
+        id="LORA-013",
+        title="LoRA adapters found (summary)",
+        severity=Severity.INFO,
+        summary="The model holds trainable LoRA factors (peft's, loralib's or hand-rolled ones named lora_A / "
+        "lora_B); the finding counts them, their values and their share of the model.",
+        why="Not a bug: a wrong target_modules pattern or rank still trains, only a different adapter than intended; "
+        "the count is the first number to compare with the config (r x (in + out) per adapted layer).",
+        fix="Nothing to fix; if the count is off, check target_modules and r (peft) or which layers were replaced "
+        "(loralib).",
+        reference=_PEFT_LORA,
+        tags=("lora", "peft", "summary"),
+    ),
 )
 
 # --- distributed (DDP-) ---------------------------------------------------------------------------------------
@@ -715,6 +729,20 @@ _DIST: tuple[FailureMode, ...] = (
         fix="Use DistributedSampler(dataset) (and sampler.set_epoch(epoch)), or shard the data stream by rank.",
         reference="https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler",
         tags=("ddp", "distributed", "data"),
+    ),
+    FailureMode(
+        id="DDP-007",
+        title="Data-parallel wrapper found (summary)",
+        severity=Severity.INFO,
+        summary="The model is wrapped in DistributedDataParallel, FSDP or DeepSpeed (recognised by class name, so "
+        "subclasses and other libraries' DistributedDataParallel count); the finding names the wrapper, the world "
+        "size and the DDP settings that decide DDP-001.",
+        why="Not a bug: it says which distributed checks applied, and whether an unused parameter will stop "
+        "the run (find_unused_parameters=False, static_graph=False).",
+        fix="Nothing to fix; if the wrapper or the world size is not what the launch script meant, check how the "
+        "model was wrapped and launched.",
+        reference=_DDP_DOCS,
+        tags=("ddp", "distributed", "summary"),
     ),
 )
 

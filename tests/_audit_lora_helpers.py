@@ -120,3 +120,25 @@ def run_audit(
 
 def ids(report: Report) -> set[str]:
     return {f.catalog_id for f in report.findings}
+
+
+def loralib_llama_cls(*, r: int = 4, mark_only_lora: bool = True, targets: tuple[str, ...] = ("q_proj", "v_proj"),
+                      layers: Iterable[int] | None = None) -> nn.Module:
+    """A tiny Llama classifier adapted the loralib way (microsoft/LoRA): ``q_proj``/``v_proj`` replaced by
+    ``loralib.Linear`` carrying the original weights, then ``mark_only_lora_as_trainable`` (unless
+    ``mark_only_lora=False``: the step users forget) and the new ``score`` head unfrozen."""
+    import loralib
+
+    model = tiny_llama_cls()
+    blocks = model.model.layers
+    for i in range(len(blocks)) if layers is None else layers:
+        attn = blocks[i].self_attn
+        for name in targets:
+            old = getattr(attn, name)
+            new = loralib.Linear(old.in_features, old.out_features, r=r, lora_alpha=2 * r, bias=False)
+            new.weight.data.copy_(old.weight.data)
+            setattr(attn, name, new)
+    if mark_only_lora:
+        loralib.mark_only_lora_as_trainable(model)
+        model.score.requires_grad_(True)
+    return model

@@ -606,10 +606,17 @@ def _full_step(order: tuple[str, ...]) -> Case:
     m = mlp()
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
 
+    def set_grads_to_none() -> None:  # the "faster zero_grad" loop of the PyTorch performance guide
+        for p in m.parameters():
+            p.grad = None
+
     def step() -> torch.Tensor:
         loss = F.mse_loss(m(_X), _Y)
+        calls: dict[str, Callable[[], object]] = {  # looked up now, as a training loop does, not bound up front
+            "zero_grad": opt.zero_grad, "backward": loss.backward, "step": opt.step,
+            "grads_to_none": set_grads_to_none, "model_zero_grad": lambda: m.zero_grad(set_to_none=True)}
         for call in order:
-            {"zero_grad": opt.zero_grad, "backward": loss.backward, "step": opt.step}[call]()
+            calls[call]()
         return loss
 
     return m, step, {"optimizer": opt}
@@ -628,6 +635,52 @@ def _step_before_backward(bug: bool) -> Case:
 @case("LOOP-003")
 def _zero_grad_never_called(bug: bool) -> Case:
     return _full_step(("backward", "step") if bug else ("backward", "step", "zero_grad"))
+
+
+@case("LOOP-003/grads-set-to-none")
+def _grads_set_to_none_before_backward(bug: bool) -> Case:
+    return _full_step(("backward", "step") if bug else ("grads_to_none", "backward", "step"))
+
+
+@case("LOOP-003/grads-set-to-none-after-step")
+def _grads_set_to_none_after_step(bug: bool) -> Case:
+    return _full_step(("backward", "step") if bug else ("backward", "step", "grads_to_none"))
+
+
+@case("LOOP-003/model-zero-grad")
+def _model_zero_grad_set_to_none(bug: bool) -> Case:
+    return _full_step(("backward", "step") if bug else ("model_zero_grad", "backward", "step"))
+
+
+@pytest.mark.parametrize("key", sorted(k for k in CASES if k.startswith("LOOP-")))
+def test_loop_correct_orders_raise_no_loop_finding_at_all(key: str) -> None:
+    model, step, kwargs = CASES[key](False)
+    report = audit(model, step, **kwargs)
+    assert not [f for f in report if f.catalog_id.startswith("LOOP-")], str(report)
+
+
+def test_loop_grads_set_to_none_between_backward_and_step_is_loop_001() -> None:
+    model, step, kwargs = _full_step(("backward", "grads_to_none", "step"))
+    report = audit(model, step, **kwargs)
+    assert report.by_id("LOOP-001") and not report.by_id("LOOP-003"), str(report)
+
+
+def test_loop_watch_leaves_tensor_grad_as_it_was() -> None:
+    model, step, kwargs = CASES["LOOP-003/grads-set-to-none"](False)
+    audit(model, step, **kwargs)
+    assert "grad" not in torch.Tensor.__dict__  # the audit's property is gone: the C descriptor serves .grad
+
+    def raising_step() -> torch.Tensor:
+        step()
+        raise RuntimeError("the user's step fails after clearing")
+
+    assert audit(model, raising_step, **kwargs).by_id("LOSS-006")
+    assert "grad" not in torch.Tensor.__dict__
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.full((2,), 3.0)
+    assert p.grad.tolist() == [3.0, 3.0]
+    p.grad = None
+    assert p.grad is None
 
 
 @pytest.mark.parametrize("key", ["LOOP-001", "LOOP-002"])
@@ -886,6 +939,53 @@ def _float64(bug: bool) -> Case:
     dtype = torch.float64 if bug else torch.float32
     m.to(dtype)
     return m, lambda: F.mse_loss(m(_X.to(dtype)), _Y.to(dtype)), {}
+
+
+# --- data-parallel wrappers recognised by class name -----------------------------------------------------------
+class DistributedDataParallel(nn.Module):
+    """A wrapper that is not torch's class but carries its name, as apex.parallel.DistributedDataParallel and
+    users' own wrappers do: the real model in ``.module``, no ``no_sync()``, no ``find_unused_parameters``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+class _WithSpare(nn.Module):
+    def __init__(self, spare: bool) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.spare = nn.Linear(8, 8) if spare else None  # built for an experiment, never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@case("DDP-001/wrapper-by-name")
+def _named_ddp_unused(bug: bool) -> Case:
+    m = DistributedDataParallel(_WithSpare(spare=bug))
+    return m, lambda: F.mse_loss(m(_X), _Y), {"optimizer": torch.optim.SGD(m.parameters(), lr=0.01)}
+
+
+@case("DDP-007")
+def _data_parallel_summary(bug: bool) -> Case:
+    m: nn.Module = DistributedDataParallel(mlp()) if bug else mlp()
+    return m, lambda: F.mse_loss(m(_X), _Y), {}
+
+
+def test_ddp_007_names_the_wrapper_and_its_settings() -> None:
+    model, step, kwargs = CASES["DDP-007"](True)
+    (summary,) = audit(model, step, **kwargs).by_id("DDP-007")
+    assert summary.severity is Severity.INFO and summary.details["wrapper"] == "DistributedDataParallel"
+    model.find_unused_parameters = True  # torch's DDP attribute, read when present
+    (summary,) = audit(model, step, **kwargs).by_id("DDP-007")
+    assert summary.details["find_unused_parameters"] is True and "find_unused_parameters=True" in summary.message
+    model, step, kwargs = CASES["DDP-001/wrapper-by-name"](True)
+    model.find_unused_parameters = True
+    assert not audit(model, step, **kwargs).by_id("DDP-001")  # the wrapper tolerates the unused layer
 
 
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------

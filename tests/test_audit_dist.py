@@ -16,6 +16,7 @@ from tests._dist_launch import run_two_ranks
 
 WORKER = Path(__file__).with_name("_audit_dist_worker.py")
 DDP_IDS = {f"DDP-00{n}" for n in range(1, 7)}
+SUMMARY = "DDP-007"  # the INFO naming the wrapper, on every wrapped model
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def ddp_ids(result: dict[str, Any]) -> set[str]:
-    return {i for i in result["ids"] if i.startswith("DDP-")}
+    return {i for i in result["ids"] if i in DDP_IDS}
 
 
 pytestmark = pytest.mark.slow
@@ -96,9 +97,15 @@ def test_lora_model_under_ddp(ranks) -> None:
         assert "LORA-004" in rank["lora_ddp"]["ids"]
 
 
+def test_ddp_007_summary_on_wrapped_models_only(ranks) -> None:
+    for rank in ranks:
+        assert SUMMARY in rank["clean"]["ids"] and SUMMARY in rank["fsdp2"]["fsdp2_sharded"]
+        assert SUMMARY not in rank["unwrapped"]["ids"]
+
+
 def test_dist_catalog_entries_are_complete() -> None:
-    assert {i for i in CATALOG if i.startswith("DDP-")} == DDP_IDS
-    for entry_id in DDP_IDS:
+    assert {i for i in CATALOG if i.startswith("DDP-")} == DDP_IDS | {SUMMARY}
+    for entry_id in DDP_IDS | {SUMMARY}:
         entry = CATALOG[entry_id]
         assert entry.title and entry.summary and entry.why and entry.fix and "distributed" in entry.tags
         assert entry.reference.startswith("https://")

@@ -18,6 +18,7 @@ from _audit_lora_helpers import (
     ids,
     lm_batch,
     lm_step,
+    loralib_llama_cls,
     lora,
     run_audit,
     tiny_bert_cls,
@@ -49,7 +50,7 @@ def test_fresh_gpt2_lora_passes_with_only_the_expected_info() -> None:
     report = run_audit(model, lm_step(model, lm_batch()), optimizer=trainable_optimizer(model))
     lora_ids = {i for i in ids(report) if i.startswith("LORA")}
     assert report.ok
-    assert lora_ids == {"LORA-004"}
+    assert lora_ids == {"LORA-004", "LORA-013"}
     (info,) = report.by_id("LORA-004")
     assert info.severity is Severity.INFO and info.details["count"] == 2
     assert all("lora_A" in name for name in info.details["params"])
@@ -414,7 +415,7 @@ def test_lora_summary_rejects_bad_arguments(kwargs: dict, argument: str) -> None
 
 def test_lora_catalog_entries_are_complete() -> None:
     lora_ids = sorted(i for i in CATALOG if i.startswith("LORA-"))
-    assert lora_ids == [f"LORA-{n:03d}" for n in range(1, 13)]
+    assert lora_ids == [f"LORA-{n:03d}" for n in range(1, 14)]
     for entry_id in lora_ids:
         entry = CATALOG[entry_id]
         assert entry.title and entry.summary and entry.why and entry.fix and "lora" in entry.tags
@@ -429,3 +430,125 @@ def test_lora_005_silent_on_a_toy_model_where_any_rank_is_a_large_share() -> Non
     toy = lora(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), target_modules=["0"], r=2)
     assert sum(p.numel() for p in toy.parameters()) < MIN_PARAMS_FOR_SHARE
     assert not lora_summary(toy).by_id("LORA-005")
+
+
+# --- hand-rolled LoRA: loralib layers and peft-named modules without peft -------------------------------------------
+
+
+class SeedStyleLoraLinear(nn.Module):
+    """The original guardtower's stand-in: peft's naming (base_layer, lora_A/lora_B dicts), no peft config, no r."""
+
+    def __init__(self, d: int = 8, r: int = 2) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(d, d)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(d, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, d, bias=False)})
+        self.base_layer.requires_grad_(False)
+        nn.init.zeros_(self.lora_B["default"].weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+def seed_style_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(SeedStyleLoraLinear(), nn.ReLU(), nn.Linear(8, 3))
+
+
+def loralib_step(model: nn.Module) -> tuple[object, torch.optim.Optimizer]:
+    batch = lm_batch(seed=3, batch=4)
+    return cls_step(model, batch, torch.tensor([0, 1, 1, 0])), trainable_optimizer(model)
+
+
+def test_loralib_model_is_understood_and_a_correct_setup_is_quiet() -> None:
+    model = loralib_llama_cls()
+    assert is_peft_model(model)
+    step, opt = loralib_step(model)
+    report = run_audit(model, step, optimizer=opt)
+    assert report.ok and not report.warnings, str(report)
+    (summary,) = report.by_id("LORA-013")
+    assert summary.severity is Severity.INFO and summary.details["count"] == 8  # A and B, q and v, 2 blocks
+    assert summary.details["numel"] == 2 * 2 * 4 * (32 + 32)
+    (expected,) = report.by_id("LORA-004")  # lora_B starts at zero, so lora_A's first gradient is zero
+    assert all(p.endswith("lora_A") for p in expected.details["params"])
+
+
+def test_lora_001_loralib_without_mark_only_lora_as_trainable() -> None:
+    model = loralib_llama_cls(mark_only_lora=False)  # loralib froze q/v weights; everything else still trains
+    (finding,) = lora_summary(model).by_id("LORA-001")
+    params = finding.details["params"]
+    assert finding.severity is Severity.ERROR and "BASE model is not fully frozen" in finding.message
+    assert any("k_proj.weight" in p for p in params) and any("mlp" in p for p in params)
+    assert not any("lora_" in p or "norm" in p or "embed" in p or p.startswith("score") for p in params)
+
+
+def test_lora_001_seed_style_layer_with_its_base_unfrozen() -> None:
+    model = seed_style_model()
+    model.requires_grad_(True)
+    (finding,) = lora_summary(model).by_id("LORA-001")
+    assert finding.details["params"] == ["0.base_layer.weight"]  # the head and the biases are fair to train
+
+
+def test_lora_001_clean_hand_rolled_with_head_biases_and_norms_trainable() -> None:
+    assert not lora_summary(seed_style_model()).by_id("LORA-001")  # a trainable head next to the adapter
+    model = loralib_llama_cls()
+    for name, p in model.named_parameters():  # LongLoRA-style: norms and embeddings train with the adapters
+        if "norm" in name or "embed" in name:
+            p.requires_grad_(True)
+    report = lora_summary(model)
+    assert not report.by_id("LORA-001") and report.ok, str(report)
+
+
+def test_lora_002_hand_rolled_adapters_all_frozen() -> None:
+    for model in (seed_style_model(), loralib_llama_cls()):
+        model.requires_grad_(False)
+        report = lora_summary(model)
+        (finding,) = report.by_id("LORA-002")
+        assert "ALL frozen" in finding.message and not report.ok
+        assert not report.by_id("LORA-013")  # nothing trainable to summarise
+
+
+def test_lora_002_clean_hand_rolled_adapters_trainable() -> None:
+    for model in (seed_style_model(), loralib_llama_cls()):
+        report = lora_summary(model)
+        assert not report.by_id("LORA-002") and report.by_id("LORA-013"), str(report)
+
+
+def test_lora_013_only_for_models_with_trainable_adapters() -> None:
+    assert not lora_summary(tiny_llama_cls()).by_id("LORA-013")
+    (summary,) = lora_summary(gpt2_lora()).by_id("LORA-013")
+    assert summary.details["count"] == 4 and "trainable adapter" in summary.message  # c_attn in 2 blocks
+
+
+def test_lora_009_silent_for_hand_rolled_lora_on_some_blocks() -> None:
+    model = loralib_llama_cls(layers=[0])  # a choice, not a target_modules pattern gone wrong
+    report = lora_summary(model)
+    assert not report.by_id("LORA-009") and report.ok, str(report)
+
+
+def loralib_gpt2(mark_only_lora: bool) -> nn.Module:
+    """loralib's own GPT-2 recipe: c_attn as a MergedLinear adapting q and v only, biases of LoRA layers trained."""
+    import loralib
+
+    model = tiny_gpt2()
+    for block in model.transformer.h:
+        old = block.attn.c_attn
+        new = loralib.MergedLinear(32, 96, r=4, lora_alpha=8, enable_lora=[True, False, True], fan_in_fan_out=True)
+        new.weight.data.copy_(old.weight.data)
+        new.bias.data.copy_(old.bias.data)
+        block.attn.c_attn = new
+    if mark_only_lora:
+        loralib.mark_only_lora_as_trainable(model, bias="lora_only")
+    return model
+
+
+def test_loralib_merged_linear_gpt2_quiet_when_marked_caught_when_not() -> None:
+    model = loralib_gpt2(mark_only_lora=True)
+    batch = lm_batch()
+    report = run_audit(model, lm_step(model, batch), optimizer=trainable_optimizer(model))
+    assert report.ok and not report.warnings, str(report)
+    model = loralib_gpt2(mark_only_lora=False)
+    report = run_audit(model, lm_step(model, batch), optimizer=trainable_optimizer(model))
+    (finding,) = report.by_id("LORA-001")
+    assert any("c_proj.weight" in p for p in finding.details["params"])
+    assert not any("c_attn" in p or "wte" in p or "ln_" in p for p in finding.details["params"])

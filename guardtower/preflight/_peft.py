@@ -104,13 +104,27 @@ def base_model(model: nn.Module) -> nn.Module:
     return inner
 
 
+def _single_factor(value: object, attr: str) -> tuple[str, nn.Parameter] | None:
+    """A hand-rolled layer's one factor: a bare Parameter (loralib: ``lora_A`` of shape [r, in]) or a module with
+    a ``weight`` (``self.lora_A = nn.Linear(in, r)``), as (name within the layer, parameter)."""
+    if isinstance(value, nn.Parameter):
+        return attr, value
+    weight = getattr(value, "weight", None)
+    if isinstance(value, nn.Module) and not isinstance(value, nn.ModuleDict) and isinstance(weight, nn.Parameter):
+        return f"{attr}.weight", weight
+    return None
+
+
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Every LoRA-adapted layer: modules holding ``lora_A``/``lora_embedding_A`` containers and an ``r`` dict."""
+    """Every LoRA-adapted layer: peft's (``lora_A`` / ``lora_embedding_A`` dicts keyed by adapter name) and
+    hand-rolled ones whose ``lora_A`` and ``lora_B`` are single factors (loralib, research code)."""
     for name, module in model.named_modules():
-        has_factors = isinstance(getattr(module, "lora_A", None), nn.ModuleDict) or isinstance(
-            getattr(module, "lora_embedding_A", None), nn.ParameterDict
-        )
-        if has_factors and isinstance(getattr(module, "r", None), dict):
+        factors = getattr(module, "lora_A", None)
+        if (
+            isinstance(factors, nn.ModuleDict)
+            or isinstance(getattr(module, "lora_embedding_A", None), nn.ParameterDict)
+            or (_single_factor(factors, "lora_A") and _single_factor(getattr(module, "lora_B", None), "lora_B"))
+        ):
             yield name, module
 
 
@@ -126,6 +140,10 @@ class AdapterPair:
     b: nn.Parameter
 
 
+_SINGLE_ADAPTER = "default"
+"""the adapter name given to a hand-rolled layer's one pair of factors (peft's default adapter name)"""
+
+
 def adapter_pairs(model: nn.Module) -> list[AdapterPair]:
     """The (A, B) factor pairs of every LoRA layer, with their full parameter names in ``model``."""
     pairs: list[AdapterPair] = []
@@ -133,6 +151,10 @@ def adapter_pairs(model: nn.Module) -> list[AdapterPair]:
         prefix = f"{layer}." if layer else ""
         linear_a = getattr(module, "lora_A", None)
         linear_b = getattr(module, "lora_B", None)
+        single_a, single_b = _single_factor(linear_a, "lora_A"), _single_factor(linear_b, "lora_B")
+        if single_a and single_b:
+            pairs.append(AdapterPair(layer, _SINGLE_ADAPTER, prefix + single_a[0], single_a[1],
+                                     prefix + single_b[0], single_b[1]))
         if isinstance(linear_a, nn.ModuleDict) and isinstance(linear_b, nn.ModuleDict):
             for adapter in linear_a.keys():
                 if adapter not in linear_b:

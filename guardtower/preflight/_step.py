@@ -9,6 +9,7 @@ gradient leaf only when the embedding is frozen, which changes no parameter's gr
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -156,12 +157,37 @@ def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
     return result
 
 
+#: the ``Tensor.grad`` descriptor (the C one on ``TensorBase``) that ``_watch_loop`` shadows while the step runs
+_GRAD: Any = inspect.getattr_static(torch.Tensor, "grad")
+
+
 @contextlib.contextmanager
 def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch.Tensor]]:
     """Record, in order, the ``backward``, ``zero_grad`` and ``step`` that ``step_fn`` runs itself, and the
-    gradients each backward left (by reference: a later ``zero_grad(set_to_none=True)`` cannot hide them)."""
+    gradients each backward left (by reference: a later ``zero_grad(set_to_none=True)`` cannot hide them).
+
+    Clearing counts as ``zero_grad`` however it is spelled: ``optimizer.zero_grad()``, ``model.zero_grad()``, or
+    ``p.grad = None`` on a trainable parameter (the "faster zero_grad" loop), seen through a ``Tensor.grad``
+    property that stands in for the C descriptor while the step runs."""
     names = {id(p): n for n, p in ctx.params.items()}
     left: dict[str, torch.Tensor] = {}
+
+    def cleared() -> None:
+        if not trace.loop_events or trace.loop_events[-1] != "zero_grad":
+            trace.loop_events.append("zero_grad")
+
+    def get_grad(tensor: torch.Tensor) -> Any:
+        return _GRAD.__get__(tensor)
+
+    def set_grad(tensor: torch.Tensor, value: Any) -> None:
+        _GRAD.__set__(tensor, value)
+        if value is None and id(tensor) in names:
+            cleared()
+
+    def del_grad(tensor: torch.Tensor) -> None:
+        _GRAD.__delete__(tensor)
+        if id(tensor) in names:
+            cleared()
 
     def on_grad(p: torch.Tensor) -> None:
         if not trace.loop_events or trace.loop_events[-1] != "backward":
@@ -176,8 +202,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
 
     def zero_grad_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not trace.loop_events or trace.loop_events[-1] != "zero_grad":
-                trace.loop_events.append("zero_grad")
+            cleared()
             return original(self, *args, **kwargs)
 
         return wrapper
@@ -187,11 +212,17 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     if base is not None:
         handles.append(base.register_step_pre_hook(pre_step))
     originals = [(cls, cls.zero_grad) for cls in (torch.optim.Optimizer, nn.Module)]
+    own_grad = torch.Tensor.__dict__.get("grad")
     try:
         for cls, original in originals:
             cls.zero_grad = zero_grad_wrapper(original)  # type: ignore[method-assign]
+        torch.Tensor.grad = property(get_grad, set_grad, del_grad, _GRAD.__doc__)  # type: ignore[assignment]
         yield left
     finally:
+        if own_grad is None:
+            del torch.Tensor.grad  # the descriptor on TensorBase shows through again
+        else:
+            torch.Tensor.grad = own_grad
         for cls, original in originals:
             cls.zero_grad = original  # type: ignore[method-assign]
         for h in handles:

@@ -38,9 +38,7 @@ def _class_names(module: nn.Module) -> set[str]:
 
 def is_data_parallel(model: nn.Module) -> bool:
     """True when the model is wrapped for data parallelism (DDP, FSDP1, FSDP2 ``fully_shard``, DeepSpeed)."""
-    if _class_names(model) & set(_DP_WRAPPERS):
-        return True
-    return any(_class_names(m) & set(_SHARDED) for m in model.modules())
+    return _wrapper_kind(model) is not None
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -51,7 +49,20 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def _is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, nn.parallel.DistributedDataParallel)
+    """DDP by class name, as every wrapper here is recognised: a user's subclass, apex's
+    ``DistributedDataParallel`` or a class moved between torch versions reduce gradients the same way."""
+    return "DistributedDataParallel" in _class_names(model)
+
+
+def _wrapper_kind(model: nn.Module) -> str | None:
+    """The data-parallel wrapper's name as users know it, or None when the model is not wrapped."""
+    names = _class_names(model)
+    for wrapper in _DP_WRAPPERS:
+        if wrapper in names:
+            return wrapper
+    if any(_class_names(m) & set(_SHARDED) for m in model.modules()):
+        return "FSDP2 (fully_shard)"
+    return None
 
 
 def _multi_rank() -> bool:
@@ -62,8 +73,9 @@ def _multi_rank() -> bool:
 @contextlib.contextmanager
 def _local_step(ctx: AuditContext) -> Iterator[None]:
     """Run the audit step under DDP's ``no_sync()``: no gradient all-reduce, reducer state untouched."""
-    if _is_ddp(ctx.model):
-        with ctx.model.no_sync():  # type: ignore[operator]
+    no_sync = getattr(ctx.model, "no_sync", None) if _is_ddp(ctx.model) else None
+    if callable(no_sync):
+        with no_sync():
             yield None
     else:
         yield None
@@ -172,10 +184,24 @@ def _consistency_probe(ctx: AuditContext) -> Iterator[ConsistencyState | None]:
             h.remove()
 
 
-@check("dist_setup", emits=("DDP-003",), static=True)
+@check("dist_setup", emits=("DDP-003", "DDP-007"), static=True)
 def check_setup(ctx: AuditContext) -> Iterator[Finding]:
-    """DDP-003: a multi-rank process group, but the model is not wrapped for data parallelism."""
-    if not _multi_rank() or is_data_parallel(ctx.model):
+    """DDP-007 which data-parallel wrapper the audit found (its settings decide DDP-001); DDP-003 a multi-rank
+    process group, but the model is not wrapped for data parallelism."""
+    kind = _wrapper_kind(ctx.model)
+    if kind is not None:
+        settings = {key: getattr(ctx.model, key) for key in ("find_unused_parameters", "static_graph")
+                    if isinstance(getattr(ctx.model, key, None), bool)}
+        shown = ", ".join(f"{k}={v}" for k, v in settings.items())
+        yield Finding(
+            "dist_setup",
+            Severity.INFO,
+            f"{kind} detected ({world_size()} rank(s){', ' + shown if shown else ''}): the data-parallel checks "
+            "apply",
+            "DDP-007",
+            {"wrapper": kind, "world_size": world_size(), **settings},
+        )
+    if not _multi_rank() or kind is not None:
         return
     if not any(p.requires_grad for p in ctx.params.values()):
         return
@@ -220,7 +246,8 @@ def check_unused(ctx: AuditContext) -> Iterator[Finding]:
             "dist_unused",
             Severity.ERROR,
             f"{len(unused)} trainable parameter(s) got no gradient under DDP(find_unused_parameters=False): the "
-            "reducer waits for them, so the next iteration errors out, or hangs when ranks differ",
+            "reducer waits for them, so the next iteration will hang or crash ('Expected to have finished "
+            "reduction in the prior iteration')",
             "DDP-001",
             {"params": sorted(unused)[:_LIST_LIMIT], "count": len(unused)},
         )

@@ -63,7 +63,7 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     if missing:
         findings.append(Finding(
             "grad_connectivity", Severity.ERROR,
-            f"{len(missing)} trainable parameter(s) got no gradient: {fmt_names(missing)} (unused in forward, "
+            f"{len(missing)} trainable parameter(s) got NO gradient: {fmt_names(missing)} (unused in forward, "
             "used under no_grad/detach, or replaced after the graph was built)",
             "GRAD-001", {"params": missing},
         ))

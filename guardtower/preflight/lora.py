@@ -131,13 +131,11 @@ def _is_peft(ctx: AuditContext) -> bool:
     return bool(ctx.memo["is_peft"])
 
 
-@check("lora_base_frozen", emits=("LORA-001",), static=True)
-def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
-    """LORA-001: base weights still trainable next to the adapters."""
-    if not _is_peft(ctx) or not any(True for _ in lora_layers(ctx.model)):
-        return
+def _peft_base_unfrozen(ctx: AuditContext) -> dict[str, nn.Parameter]:
+    """With peft everything the user means to train besides the adapters is declared (``modules_to_save``,
+    ``bias=``, trainable tokens), so any other trainable parameter is base left unfrozen."""
     bias = str(getattr(peft_config(ctx.model), "bias", "none") or "none")
-    unfrozen = {
+    return {
         name: p
         for name, p in ctx.params.items()
         if p.requires_grad
@@ -146,34 +144,89 @@ def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
         and "trainable_tokens" not in name
         and not (bias != "none" and name.endswith("bias"))
     }
+
+
+def _hand_rolled_base_unfrozen(ctx: AuditContext) -> dict[str, nn.Parameter]:
+    """Hand-rolled LoRA declares nothing: a head, biases (loralib's ``bias="lora_only"``), norms or embeddings
+    trained next to the adapters are common choices. Only the weight matrices LoRA exists to leave alone count:
+    those of the adapted layers themselves and of the other layers in the blocks that hold them (what a
+    forgotten ``loralib.mark_only_lora_as_trainable`` leaves trainable)."""
+    scopes = [name for name, _ in lora_layers(ctx.model)]
+    for stack, blocks in block_lists(ctx.model):
+        scopes += [f"{stack}.{i}" for i, block in enumerate(blocks) if any(True for _ in lora_layers(block))]
+    unfrozen: dict[str, nn.Parameter] = {}
+    owners = dict(ctx.model.named_modules())
+    for name, p in ctx.params.items():
+        owner, _, leaf = name.rpartition(".")
+        in_scope = any(owner == s or owner.startswith(f"{s}.") or not s for s in scopes)
+        module = owners.get(owner)
+        if (
+            p.requires_grad
+            and in_scope
+            and leaf != "bias"
+            and not is_adapter_param(name)
+            and not isinstance(module, nn.Embedding)
+            and "norm" not in type(module).__name__.lower()
+        ):
+            unfrozen[name] = p
+    return unfrozen
+
+
+@check("lora_base_frozen", emits=("LORA-001",), static=True)
+def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
+    """LORA-001: base weights still trainable next to the adapters."""
+    if not _is_peft(ctx) or not any(True for _ in lora_layers(ctx.model)):
+        return
+    hand_rolled = peft_config(ctx.model) is None
+    unfrozen = _hand_rolled_base_unfrozen(ctx) if hand_rolled else _peft_base_unfrozen(ctx)
     if unfrozen:
         numel = sum(p.numel() for p in unfrozen.values())
+        where = "in the LoRA-adapted layers and blocks " if hand_rolled else ""
+        saving = "saving only the LoRA weights (loralib.lora_state_dict)" if hand_rolled else "save_pretrained()"
         yield Finding(
             "lora_base_frozen",
             Severity.ERROR,
-            f"{len(unfrozen)} base parameter(s) ({numel:,} values) are trainable next to the LoRA adapters: "
-            "this is a full fine-tune, and save_pretrained() keeps only the adapter, dropping those updates",
+            f"the BASE model is not fully frozen: {len(unfrozen)} base parameter(s) {where}({numel:,} values) are "
+            f"trainable next to the LoRA adapters: this is a full fine-tune, and {saving} keeps only the adapter, "
+            "dropping those updates",
             "LORA-001",
             {"params": _names(unfrozen), "count": len(unfrozen), "numel": numel},
         )
 
 
-@check("lora_adapter", emits=("LORA-002", "LORA-007", "LORA-011"), static=True)
+@check("lora_adapter", emits=("LORA-002", "LORA-007", "LORA-011", "LORA-013"), static=True)
 def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
-    """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range."""
+    """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range,
+    LORA-013 what the audit found (trainable adapter tensors and their share), so a count off from the
+    config stands out."""
     if not _is_peft(ctx):
         return
-    factors = [(pair.a_name, pair.a) for pair in _active_pairs(ctx)] + [(pair.b_name, pair.b) for pair in _active_pairs(ctx)]
+    pairs = _active_pairs(ctx)
+    factors = [(pair.a_name, pair.a) for pair in pairs] + [(pair.b_name, pair.b) for pair in pairs]
     frozen = [name for name, p in factors if not p.requires_grad]
     if frozen:
         inference = bool(getattr(peft_config(ctx.model), "inference_mode", False))
         hint = " (the adapter was loaded with inference_mode=True)" if inference else ""
+        every = len(frozen) == len(factors)
+        count = f"the adapters are ALL frozen: all {len(frozen)}" if every else f"{len(frozen)} of {len(factors)}"
         yield Finding(
             "lora_adapter",
             Severity.ERROR,
-            f"{len(frozen)} active LoRA factor(s) have requires_grad=False{hint}: the adapter will not train",
+            f"{count} active LoRA factor(s) have requires_grad=False{hint}: the adapter will not train",
             "LORA-002",
             {"params": _names(frozen), "count": len(frozen)},
+        )
+    trainable = {n: p for n, p in ctx.params.items() if p.requires_grad and is_adapter_param(n)}
+    if trainable:
+        numel = sum(p.numel() for p in trainable.values())
+        total = sum(p.numel() for p in ctx.params.values())
+        yield Finding(
+            "lora_adapter",
+            Severity.INFO,
+            f"{len(trainable)} trainable adapter tensor(s) on {len({p.layer for p in pairs})} LoRA layer(s): "
+            f"{numel:,} values, {100.0 * numel / total:.3f}% of the model's {total:,} (e.g. {next(iter(trainable))})",
+            "LORA-013",
+            {"params": _names(trainable), "count": len(trainable), "numel": numel, "total": total},
         )
 
     layers = dict(lora_layers(ctx.model))
@@ -238,11 +291,11 @@ def check_optimizer(ctx: AuditContext) -> Iterator[Finding]:
         return
     if len(missing) == len(adapters):
         message = (
-            f"the optimizer holds none of the {len(adapters)} trainable LoRA factor(s): it was probably built "
+            f"all {len(adapters)} trainable LoRA factor(s) are NOT in the optimizer: it was probably built "
             "before get_peft_model(), so optimizer.step() never updates the adapter"
         )
     else:
-        message = f"{len(missing)} of {len(adapters)} trainable LoRA factor(s) are missing from the optimizer"
+        message = f"{len(missing)} of {len(adapters)} trainable LoRA factor(s) are NOT in the optimizer"
     yield Finding("lora_optimizer", Severity.ERROR, message, "LORA-003", {"params": _names(missing), "count": len(missing)})
 
 
@@ -380,7 +433,8 @@ def check_head(ctx: AuditContext) -> Iterator[Finding]:
 def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-009: target_modules matched only some of the transformer blocks."""
     config = peft_config(ctx.model)
-    if not _is_peft(ctx) or getattr(config, "layers_to_transform", None) is not None:
+    # hand-rolled LoRA (no config) has no target_modules pattern to get wrong: adapting some blocks is a choice
+    if not _is_peft(ctx) or config is None or getattr(config, "layers_to_transform", None) is not None:
         return
     for stack, blocks in block_lists(unwrap_parallel(ctx.model)):
         covered = [i for i, b in enumerate(blocks) if any(True for _ in lora_layers(b))]

@@ -42,7 +42,7 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     if missing and not stale_all:
         findings.append(Finding(
             "optimizer_coverage", Severity.ERROR,
-            f"{len(missing)} trainable parameter(s) are in no optimizer param group and will never be updated: "
+            f"{len(missing)} trainable parameter(s) are NOT in the optimizer (in no param group) and will never be updated: "
             f"{fmt_names(missing)}",
             "OPT-001", {"params": missing},
         ))
