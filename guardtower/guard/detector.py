@@ -64,7 +64,6 @@ class Explanation(NamedTuple):
     global_ratio: float
     global_baseline: float
     loss_tripped: bool
-    absorbed: list[int]  # slots re-baselined on a sustained level shift (n: the global norm, n + 1: the loss)
 
 
 class Detector(ABC):
@@ -143,7 +142,7 @@ class Detector(ABC):
         values = report.tolist()
         ratios, baselines, tripped = values[:n + 1], values[n + 1:2 * n + 2], values[2 * n + 2:3 * n + 3]
         return Explanation([bool(t) for t in tripped[:n]], ratios[:n], baselines[:n], bool(tripped[n]), ratios[n],
-                           baselines[n], bool(values[3 * n + 3]), [])
+                           baselines[n], bool(values[3 * n + 3]))
 
     def _norm_verdict(self, tripped: Tensor, ratios: Tensor, baselines: Tensor, limits: Tensor, g_tripped: Tensor,
                       g_ratio: Tensor, g_baseline: Tensor, g_limit: Tensor, loss_tripped: Tensor | None = None) -> Verdict:
@@ -303,6 +302,17 @@ class ZScoreDetector(_LogEMA):
                              _limit(warm, ceiling))
 
 
+class _Judged(NamedTuple):
+    """What ``AutoDetector.judge`` hands to ``update``/``limits``/``grad_spike`` of the same step."""
+
+    norms: Tensor  # the step's own norms (identifies it)
+    x: Tensor  # log values per slot
+    absorb: Tensor
+    rest: Tensor  # per tensor: the squared norm of all the others
+    tripped: Tensor
+    ring: Tensor  # the trip ring with this step's row, committed by update()
+
+
 class AutoDetector(Detector):
     """The default: a step is a spike when a gradient norm (or the loss) leaves its own recent range.
 
@@ -349,7 +359,6 @@ class AutoDetector(Detector):
     _MAD_TO_STD = math.sqrt(math.pi / 2)  # std / mean absolute deviation of a normal distribution
     _SHARE_EPS = 1e-6  # a tensor holding all of the gradient has share 1/sqrt(eps), not inf
     _BIG = 1e30  # "cannot trip" / "no cap" in log space: finite, so an Inf value still compares above it
-    _ROWS = ("level", "spread", "peak", "count", "scale")
 
     def __init__(self, threshold: float = 10.0, *, sigmas: float = 6.0, loss_ratio: float = 1.5,
                  ema_alpha: float = 0.01, warmup_steps: int = 10, floor: float = 1e-3,
@@ -372,7 +381,7 @@ class AutoDetector(Detector):
         self.floor = float(floor)
         self.absorb_after = absorb_after
         self._tick = 0  # steps judged: picks the row of the trip ring (a host int, never read from the device)
-        self._pending: tuple[Tensor, ...] | None = None
+        self._pending: _Judged | None = None
 
     # -- layout -------------------------------------------------------------------------------------------
 
@@ -457,18 +466,18 @@ class AutoDetector(Detector):
         low, high = torch.aminmax(ring, dim=0)
         absorb = (high - low) <= self._margin
         tripped = raw ^ absorb
-        self._pending = (norms, x, absorb, rest, tripped, ring)  # update() commits the ring: judge changes nothing
+        self._pending = _Judged(norms, x, absorb, rest, tripped, ring)  # update() commits the ring
         return Verdict(tripped.any(), absorb.any(), (x, self._base, self._count, tripped, absorb))
 
     def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
         pending = self._pending
-        if pending is None or pending[0] is not norms:
+        if pending is None or pending.norms is not norms:
             self.judge(norms, global_norm, loss)
             pending = self._pending
         assert pending is not None
-        _, x, absorb, _, _, ring = pending
+        x, absorb = pending.x, pending.absorb
         self._pending = None
-        self._state["ring"] = ring  # the run of trips counts rejected steps too: that is what absorbs a shift
+        self._state["ring"] = pending.ring  # the run of trips counts rejected steps too: that absorbs a shift
         self._tick += 1
         level, spread, peak, count, scale = self._rows
         fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
@@ -489,21 +498,20 @@ class AutoDetector(Detector):
         """Back from shares to norms: a tensor's limit is its ceiling share times the norm of the others."""
         if self._pending is None:
             raise RuntimeError("limits() is only defined between judge() and update()")
-        rest = self._pending[3]
         limit = torch.exp(self._ceiling[:-1] * 0.5)  # a ceiling at _BIG gives inf: cannot trip
-        return limit[:-1] * torch.sqrt(rest), limit[-1]
+        return limit[:-1] * torch.sqrt(self._pending.rest), limit[-1]
 
     def grad_spike(self) -> Tensor:
         """bool 0-d: a gradient series (not only the loss) tripped in the step judged last."""
         if self._pending is None:
             raise RuntimeError("grad_spike() is only defined between judge() and update()")
-        return self._pending[4][:-1].any()
+        return self._pending.tripped[:-1].any()
 
     def explain(self, report: Tensor, norms: list[float]) -> Explanation:
         """Ratios of the slots' values to their levels; a baseline norm is the norm over its ratio."""
         n = self.n
         m = n + 2
-        x, base, count, tripped, absorb = report.reshape(5, m).unbind(0)
+        x, base, count, tripped, _ = report.reshape(5, m).unbind(0)
         half = torch.full((m,), 0.5)
         half[-1] = 1.0
         seen = torch.where(count > 0, torch.exp((x - base) * half), 0.0)  # no baseline yet: ratio 0
@@ -512,8 +520,7 @@ class AutoDetector(Detector):
         values = [*norms, global_norm]
         baselines = [v / r if r > 0 and math.isfinite(r) else 0.0 for v, r in zip(values, ratios)]
         flags = [bool(t) for t in tripped.tolist()]
-        return Explanation(flags[:n], ratios[:n], baselines[:n], flags[n], ratios[n], baselines[n], flags[n + 1],
-                           [i for i, a in enumerate(absorb.tolist()) if a])
+        return Explanation(flags[:n], ratios[:n], baselines[:n], flags[n], ratios[n], baselines[n], flags[n + 1])
 
     # -- persistence --------------------------------------------------------------------------------------
 
