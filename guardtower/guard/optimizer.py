@@ -507,7 +507,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return skip, found_inf
 
     def _loss_tensor(self, loss: Any) -> tuple[float | None, Tensor]:
-        """(the loss as a Python number if it was one, the loss as float32 0-d on the device, NaN if absent)."""
+        """(the loss as a Python number if it was one, the loss as float32 0-d on the device; the detector's
+        ``absent_loss`` when there is none)."""
         if isinstance(loss, Tensor):
             value = loss if loss.dim() == 0 else loss.mean()
             if value.dtype != torch.float32 or value.device != self._device:
