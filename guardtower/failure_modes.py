@@ -747,7 +747,47 @@ _DIST: tuple[FailureMode, ...] = (
 )
 
 
-CATALOG: Mapping[str, FailureMode] = MappingProxyType({m.id: m for m in (*_CORE, *_LORA, *_DIST)})
+# --- what the measured step does against what the setup intends (issue 18): the schedule over the planned run,
+# what the loss supervises, what the update does (SCHED-, DATA-, OPT-, AMP-, LOOP-) ---------------------------
+_STEP: tuple[FailureMode, ...] = (
+    FailureMode(
+        "SCHED-001", "The lr schedule ends early", Severity.WARN,
+        "Walked over the planned run at the cadence the step really steps it, the learning rate falls to ~0 "
+        "(<= 1e-3 x its peak) well before the last planned optimizer step.",
+        "A schedule built for one epoch's steps, for the steps of a shorter run, or stepped once per micro-batch "
+        "reaches its end early; the rest of the run trains at lr ~0 (or on a cosine that climbs back up), and the "
+        "loss curve merely flattens.",
+        "Build the schedule with num_training_steps = the real number of optimizer steps (epochs x batches // "
+        "accumulation), step it once per optimizer step, and pass total_steps= to the audit.",
+        "https://huggingface.co/docs/transformers/main_classes/optimizer_schedules",
+        ("schedule", "optimizer"),
+    ),
+    FailureMode(
+        "SCHED-002", "The run ends inside the warmup", Severity.WARN,
+        "Over the planned run the learning rate is still rising at the last optimizer step: the warmup (or the "
+        "whole schedule) is longer than the run.",
+        "Warmup and length multiplied by gradient_accumulation_steps or counted in samples make the schedule "
+        "slower than the loop; training never reaches the planned lr nor decays, and nothing reports it.",
+        "Count warmup and training steps in optimizer steps (after accumulation); check the schedule's length "
+        "against the trainer's max_steps.",
+        "https://github.com/huggingface/diffusers/issues/4387",
+        ("schedule", "optimizer"),
+    ),
+    FailureMode(
+        "SCHED-003", "The schedule is not stepped once per optimizer step", Severity.WARN,
+        "The training step runs optimizer.step() but steps its per-step LR scheduler zero times (stepped once per "
+        "epoch elsewhere) or several times (once per micro-batch).",
+        "A per-step schedule (OneCycleLR, linear or cosine warmup) stepped per epoch never leaves its first lr; "
+        "stepped per micro-batch it runs K times too fast. Both train, just at the wrong learning rates.",
+        "Call scheduler.step() right after each optimizer.step() (under accumulation: only when the optimizer "
+        "stepped, e.g. when accelerator.sync_gradients), or build a per-epoch schedule for per-epoch stepping.",
+        "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
+        ("schedule", "loop"),
+    ),
+)
+
+
+CATALOG: Mapping[str, FailureMode] = MappingProxyType({m.id: m for m in (*_CORE, *_STEP, *_LORA, *_DIST)})
 
 
 def catalog() -> list[FailureMode]:

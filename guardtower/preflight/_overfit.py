@@ -9,11 +9,28 @@ from typing import Any, Callable
 import torch
 
 from guardtower.preflight._registry import AuditContext
+from guardtower.preflight._schedule import LOOKAHEAD_STEPS, walk_schedule
 from guardtower.preflight._step import extract_loss
 from guardtower.preflight._update import unhooked_step
 from guardtower.preflight._util import base_optimizer
 
-__all__ = ["overfit_losses"]
+__all__ = ["overfit_losses", "at_peak_lr"]
+
+
+def at_peak_lr(ctx: AuditContext) -> list[float]:
+    """Set every param group to the peak lr its schedule reaches over the planned run (or the look-ahead), so
+    one batch is overfit at the lr training will really use, not at warmup's first value; returns the lrs.
+    The caller restores the groups' hyper-parameters afterwards."""
+    opt = base_optimizer(ctx.optimizer)
+    if opt is None:
+        return []
+    walk = (walk_schedule(ctx.lr_scheduler, opt, ctx.total_steps or LOOKAHEAD_STEPS)
+            if ctx.lr_scheduler is not None else None)
+    peaks = None if walk is None else [max(series) for series in walk.lrs]
+    for gi, group in enumerate(opt.param_groups):
+        if peaks is not None and gi < len(peaks) and peaks[gi] > 0:
+            group["lr"] = peaks[gi]
+    return [float(g["lr"]) for g in opt.param_groups]
 
 
 def overfit_losses(ctx: AuditContext, step_fn: Callable[[], Any], steps: int) -> list[float]:

@@ -33,7 +33,9 @@ class AuditContext:
     params: dict[str, nn.Parameter]
     """``model.named_parameters()`` (shared tensors once, under their first name)"""
     lr_scheduler: Any = None
-    """the LR scheduler that will drive ``optimizer`` (``audit(lr_scheduler=)``), if given"""
+    """the LR scheduler that will drive ``optimizer``: ``audit(lr_scheduler=)``, else the one attached to it"""
+    total_steps: int | None = None
+    """the planned number of optimizer steps of the run (``audit(total_steps=)``, the trainer's ``max_steps``)"""
     trace: StepTrace | None = None
     """None for static audits (``lora_summary``)"""
     probes: dict[str, Any] = field(default_factory=dict)

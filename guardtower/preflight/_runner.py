@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from guardtower.preflight._overfit import overfit_losses
+from guardtower.preflight._overfit import at_peak_lr, overfit_losses
 from guardtower.preflight._batch import batch_mapping, confirm_padded_labels_ignored, labelled_padding
 from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
 from guardtower.preflight._state import TrainingState
@@ -25,7 +25,8 @@ from guardtower.preflight._step import (
     run_step,
 )
 from guardtower.preflight._update import measure_update
-from guardtower.preflight._util import unique_params
+from guardtower.preflight._schedule import ScheduleState, find_scheduler
+from guardtower.preflight._util import base_optimizer, unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
@@ -101,6 +102,7 @@ def audit(
     scaler: Any = None,
     lr_scheduler: Any = None,
     steps: int = 0,
+    total_steps: int | None = None,
     sinks: Iterable[Sink] | None = None,
     bus: EventBus | None = None,
 ) -> Report:
@@ -111,7 +113,10 @@ def audit(
     optimizer state, RNG streams, ``training`` flags and the inputs' ``requires_grad`` are restored bitwise,
     also when ``step_fn`` or a check raises. ``lr_scheduler`` (optional) is looked ahead to catch a schedule
     that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
-    one batch and checks that its loss falls (LOSS-009); everything is restored afterwards as well.
+    one batch, at the schedule's peak lr, and checks that its loss falls (LOSS-009); everything is restored
+    afterwards as well. ``total_steps`` (optional) is the planned number of optimizer steps: the schedule is
+    walked over the whole run at the cadence ``step_fn`` steps it. Without ``lr_scheduler=``, a scheduler
+    attached to ``optimizer`` is found and walked the same way.
     """
     _validate_model(model)
     if not callable(step_fn):
@@ -128,6 +133,11 @@ def audit(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError("steps", f"expected a whole number of overfitting steps >= 0, got {steps!r}",
                           "pass e.g. steps=30 to check that 30 steps on this batch drive its loss down, or leave it out")
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                    or total_steps < 1):
+        raise ConfigError("total_steps", f"expected the planned number of optimizer steps (a whole number >= 1), "
+                          f"got {total_steps!r}", "pass e.g. total_steps=len(loader) * epochs // accumulation, "
+                          "or leave it out")
     if steps and optimizer is None:
         raise ConfigError("steps", "overfitting one batch needs the optimizer",
                           "pass optimizer= together with steps=")
@@ -137,7 +147,9 @@ def audit(
         # torch.compile'd code runs eagerly under the audit: dynamo must not trace the audit's own hooks, and
         # the eager step is the same computation
         with torch.compiler.set_stance("force_eager"):
-            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, specs)
+            if lr_scheduler is None and optimizer is not None:
+                lr_scheduler = find_scheduler(base_optimizer(optimizer))
+            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, total_steps, specs)
         _publish(event_bus, report)
     finally:
         if owned:
@@ -148,9 +160,9 @@ def audit(
 
 
 def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs: Any, scaler: Any,
-           lr_scheduler: Any, steps: int, specs: list[CheckSpec]) -> Report:
+           lr_scheduler: Any, steps: int, total_steps: int | None, specs: list[CheckSpec]) -> Report:
     ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
-                       lr_scheduler=lr_scheduler)
+                       lr_scheduler=lr_scheduler, total_steps=total_steps)
     report = Report(checks_run=[s.name for s in specs])
     def counted_step() -> Any:  # counted: a step drawing next(iterator) consumes one batch per call
         report.step_fn_calls += 1
@@ -158,6 +170,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
 
     needs = {n for s in specs for n in s.needs}
     state = TrainingState(model, optimizer, inputs, scaler)
+    schedule = ScheduleState(lr_scheduler)  # a step_fn that steps the scheduler moves it: put it back too
     try:
         state.clear_grads()
         # a training step runs with autograd on, whatever context audit() was called from
@@ -215,6 +228,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 report.notes.append(f"step_fn ran {steps + 1} more times: steps={steps} overfits this batch with "
                                     "real optimizer steps (then every value is put back)")
                 with state.isolated_optimizers():
+                    trace.overfit_lrs = at_peak_lr(ctx)
                     trace.overfit_losses = overfit_losses(ctx, counted_step, steps)
                 state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
@@ -222,6 +236,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             report.findings.extend(_run_check(spec, ctx))
     finally:
         state.restore()
+        schedule.restore()
     return report
 
 

@@ -157,6 +157,9 @@ def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
     return result
 
 
+#: marks an attribute the owner did not define itself (it was inherited, or looked up on the class)
+_ABSENT: Any = object()
+
 #: the ``Tensor.grad`` descriptor (the C one on ``TensorBase``) that ``_watch_loop`` shadows while the step runs
 _GRAD: Any = inspect.getattr_static(torch.Tensor, "grad")
 
@@ -207,15 +210,51 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
 
         return wrapper
 
+    def recording(event: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            trace.loop_events.append(event)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def counting_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            trace.backward_calls += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def scaling(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(scaler: Any, outputs: Any) -> Any:
+            if scaler.is_enabled() and float(scaler.get_scale()) != 1.0:
+                trace.scaled_backward = True
+            return original(scaler, outputs)
+
+        return wrapper
+
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in ctx.params.values() if p.requires_grad]
     base = base_optimizer(ctx.optimizer)
     if base is not None:
         handles.append(base.register_step_pre_hook(pre_step))
-    originals = [(cls, cls.zero_grad) for cls in (torch.optim.Optimizer, nn.Module)]
+    # (owner, attribute, wrapper factory): what the step calls, seen while it runs and put back afterwards
+    patches: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (torch.optim.Optimizer, "zero_grad", zero_grad_wrapper), (nn.Module, "zero_grad", zero_grad_wrapper),
+        (torch.autograd, "backward", counting_backward),
+        (torch.amp.GradScaler, "scale", scaling),
+        (torch.amp.GradScaler, "unscale_", lambda f: recording("unscale", f)),
+    ]
+    patches += [(owner, name, lambda f: recording("clip", f))
+                for owner in (torch.nn.utils, torch.nn.utils.clip_grad)
+                for name in ("clip_grad_norm_", "clip_grad_value_") if hasattr(owner, name)]
+    scheduler = ctx.lr_scheduler
+    if scheduler is not None and callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "__dict__"):
+        patches.append((scheduler, "step", lambda f: recording("scheduler", f)))
+    saved = [(owner, name, owner.__dict__.get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT,
+              getattr(owner, name)) for owner, name, _ in patches]
     own_grad = torch.Tensor.__dict__.get("grad")
     try:
-        for cls, original in originals:
-            cls.zero_grad = zero_grad_wrapper(original)  # type: ignore[method-assign]
+        for (owner, name, wrap), (_, _, _, current) in zip(patches, saved):
+            setattr(owner, name, wrap(current))
         torch.Tensor.grad = property(get_grad, set_grad, del_grad, _GRAD.__doc__)  # type: ignore[assignment]
         yield left
     finally:
@@ -223,8 +262,11 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             del torch.Tensor.grad  # the descriptor on TensorBase shows through again
         else:
             torch.Tensor.grad = own_grad
-        for cls, original in originals:
-            cls.zero_grad = original  # type: ignore[method-assign]
+        for owner, name, own, _ in reversed(saved):
+            if own is _ABSENT:
+                delattr(owner, name)  # an instance's method, or a class attribute inherited from a base
+            else:
+                setattr(owner, name, own)
         for h in handles:
             h.remove()
 

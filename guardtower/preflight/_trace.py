@@ -79,7 +79,13 @@ class StepTrace:
     user_backward: bool = False
     """``step_fn`` ran backward itself"""
     loop_events: list[str] = field(default_factory=list)
-    """``"backward"``, ``"zero_grad"`` and ``"step"`` as ``step_fn`` itself ran them, in order (repeats merged)"""
+    """``"backward"``, ``"zero_grad"``, ``"step"``, ``"clip"`` (gradient clipping), ``"unscale"`` (a GradScaler
+    unscaling the gradients) and ``"scheduler"`` as ``step_fn`` itself ran them, in order (repeats of
+    backward and zero_grad merged)"""
+    backward_calls: int = 0
+    """how many separate backward passes ``step_fn`` ran itself (micro-batches of one accumulated step)"""
+    scaled_backward: bool = False
+    """``step_fn`` scaled its loss with an enabled GradScaler before backward"""
     step_grads: list[int] = field(default_factory=list)
     """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
     loss_requires_grad: bool = False
@@ -96,6 +102,8 @@ class StepTrace:
     """the loss was bitwise unchanged on perturbed inputs (``input_independence`` need); None: not asked/unknown"""
     padded_labels_ignored: bool | None = None
     """the loss was bitwise unchanged with the labels on padding changed (``padded_labels`` need)"""
+    overfit_lrs: list[float] = field(default_factory=list)
+    """the lr of each param group during the overfitting steps: the schedule's peak, not its first value"""
     overfit_losses: list[float] = field(default_factory=list)
     """the batch's loss before each overfitting step and after the last (``overfit`` need, ``audit(steps=N)``)"""
     given_inputs_ignored: bool | None = None

@@ -30,11 +30,13 @@ def check_overfit_batch(ctx: AuditContext) -> Iterable[Finding]:
         return []
     first, last = losses[0], losses[-1]
     steps = len(losses) - 1
-    details = {"losses": [round(v, 6) if math.isfinite(v) else str(v) for v in losses], "steps": steps}
+    lrs = ctx.trace.overfit_lrs if ctx.trace is not None else []
+    details = {"losses": [round(v, 6) if math.isfinite(v) else str(v) for v in losses], "steps": steps, "lr": lrs}
+    at = f" at lr {', '.join(f'{lr:.3g}' for lr in lrs)}" if lrs else ""
     if not math.isfinite(last):
         return [Finding(
             "overfit_batch", Severity.ERROR,
-            f"overfitting one batch, the loss went from {first:.4g} to {last} after {steps} step(s): training "
+            f"overfitting one batch{at}, the loss went from {first:.4g} to {last} after {steps} step(s): training "
             "diverges on data it has already seen (learning rate far too high, or a numerically unstable loss)",
             "LOSS-009", details,
         )]
@@ -46,7 +48,7 @@ def check_overfit_batch(ctx: AuditContext) -> Iterable[Finding]:
         return []
     return [Finding(
         "overfit_batch", Severity.ERROR,
-        f"{steps} optimizer steps on this one batch moved its loss from {first:.4g} to {last:.4g} "
+        f"{steps} optimizer steps{at} on this one batch moved its loss from {first:.4g} to {last:.4g} "
         f"({-100 * drop:+.1f}%, lower after {100 * falling:.0f}% of the steps): a correctly wired model memorises "
         "one batch steadily, so the labels do not match the "
         "inputs, the loss does not measure the model's output, nothing trains, or the learning rate is too small",

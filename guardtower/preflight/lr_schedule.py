@@ -1,0 +1,107 @@
+"""``lr_schedule``: the learning rate over the whole planned run, at the cadence the step really runs the
+scheduler. The schedule is walked on the real scheduler and optimizer (``_schedule.walk_schedule``) and put
+back; the cadence is what ``step_fn`` did: how many ``scheduler.step()`` calls per ``optimizer.step()``."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._schedule import Walk, walk_schedule
+from guardtower.preflight._util import base_optimizer
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__: list[str] = []
+
+#: an lr at or below this share of the run's peak trains (close to) nothing
+NEAR_ZERO = 1e-3
+#: a schedule must not reach ~0 before this share of the planned run
+EARLIEST_END = 0.9
+#: the peak must be reached before this share of the planned run (else the run ends inside the warmup)
+LATEST_PEAK = 0.9
+#: a schedule is "per step" when its lr changes by more than this factor over the planned run
+MOVES = 2.0
+
+
+def _planned(ctx: AuditContext) -> int | None:
+    """The planned optimizer steps: ``total_steps=``, else a scheduler's own length (OneCycleLR)."""
+    if ctx.total_steps:
+        return ctx.total_steps
+    own = getattr(ctx.lr_scheduler, "total_steps", None)
+    return own if isinstance(own, int) and own > 1 else None
+
+
+def _cadence(ctx: AuditContext) -> tuple[int | None, int]:
+    """(scheduler steps per optimizer step that ``step_fn`` ran, optimizer steps it ran); (None, 0) when
+    ``step_fn`` runs no optimizer step (the loop steps both outside it)."""
+    events = ctx.trace.loop_events if ctx.trace is not None else []
+    opt_steps = events.count("step")
+    if not opt_steps:
+        return None, 0
+    return events.count("scheduler") // opt_steps, opt_steps
+
+
+def _judge(walk: Walk, gi: int) -> tuple[str, str, dict[str, object]] | None:
+    lrs = walk.lrs[gi]
+    peak = max(lrs)
+    if peak <= 0:
+        return None  # never above 0: OPT-004
+    n = walk.planned
+    top = next(k for k, lr in enumerate(lrs) if lr >= 0.99 * peak)
+    low = [k for k, lr in enumerate(lrs) if k > top and lr <= NEAR_ZERO * peak]
+    details: dict[str, object] = {"group": gi, "planned_steps": n, "walked_steps": len(lrs), "cadence": walk.cadence,
+                                  "peak_lr": peak, "peak_step": top, "start_lr": lrs[0], "end_lr": lrs[-1]}
+    if low and low[0] < EARLIEST_END * n:
+        share = len(low) / n
+        details.update(first_zero_step=low[0], zero_share=share)
+        return ("SCHED-001",
+                f"param group {gi}'s lr falls to ~0 at optimizer step {low[0]:,} of the {n:,} planned "
+                f"({100 * share:.0f}% of the run at <= {NEAR_ZERO:g} x its peak {peak:.3g}): the schedule ends "
+                "early (built for fewer steps than the run, or stepped faster than once per optimizer step)",
+                details)
+    if len(lrs) == n and top >= LATEST_PEAK * n and lrs[-1] > lrs[0] * MOVES:
+        return ("SCHED-002",
+                f"param group {gi}'s lr is still rising at the end of the {n:,} planned optimizer steps "
+                f"({lrs[0]:.3g} -> {lrs[-1]:.3g}, peak at step {top:,}): the run ends inside the warmup (warmup "
+                "or schedule length counted in micro-batches or samples, not optimizer steps)", details)
+    return None
+
+
+@check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003"))
+def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
+    """SCHED-001 the lr reaches ~0 early, SCHED-002 the run ends inside the warmup, SCHED-003 a per-step
+    schedule that the training step does not step once per optimizer step."""
+    opt = base_optimizer(ctx.optimizer)
+    planned = _planned(ctx)
+    if ctx.lr_scheduler is None or opt is None or planned is None:
+        return []
+    cadence, opt_steps = _cadence(ctx)
+    findings: list[Finding] = []
+    walk = walk_schedule(ctx.lr_scheduler, opt, planned, max(cadence or 1, 1))
+    if walk is None:
+        return []
+    if cadence is not None and cadence != 1:
+        per_step = walk_schedule(ctx.lr_scheduler, opt, planned, 1) if cadence == 0 else walk
+        moves = per_step is not None and any(
+            max(s) > MOVES * max(min(s), 1e-30) or max(s) > 0 == min(s) for s in per_step.lrs)
+        if cadence >= 2 or moves:
+            name = type(ctx.lr_scheduler).__name__
+            findings.append(Finding(
+                "lr_schedule", Severity.WARN,
+                f"the training step ran {opt_steps} optimizer step(s) and {cadence * opt_steps} {name}.step() "
+                f"call(s): a schedule planned in optimizer steps is stepped {cadence}x per optimizer step"
+                + (" (it is not stepped with the optimizer: once per epoch, the run stays near its first lr "
+                   f"{walk.lrs[0][0]:.3g})" if cadence == 0 else " (once per micro-batch?)"),
+                "SCHED-003", {"scheduler_steps_per_optimizer_step": cadence, "optimizer_steps": opt_steps,
+                              "scheduler": name},
+            ))
+        if cadence == 0:
+            return findings  # how often the loop steps it outside step_fn is unknown: judge nothing more
+    for gi in range(len(walk.lrs)):
+        judged = _judge(walk, gi)
+        if judged is not None:
+            cid, message, details = judged
+            findings.append(Finding("lr_schedule", Severity.WARN, message, cid, details))
+            break  # one group tells; the others share the schedule
+    return findings
