@@ -751,6 +751,70 @@ _DIST: tuple[FailureMode, ...] = (
 # what the loss supervises, what the update does (SCHED-, DATA-, OPT-, AMP-, LOOP-) ---------------------------
 _STEP: tuple[FailureMode, ...] = (
     FailureMode(
+        "DATA-005", "Padding carries loss gradient", Severity.WARN,
+        "Positions that the batch marks as padding (attention_mask / decoder_attention_mask 0, or the pad id as "
+        "the target) receive gradient from the loss, measured at the model's output in the real backward.",
+        "A custom loss over every position, labels padded with the pad id instead of -100 (T5/BART), or a "
+        "collator that forgets to mask padding all train the model to predict padding; the loss still falls, "
+        "helped by the easy pad targets.",
+        "Set the labels of padding positions to -100 (DataCollatorForSeq2Seq(label_pad_token_id=-100)), or "
+        "multiply a per-token loss by the mask before reducing it.",
+        "https://huggingface.co/docs/transformers/main_classes/data_collator",
+        ("data", "loss"),
+    ),
+    FailureMode(
+        "DATA-006", "The target is the input token at the same position", Severity.WARN,
+        "A large share of the supervised positions ask the model for the very token it is given at that position.",
+        "Labels that are not shifted for a custom causal-LM loss, or masked-LM labels kept at unmasked positions "
+        "instead of -100, turn training into copying the visible input; the loss drops fast and looks great.",
+        "Shift the targets (predict token t+1 from position t), or set the labels of unmasked positions to -100 "
+        "for masked-LM (DataCollatorForLanguageModeling does it).",
+        "https://github.com/huggingface/transformers/issues/20797",
+        ("data", "loss"),
+    ),
+    FailureMode(
+        "DATA-007", "The batch holds one class only", Severity.WARN,
+        "Every sample of the audited batch has the same target class, with a batch large enough that a shuffled "
+        "draw would almost never do that.",
+        "A dataset sorted or grouped by label and loaded without shuffling gives batches of one class; the model "
+        "learns to predict the current class, the loss looks fine batch by batch, and accuracy is chance.",
+        "Shuffle the training data (DataLoader(shuffle=True), or a sampler that mixes classes per batch).",
+        "https://pytorch.org/docs/stable/data.html#data-loading-order-and-sampler",
+        ("data",),
+    ),
+    FailureMode(
+        "DATA-008", "Class weights grow with class frequency", Severity.WARN,
+        "Measured per sample from the loss gradient, the classes that are most frequent in the batch get the "
+        "largest loss weights.",
+        "Class weights meant to counter imbalance are easily built as frequencies instead of inverse frequencies "
+        "(or normalised the wrong way); the rare classes then count even less and nothing reports it.",
+        "Use inverse-frequency weights, e.g. n_samples / (n_classes * count_c), or sklearn's "
+        "compute_class_weight('balanced', ...).",
+        "https://scikit-learn.org/stable/modules/generated/sklearn.utils.class_weight.compute_class_weight.html",
+        ("data", "loss"),
+    ),
+    FailureMode(
+        "LOOP-004", "Accumulated losses are summed, not averaged", Severity.WARN,
+        "The step runs K backward passes (micro-batches) before one optimizer step, and each micro-batch's mean "
+        "loss enters the gradient with weight 1: the step's gradient is K times the mean over its batch.",
+        "Gradient accumulation without dividing the loss by the accumulation count multiplies the effective lr by "
+        "K (and changes it whenever K changes); training still runs, just hotter than planned.",
+        "Divide each micro-batch's loss by the number of accumulation steps before backward (or let "
+        "Accelerate/the Trainer do the accumulation).",
+        "https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation",
+        ("loop", "loss"),
+    ),
+    FailureMode(
+        "LOOP-005", "Micro-batches of one step are weighted unequally", Severity.WARN,
+        "Within one accumulated step, each micro-batch's positions get a different loss weight: each micro-batch "
+        "is a mean over its own token or sample count.",
+        "With padding-dependent token counts, averaging per micro-batch and then over micro-batches weights the "
+        "tokens of short micro-batches more than those of long ones: not the loss of the whole batch.",
+        "Normalise the summed loss by the total number of supervised positions of the whole accumulated step.",
+        "https://huggingface.co/blog/gradient_accumulation",
+        ("loop", "loss"),
+    ),
+    FailureMode(
         "SCHED-001", "The lr schedule ends early", Severity.WARN,
         "Walked over the planned run at the cadence the step really steps it, the learning rate falls to ~0 "
         "(<= 1e-3 x its peak) well before the last planned optimizer step.",

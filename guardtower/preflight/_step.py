@@ -18,7 +18,8 @@ from torch import nn
 
 from guardtower.preflight._registry import PROBES, AuditContext
 from guardtower.preflight._state import TensorFlags
-from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace
+from guardtower.preflight._supervision import first_call_output, supervision_hook
+from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace, Supervision
 from guardtower.preflight._util import LABEL_KEYS, base_optimizer, iter_tensors
 
 __all__ = ["run_step", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
@@ -54,7 +55,7 @@ def extract_loss(output: Any) -> Any:
 
 @contextlib.contextmanager
 def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], watch: _Watch,
-                mark_inputs: bool) -> Iterator[None]:
+                mark_inputs: bool, supervised: list[Supervision]) -> Iterator[None]:
     sensitive = [(n, m) for n, m in model.named_modules() if n and isinstance(m, MODE_SENSITIVE)]
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -77,9 +78,12 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
                 watch.token_ptrs.add(t.untyped_storage().data_ptr())
 
     def post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        for call in reversed(calls):
-            if call.output is None:
-                call.output = output
+        for index in range(len(calls) - 1, -1, -1):
+            if calls[index].output is None:
+                calls[index].output = output
+                measured = first_call_output(output, _primary_output)
+                if measured is not None and torch.is_grad_enabled():
+                    measured.register_hook(supervision_hook(index, measured, supervised))
                 break
 
     def embedding_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], Any]:
@@ -280,7 +284,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
     watch = _Watch()
     output: Any = None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_instrument(ctx.model, flags, calls, watch, mark_inputs))
+        stack.enter_context(_instrument(ctx.model, flags, calls, watch, mark_inputs, trace.supervision))
         left_by_backward = stack.enter_context(_watch_loop(ctx, trace))
         for factory in PROBES.values():
             stack.enter_context(factory(ctx))
@@ -308,6 +312,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
             except RuntimeError:
                 # torch.autograd.grad is refused by reentrant checkpointing; the real backward below is not
                 trace.leak = []
+        trace.supervision.clear()  # the leak analysis' own gradient passed the output hooks: not the loss's
         try:
             captured: dict[str, torch.Tensor] = {}
             handles = [

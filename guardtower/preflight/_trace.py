@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Need", "NEEDS", "RootCall", "UpdateStats", "LeakEntry", "StepTrace"]
+__all__ = ["Need", "NEEDS", "RootCall", "UpdateStats", "LeakEntry", "Supervision", "StepTrace"]
 
 #: extra work a check can declare: ``leak`` one more backward from sample 0's prediction (batch mixing),
 #: ``update`` a trial optimizer step on the audit's gradients (undone), ``input_independence`` a second,
@@ -44,6 +44,24 @@ class UpdateStats:
     ndim: int
     finite: bool = True
     """False when the step turned a finite tensor non-finite"""
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """What the loss gradient reaching one model call's output says, one entry per output position (the output's
+    leading dimensions: samples, or samples x tokens). CPU tensors."""
+
+    call: int
+    """index of the model call in ``StepTrace.calls``"""
+    magnitude: torch.Tensor
+    """sum of |gradient| over the classes: 0 where the loss does not supervise the position"""
+    target: torch.Tensor | None
+    """the class the loss pulls the position towards (most negative gradient entry); None without a class dim"""
+    weight: torch.Tensor | None
+    """the weight of each position in a softmax cross-entropy (``-g[y] / (1 - p[y])``); None when the gradient
+    does not have that shape"""
+    classes: int
+    """size of the class dimension (0 when there is none)"""
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,8 @@ class StepTrace:
     input_grads: dict[str, float | None] | None = None
     """watched input (float input or embedding output) -> norm of the gradient the loss sent it, or None"""
     leak: list[LeakEntry] = field(default_factory=list)
+    supervision: list[Supervision] = field(default_factory=list)
+    """per backward through a model call's output: what the loss supervised there (the real backward only)"""
     update: dict[str, UpdateStats] = field(default_factory=dict)
     """param name -> what the trial optimizer step did to it (``update`` need)"""
     update_error: BaseException | None = None

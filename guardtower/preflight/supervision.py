@@ -1,0 +1,249 @@
+"""``supervision``: what the loss supervises, measured from the gradient that reached the model's output in the
+real backward (``_supervision``), against what the batch and the config intend: padding that carries loss
+gradient, targets that are the input token at the same position, a batch of one class, class weights that grow
+with class frequency, and how the micro-batches of one accumulated step are weighted."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from guardtower.preflight._batch import batch_mapping, labelled_padding
+from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._trace import RootCall, Supervision
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__: list[str] = []
+
+#: a position counts as supervised when its gradient is above this share of the largest one
+_SUPERVISED = 1e-6
+#: at least this share of the supervised positions predicting their own input token is a copy task
+COPY_SHARE = 0.3
+#: a batch of one class is reported when a uniform draw of its classes would give that with less chance
+ONE_CLASS_CHANCE = 1e-2
+#: per-micro-batch weights that differ by more than this factor weight the samples of one step unequally
+UNEQUAL = 1.2
+
+
+def _config(model: nn.Module) -> Any:
+    return getattr(model, "config", None)
+
+
+def _vocab(model: nn.Module) -> int | None:
+    size = getattr(_config(model), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    return emb.num_embeddings if isinstance(emb, nn.Embedding) else None
+
+
+def _call_tensor(call: RootCall, key: str) -> torch.Tensor | None:
+    value = call.kwargs.get(key)
+    if value is None and key == "input_ids" and call.args and isinstance(call.args[0], torch.Tensor):
+        value = call.args[0]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _aligned(call: RootCall, rec: Supervision, model: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(token ids, attention mask) of the call that line up with the supervised positions: the decoder's for an
+    encoder-decoder model, else the input's."""
+    shape = tuple(rec.magnitude.shape)
+    if getattr(_config(model), "is_encoder_decoder", False):
+        keys = ("decoder_input_ids", "decoder_attention_mask")
+    else:
+        keys = ("input_ids", "attention_mask")
+    ids, mask = (_call_tensor(call, k) for k in keys)
+    ids = ids.detach().cpu() if ids is not None and tuple(ids.shape) == shape and not ids.is_floating_point() else None
+    mask = mask.detach().cpu() if mask is not None and tuple(mask.shape) == shape else None
+    return ids, mask
+
+
+def _supervised(rec: Supervision) -> torch.Tensor:
+    top = float(rec.magnitude.max()) if rec.magnitude.numel() else 0.0
+    return rec.magnitude > _SUPERVISED * top if top > 0 else torch.zeros_like(rec.magnitude, dtype=torch.bool)
+
+
+def _left_pad_boundary(mask: torch.Tensor) -> torch.Tensor:
+    """The last padding position before each left-padded row's first real token: a causal LM predicts the first
+    real token from it, which is supervision of that token, not of padding."""
+    boundary = torch.zeros_like(mask, dtype=torch.bool)
+    real = mask != 0
+    for row in range(mask.shape[0]):
+        first = int(real[row].float().argmax()) if bool(real[row].any()) else 0
+        if first > 0:
+            boundary[row, first - 1] = True
+    return boundary
+
+
+def _padding_supervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
+    """DATA-005: padding positions (by the mask the model receives, or the pad id among the targets) that carry
+    loss gradient."""
+    if rec.magnitude.dim() != 2:
+        return None
+    ids, mask = _aligned(call, rec, ctx.model)
+    supervised = _supervised(rec)
+    config = _config(ctx.model)
+    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    if mask is not None and bool((mask == 0).any()):
+        padded = (mask == 0) & ~_left_pad_boundary(mask)
+        hit = supervised & padded
+        how = "the attention mask marks as padding"
+    elif (isinstance(pad, int) and rec.target is not None and rec.classes == _vocab(ctx.model)
+          and rec.weight is not None):
+        is_pad = supervised & (rec.target == pad)
+        if pad == eos:  # a real EOS is a pad id too: only a second one in a row is padding
+            is_pad = is_pad & (is_pad.cumsum(-1) >= 2)
+        hit = is_pad
+        how = f"have the pad id {pad} as their target"
+    else:
+        return None
+    count = int(hit.sum())
+    if count < 2:
+        return None
+    rows = sorted({int(r) for r in torch.nonzero(hit)[:, 0]})
+    return Finding(
+        "supervision", Severity.WARN,
+        f"{count} position(s) that {how} receive loss gradient (rows {rows[:8]}): the loss trains the model to "
+        "predict padding; set their labels to -100 (or mask them out of the loss)",
+        "DATA-005", {"positions": count, "rows": rows[:50], "supervised": int(supervised.sum())},
+    )
+
+
+def _copies_input(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
+    """DATA-006: the loss asks for the token the model is given at the same position (nothing to predict)."""
+    if rec.target is None or rec.magnitude.dim() != 2 or rec.classes != _vocab(ctx.model):
+        return None
+    ids, _ = _aligned(call, rec, ctx.model)
+    if ids is None:
+        return None
+    supervised = _supervised(rec)
+    n = int(supervised.sum())
+    same = int((supervised & (rec.target == ids)).sum())
+    if n < 4 or same < COPY_SHARE * n:
+        return None
+    return Finding(
+        "supervision", Severity.WARN,
+        f"{same} of the {n} supervised positions ({100 * same / n:.0f}%) have as their target the very token the "
+        "model receives at that position: the loss rewards copying the input (labels not shifted, or masked-LM "
+        "labels kept at unmasked positions instead of -100)",
+        "DATA-006", {"copying": same, "supervised": n},
+    )
+
+
+def _per_sample(rec: Supervision) -> bool:
+    return rec.magnitude.dim() == 1 and rec.target is not None and rec.weight is not None and rec.classes >= 2
+
+
+def _one_class(rec: Supervision) -> Finding | None:
+    """DATA-007: every supervised sample of the batch has the same class."""
+    if not _per_sample(rec):
+        return None
+    assert rec.target is not None
+    targets = rec.target[_supervised(rec)]
+    n = int(targets.numel())
+    if n < 2 or int(targets.unique().numel()) != 1:
+        return None
+    chance = rec.classes * (1.0 / rec.classes) ** n
+    if chance >= ONE_CLASS_CHANCE:
+        return None
+    return Finding(
+        "supervision", Severity.WARN,
+        f"all {n} samples of the batch have class {int(targets[0])} (of {rec.classes}): batches of one class teach "
+        "the model to predict that class, whatever the input; shuffle the data (shuffle=True, or a sampler "
+        "that mixes classes)", "DATA-007", {"samples": n, "class": int(targets[0]), "classes": rec.classes},
+    )
+
+
+def _weights_follow_frequency(rec: Supervision) -> Finding | None:
+    """DATA-008: per-class loss weights that grow with how often the class occurs in the batch."""
+    if not _per_sample(rec):
+        return None
+    assert rec.target is not None and rec.weight is not None
+    keep = _supervised(rec)
+    targets, weights = rec.target[keep], rec.weight[keep]
+    classes = targets.unique()
+    if classes.numel() < 2:
+        return None
+    counts = torch.stack([(targets == c).sum() for c in classes]).float()
+    means = torch.stack([weights[targets == c].mean() for c in classes])
+    if float(counts.max()) < 2 * float(counts.min()) or float(means.max()) < UNEQUAL * float(means.min()):
+        return None
+    if int(counts.argmax()) != int(means.argmax()) or int(counts.argmin()) != int(means.argmin()):
+        return None
+    order = torch.argsort(counts)
+    if not bool((means[order][1:] >= means[order][:-1]).all()):
+        return None
+    common, rare = int(classes[counts.argmax()]), int(classes[counts.argmin()])
+    return Finding(
+        "supervision", Severity.WARN,
+        f"the loss weights class {common} ({int(counts.max())} samples) {float(means.max()) / float(means.min()):.1f}x "
+        f"more than class {rare} ({int(counts.min())} samples): the class weights grow with class frequency, so "
+        "the rare classes count even less; weights for imbalance are inverse frequencies (n / (k * count_c))",
+        "DATA-008", {"classes": [int(c) for c in classes], "counts": [int(c) for c in counts],
+                     "weights": [float(w) for w in means]},
+    )
+
+
+def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
+    """LOOP-004 / LOOP-005: how the micro-batches of one accumulated step (several backward passes before one
+    optimizer step inside ``step_fn``) are weighted against each other."""
+    trace = ctx.trace
+    assert trace is not None
+    records = [r for r in trace.supervision if r.weight is not None]
+    k = trace.backward_calls
+    if k < 2 or trace.loop_events.count("step") != 1 or len(records) != k:
+        return
+    totals = [float(r.weight.sum()) for r in records if r.weight is not None]
+    positions = sum(int(_supervised(r).sum()) for r in records)
+    if all(math.isclose(t, 1.0, rel_tol=0.05) for t in totals) and positions > k:
+        yield Finding(
+            "supervision", Severity.WARN,
+            f"the step sums the mean losses of its {k} micro-batches without dividing by {k}: each optimizer step "
+            f"gets {k}x the mean gradient over its {positions} supervised positions (the lr is effectively {k}x "
+            f"larger, and changes with the accumulation count); divide each micro-batch's loss by {k}",
+            "LOOP-004", {"micro_batches": k, "weight_totals": totals, "positions": positions},
+        )
+        return
+    per_token = []
+    for r in records:
+        assert r.weight is not None
+        w = r.weight[_supervised(r)]
+        if w.numel() == 0 or float(w.max()) > 1.01 * float(w.min()):
+            return  # weights vary inside a micro-batch: not a plain mean per micro-batch
+        per_token.append(float(w.mean()))
+    if max(per_token) > UNEQUAL * min(per_token):
+        yield Finding(
+            "supervision", Severity.WARN,
+            f"the {k} micro-batches of one step weight their positions differently ({min(per_token):.3g} to "
+            f"{max(per_token):.3g} per position): each micro-batch's loss is a mean over its own count, so positions "
+            "of small micro-batches weigh more; normalise by the step's total count of supervised positions",
+            "LOOP-005", {"micro_batches": k, "weights": per_token},
+        )
+
+
+@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "LOOP-004", "LOOP-005"))
+def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
+    """What the loss supervises against the batch, the config and the step's accumulation."""
+    trace = ctx.trace
+    if trace is None or trace.error is not None or not trace.supervision:
+        return []
+    findings: list[Finding] = []
+    labelled = labelled_padding(ctx.model, batch_mapping(ctx.inputs, trace.calls)) is not None  # DATA-002's case
+    seen: set[str] = set()
+    for rec in trace.supervision:
+        if rec.call >= len(trace.calls):
+            continue
+        call = trace.calls[rec.call]
+        candidates = [None if labelled else _padding_supervised(ctx, call, rec), _copies_input(ctx, call, rec),
+                      _one_class(rec), _weights_follow_frequency(rec)]
+        for f in candidates:
+            if f is not None and f.catalog_id not in seen:
+                seen.add(f.catalog_id)
+                findings.append(f)
+    findings.extend(_accumulation(ctx))
+    return findings
