@@ -751,6 +751,28 @@ _DIST: tuple[FailureMode, ...] = (
 # what the loss supervises, what the update does (SCHED-, DATA-, OPT-, AMP-, LOOP-) ---------------------------
 _STEP: tuple[FailureMode, ...] = (
     FailureMode(
+        "OPT-008", "The optimizer moves tensors that got no gradient", Severity.WARN,
+        "One optimizer step changes a tensor whose gradient was None or zero, or embedding rows the batch read "
+        "whose gradient was zero: weight decay or momentum, not the loss, moves them.",
+        "Freezing by running a part under no_grad, by zeroing its gradient, or by masking embedding rows leaves "
+        "requires_grad=True and the tensors in the optimizer; decoupled weight decay (AdamW) or momentum shrinks "
+        "and shifts them every step. The loss falls; the 'frozen' weights drift.",
+        "Freeze with requires_grad_(False) and build the optimizer over the trainable tensors only; when only "
+        "some rows may train (textual inversion), restore the others after each step or use weight_decay=0.",
+        "https://github.com/huggingface/diffusers/issues/1176",
+        ("optimizer", "frozen"),
+    ),
+    FailureMode(
+        "AMP-004", "Gradients clipped while still scaled", Severity.WARN,
+        "The step calls clip_grad_norm_/clip_grad_value_ after a GradScaler-scaled backward and before "
+        "scaler.unscale_(optimizer): the threshold is compared with the scaled gradients.",
+        "With a scale of 65536 the scaled norm is huge, so clipping always triggers and scaler.step() then divides "
+        "by the scale: every update is a tiny fraction of the intended one. Nothing fails; training crawls.",
+        "Call scaler.unscale_(optimizer) before clipping, then scaler.step(optimizer) and scaler.update().",
+        "https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping",
+        ("precision", "loop"),
+    ),
+    FailureMode(
         "DATA-005", "Padding carries loss gradient", Severity.WARN,
         "Positions that the batch marks as padding (attention_mask / decoder_attention_mask 0, or the pad id as "
         "the target) receive gradient from the loss, measured at the model's output in the real backward.",

@@ -35,6 +35,7 @@ def _mlm_batch() -> dict[str, torch.Tensor]:
     ids = _ids()
     labels = torch.full_like(ids, -100)
     labels[:, ::4] = ids[:, ::4]
+    ids[:, ::4] = 3  # the labelled positions are masked in the input, as a masked-LM collator does
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 

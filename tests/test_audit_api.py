@@ -237,6 +237,12 @@ def test_run_static_rejects_dynamic_check_names() -> None:
 def _hf_case(build: Any) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     m = build()
     batch = token_batch(pad_last=3)
+    if m.config.model_type == "bert":  # masked-LM: predict masked tokens (a label on every visible one is a copy task)
+        labels = torch.full_like(batch["labels"], -100)
+        labels[:, ::3] = batch["input_ids"][:, ::3]
+        labels[batch["attention_mask"] == 0] = -100
+        batch = {**batch, "input_ids": batch["input_ids"].clone(), "labels": labels}
+        batch["input_ids"][:, ::3] = 3
     decay = [p for p in m.parameters() if p.dim() >= 2]
     rest = [p for p in m.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=3e-4)

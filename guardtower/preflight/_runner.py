@@ -24,7 +24,7 @@ from guardtower.preflight._step import (
     given_inputs_unused,
     run_step,
 )
-from guardtower.preflight._update import measure_update
+from guardtower.preflight._update import measure_update, user_step_moves
 from guardtower.preflight._schedule import ScheduleState, find_scheduler
 from guardtower.preflight._util import base_optimizer, unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
@@ -176,6 +176,8 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         # a training step runs with autograd on, whatever context audit() was called from
         with torch.enable_grad(), state.isolated_optimizers():
             trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs)
+        if "update" in needs and trace.user_backward and "step" in trace.loop_events:
+            trace.user_update = user_step_moves(ctx, state.params)
         state.restore_values()
         if trace.phase == "step_fn" and trace.marked_inputs:
             # the model refuses inputs that require grad (wav2vec2 sets requires_grad on a view of its input):

@@ -105,12 +105,18 @@ def find_scheduler(optimizer: Any) -> Any:
     if not isinstance(optimizer, torch.optim.Optimizer):
         return None
     for ref in gc.get_referrers(optimizer):
-        if not isinstance(ref, dict) or ref.get("optimizer") is not optimizer:
-            continue
-        for owner in gc.get_referrers(ref):
-            if getattr(owner, "__dict__", None) is ref and callable(getattr(owner, "get_last_lr", None)):
+        if _drives(ref, optimizer):  # an object whose attributes live inline (no separate __dict__)
+            return ref
+        if isinstance(ref, dict) and ref.get("optimizer") is optimizer:
+            owner = next((o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref), None)
+            if owner is not None and _drives(owner, optimizer):
                 return owner
     return None
+
+
+def _drives(obj: Any, optimizer: Any) -> bool:
+    return (not isinstance(obj, dict) and getattr(obj, "optimizer", None) is optimizer
+            and callable(getattr(obj, "get_last_lr", None)) and callable(getattr(obj, "state_dict", None)))
 
 
 def _lr(group: dict[str, Any]) -> float:

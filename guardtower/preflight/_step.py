@@ -18,6 +18,7 @@ from torch import nn
 
 from guardtower.preflight._registry import PROBES, AuditContext
 from guardtower.preflight._state import TensorFlags
+from guardtower.preflight._update import grad_rows
 from guardtower.preflight._supervision import first_call_output, supervision_hook
 from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace, Supervision
 from guardtower.preflight._util import LABEL_KEYS, base_optimizer, iter_tensors
@@ -55,7 +56,8 @@ def extract_loss(output: Any) -> Any:
 
 @contextlib.contextmanager
 def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], watch: _Watch,
-                mark_inputs: bool, supervised: list[Supervision]) -> Iterator[None]:
+                mark_inputs: bool, supervised: list[Supervision], ran: set[str],
+                ran_with_grad: set[str]) -> Iterator[None]:
     sensitive = [(n, m) for n, m in model.named_modules() if n and isinstance(m, MODE_SENSITIVE)]
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -102,9 +104,19 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
 
         return hook
 
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def ran_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        name = names.get(id(module))
+        if name is not None:
+            ran.add(name)
+            if torch.is_grad_enabled():
+                ran_with_grad.add(name)
+
     handles = [
         model.register_forward_pre_hook(pre_hook, with_kwargs=True),
         model.register_forward_hook(post_hook, with_kwargs=True),
+        torch.nn.modules.module.register_module_forward_pre_hook(ran_hook),
     ]
     handles += [
         m.register_forward_hook(embedding_hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Embedding)
@@ -201,11 +213,18 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             trace.loop_events.append("backward")
         if p.grad is not None and id(p) in names:
             left[names[id(p)]] = p.grad
+            if not trace.step_grads:  # which rows backward filled, to tell the rows the step zeroed afterwards
+                rows = grad_rows(p.grad)
+                if rows is not None:
+                    trace.grad_rows_after_backward[names[id(p)]] = rows
 
     def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         trace.loop_events.append("step")
         tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         trace.step_grads.append(sum(1 for p in tracked if p.grad is not None and bool(p.grad.any())))
+        if len(trace.step_grads) == 1:  # what the first step had to follow, before a later zero_grad clears it
+            trace.grad_rows_at_step = {names[id(p)]: grad_rows(p.grad) for g in opt.param_groups
+                                       for p in g["params"] if id(p) in names}
 
     def zero_grad_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -284,7 +303,8 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
     watch = _Watch()
     output: Any = None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_instrument(ctx.model, flags, calls, watch, mark_inputs, trace.supervision))
+        stack.enter_context(_instrument(ctx.model, flags, calls, watch, mark_inputs, trace.supervision, trace.ran,
+                                        trace.ran_with_grad))
         left_by_backward = stack.enter_context(_watch_loop(ctx, trace))
         for factory in PROBES.values():
             stack.enter_context(factory(ctx))

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Need", "NEEDS", "RootCall", "UpdateStats", "LeakEntry", "Supervision", "StepTrace"]
+__all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Supervision", "StepTrace"]
 
 #: extra work a check can declare: ``leak`` one more backward from sample 0's prediction (batch mixing),
 #: ``update`` a trial optimizer step on the audit's gradients (undone), ``input_independence`` a second,
@@ -33,6 +33,16 @@ class RootCall:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """A tensor an optimizer step moved where it had no gradient to follow."""
+
+    whole: bool
+    """the tensor had no gradient at all (None, or all zero)"""
+    rows: int = 0
+    """rows (first dimension) whose gradient the step zeroed between backward and optimizer.step(), that moved"""
+
+
+@dataclass(frozen=True)
 class UpdateStats:
     """How one optimizer step changed one parameter tensor."""
 
@@ -44,6 +54,10 @@ class UpdateStats:
     ndim: int
     finite: bool = True
     """False when the step turned a finite tensor non-finite"""
+    moved_without_grad: Moved | None = None
+    """set when the step moved this tensor (or rows of it) where its gradient was None or zero"""
+    has_grad: bool = True
+    """the tensor had a gradient in the trial step"""
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,16 @@ class StepTrace:
     input_grads: dict[str, float | None] | None = None
     """watched input (float input or embedding output) -> norm of the gradient the loss sent it, or None"""
     leak: list[LeakEntry] = field(default_factory=list)
+    ran: set[str] = field(default_factory=set)
+    """names of the model's submodules whose forward ran during the step"""
+    ran_with_grad: set[str] = field(default_factory=set)
+    """those of ``ran`` that ran at least once with autograd on (so their output was in the graph)"""
+    grad_rows_after_backward: dict[str, torch.Tensor] = field(default_factory=dict)
+    """param name -> which rows of its gradient were non-zero right after ``step_fn``'s backward passes"""
+    grad_rows_at_step: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    """param name -> which rows of its gradient were non-zero when ``step_fn``'s first optimizer step ran"""
+    user_update: dict[str, "Moved"] = field(default_factory=dict)
+    """param name -> how ``step_fn``'s own optimizer step moved it, for tensors it moved without a gradient"""
     supervision: list[Supervision] = field(default_factory=list)
     """per backward through a model call's output: what the loss supervised there (the real backward only)"""
     update: dict[str, UpdateStats] = field(default_factory=dict)

@@ -13,10 +13,10 @@ import torch
 
 from guardtower.preflight._registry import AuditContext
 from guardtower.preflight._state import clone_value, restore_value
-from guardtower.preflight._trace import UpdateStats
+from guardtower.preflight._trace import Moved, UpdateStats
 from guardtower.preflight._util import base_optimizer
 
-__all__ = ["measure_update", "unhooked_step"]
+__all__ = ["measure_update", "unhooked_step", "moved_without_grad", "user_step_moves"]
 
 #: elements stepped at once: a small model takes one step, a large one never copies more than this at a time
 _CHUNK_ELEMENTS = 1 << 23
@@ -36,7 +36,8 @@ def measure_update(ctx: AuditContext) -> dict[str, UpdateStats]:
     stats: dict[str, UpdateStats] = {}
     try:
         for gi, params in enumerate(lists):
-            eligible = [p for p in params if id(p) in names and p.grad is not None and p.requires_grad]
+            # tensors without a gradient take part too: an optimizer that moves them anyway is a finding
+            eligible = [p for p in params if id(p) in names]
             for chunk in _chunks(eligible):
                 for gj, group in enumerate(groups):
                     group["params"] = chunk if gj == gi else []
@@ -72,7 +73,7 @@ def _step_chunk(opt: torch.optim.Optimizer, raw: Any, chunk: list[torch.Tensor])
     try:
         raw(opt)
         with torch.no_grad():
-            return [_measure(p, before) for p, before in zip(chunk, befores)]
+            return [_measure(p, before, moved_without_grad(p, before, grad_rows(p.grad))) for p, before in zip(chunk, befores)]
     finally:
         for p, before, state, state_copy in zip(chunk, befores, saved, saved_copies):
             with torch.no_grad():
@@ -80,7 +81,7 @@ def _step_chunk(opt: torch.optim.Optimizer, raw: Any, chunk: list[torch.Tensor])
             _restore_state(opt, p, state, state_copy)
 
 
-def _measure(p: torch.Tensor, before: torch.Tensor) -> UpdateStats:
+def _measure(p: torch.Tensor, before: torch.Tensor, moved: Moved | None) -> UpdateStats:
     delta = p.detach().float() - before.float()
     p_norm = float(before.float().norm())
     d_norm = float(delta.norm())
@@ -90,7 +91,52 @@ def _measure(p: torch.Tensor, before: torch.Tensor) -> UpdateStats:
     ratio = d_norm / p_norm if p_norm > 0 else (float("inf") if d_norm > 0 else 0.0)
     finite = bool(torch.isfinite(p).all()) or not bool(torch.isfinite(before).all())
     return UpdateStats(ratio=ratio, stuck_fraction=stuck, dtype=str(p.dtype).replace("torch.", ""), ndim=p.dim(),
-                       finite=finite)
+                       finite=finite, moved_without_grad=moved, has_grad=p.grad is not None)
+
+
+def grad_rows(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """Which rows of a gradient are non-zero (one flag for a tensor of fewer than 2 dims); None: no gradient."""
+    if grad is None:
+        return None
+    with torch.no_grad():
+        return grad.reshape(grad.shape[0], -1).any(dim=1) if grad.dim() >= 2 else grad.any().reshape(1)
+
+
+def moved_without_grad(p: torch.Tensor, before: torch.Tensor, rows_with_grad: torch.Tensor | None,
+                       zeroed: torch.Tensor | None = None) -> Moved | None:
+    """How a step moved ``p`` where its gradient gave it nothing to follow: the whole tensor when it had no
+    gradient at all (None: cut from the graph, run under no_grad), or the rows whose gradient the step zeroed
+    between backward and ``optimizer.step()`` (``zeroed``: rows that had a gradient after backward and none
+    at the step). An all-zero gradient from backward itself is left alone: LoRA factors and zero-initialised
+    gates have one at the first step by design."""
+    with torch.no_grad():
+        if torch.equal(p, before):
+            return None
+        if rows_with_grad is None:
+            return Moved(whole=True)
+        if zeroed is None or not bool(zeroed.any()):
+            return None
+        delta = (p != before).reshape(p.shape[0], -1).any(dim=1) if p.dim() >= 2 else (p != before).any().reshape(1)
+        count = int((zeroed.to(delta.device) & delta).sum())
+        return Moved(whole=False, rows=count) if count else None
+
+
+def user_step_moves(ctx: AuditContext, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Moved]:
+    """Tensors that ``step_fn``'s own optimizer step moved without a gradient, against the values before it."""
+    assert ctx.trace is not None
+    names = {id(p): n for n, p in ctx.params.items()}
+    moves = {}
+    for p, before in saved:
+        name = names.get(id(p))
+        if name is None or name not in ctx.trace.grad_rows_at_step or before.shape != p.shape:
+            continue  # only what the optimizer holds: other updates (an EMA copy) are the user's own
+        at_step = ctx.trace.grad_rows_at_step.get(name)
+        after = ctx.trace.grad_rows_after_backward.get(name)
+        zeroed = after & ~at_step if after is not None and at_step is not None and after.shape == at_step.shape else None
+        moved = moved_without_grad(p, before, at_step, zeroed)
+        if moved is not None:
+            moves[name] = moved
+    return moves
 
 
 def _restore_state(opt: torch.optim.Optimizer, p: torch.Tensor, saved: dict[str, Any] | None,

@@ -32,7 +32,7 @@ EXPLODING_RATIO = 1e2
 VANISHING_RATIO = 1e-8
 VANISHING_GLOBAL_NORM = 1e-8
 #: median ``||update|| / ||weight||`` over weight matrices after one step; ~1e-3 is healthy
-UPDATE_RATIO_HIGH = 1e-1
+UPDATE_RATIO_HIGH = 0.5
 UPDATE_RATIO_LOW = 1e-6
 
 
@@ -60,6 +60,16 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
             "GRAD-001", {"params": skipped, "conditional": True},
         ))
         missing = [n for n in missing if n not in set(skipped)]
+    idle = _unused_parts(ctx, missing)
+    if idle:
+        findings.append(Finding(
+            "grad_connectivity", Severity.INFO,
+            f"{len(idle)} trainable parameter(s) of the architecture's optional parts got no gradient because the "
+            f"loss does not use what they compute: {fmt_names(idle)} (an unused pooler, cross-attention a "
+            "decoder-only use never calls); if the loss should use them, wire them in, else freeze them",
+            "GRAD-001", {"params": idle, "unused_part": True},
+        ))
+        missing = [n for n in missing if n not in set(idle)]
     if missing:
         findings.append(Finding(
             "grad_connectivity", Severity.ERROR,
@@ -81,6 +91,30 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
             "GRAD-004", {"params": zero},
         ))
     return findings
+
+
+def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
+    """The gradient-less parameters of an architecture's optional parts: a module the library defined (a pooler,
+    the cross-attention of a decoder used alone) that never ran, or ran in the graph while nothing downstream
+    used its output. Not cut: a part that ran only under ``no_grad`` stays a failure, and so does a module the
+    user wrote or attached (a head wired to nothing) and an adapter factor (an adapter that never trains is the
+    bug itself)."""
+    assert ctx.trace is not None
+    ran, in_graph = ctx.trace.ran, ctx.trace.ran_with_grad
+    if not ran:
+        return []
+    modules = dict(ctx.model.named_modules())
+    idle = []
+    for n in missing:
+        owner = n.rpartition(".")[0]
+        if owner not in modules or (owner in ran and owner not in in_graph) or is_lora_factor(n) or "lora_" in n:
+            continue
+        path = owner.split(".")
+        chain = [modules.get(".".join(path[:i])) for i in range(1, len(path) + 1)]
+        if any(m is not None and type(m).__module__.startswith("transformers.") and not hasattr(m, "base_model_prefix")
+               for m in chain):
+            idle.append(n)
+    return idle
 
 
 #: config fields that make a layer or expert skip a step by design (layerdrop, mixture-of-experts routing)
@@ -197,7 +231,8 @@ def check_update_ratio(ctx: AuditContext) -> Iterable[Finding]:
             "trainable weights in fp32)",
             "NAN-004", {"params": broken, "dtypes": dtypes},
         )]
-    ratios = {n: s.ratio for n, s in stats.items() if s.ndim >= 2 and math.isfinite(s.ratio) and not is_lora_factor(n)}
+    ratios = {n: s.ratio for n, s in stats.items()
+              if s.has_grad and s.ndim >= 2 and math.isfinite(s.ratio) and not is_lora_factor(n)}
     if not ratios:
         return []
     median = statistics.median(ratios.values())
@@ -215,4 +250,32 @@ def check_update_ratio(ctx: AuditContext) -> Iterable[Finding]:
         "update_ratio", Severity.WARN,
         f"one optimizer step changes the weights by a median {median:.3g} of their norm, {verdict}",
         "GRAD-005", {"median_ratio": median, "lr": lrs, "ratios": dict(top)},
+    )]
+
+
+@check("update_effect", emits=("OPT-008",), needs=("update",))
+def check_update_effect(ctx: AuditContext) -> Iterable[Finding]:
+    """OPT-008: an optimizer step moves tensors that got no gradient, or rows whose gradient the step zeroed
+    after backward: weight decay or momentum moving what the user froze, zeroed or cut from the graph. Judged on the audit's trial step
+    and, when ``step_fn`` steps the optimizer itself, on that step."""
+    if ctx.trace is None:
+        return []
+    moved = {n: s.moved_without_grad for n, s in ctx.trace.update.items() if s.moved_without_grad is not None}
+    moved.update(ctx.trace.user_update)
+    if not moved:
+        return []
+    whole = [n for n, m in moved.items() if m.whole]
+    rows = {n: m.rows for n, m in moved.items() if not m.whole}
+    parts = []
+    if whole:
+        parts.append(f"{len(whole)} tensor(s) with no gradient (None): {fmt_names(whole)}")
+    if rows:
+        parts.append(" and ".join(f"{count} row(s) of {name} whose gradient the step zeroed after backward"
+                                  for name, count in list(rows.items())[:3]))
+    return [Finding(
+        "update_effect", Severity.WARN,
+        f"one optimizer step moves {'; and '.join(parts)}: weight decay or momentum changes what the gradient left "
+        "alone, so tensors meant to stay fixed (frozen by no_grad, by zeroing their gradient, by a mask) drift "
+        "every step; set requires_grad=False and leave them out of the optimizer, or restore them after the step",
+        "OPT-008", {"params": whole[:50], "rows": rows},
     )]

@@ -12,13 +12,22 @@ from guardtower.severity import Severity
 __all__: list[str] = []
 
 
-@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003"))
+@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003", "AMP-004"))
 def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
     """LOOP-001 gradients cleared between backward and step, LOOP-002 step before backward, LOOP-003 gradients
-    never cleared."""
+    never cleared, AMP-004 gradients clipped while still scaled by a GradScaler."""
     trace = ctx.trace
     if trace is None or "step" not in trace.loop_events:
         return []
+    clipped = _clipped_while_scaled(trace.loop_events) if trace.scaled_backward else False
+    if clipped:
+        return [Finding(
+            "loop_order", Severity.WARN,
+            f"the step clips gradients while they are still multiplied by the GradScaler's scale "
+            f"({' -> '.join(trace.loop_events)}): the clip threshold applies to the scaled norm, so every update "
+            "is ~1/scale of the intended one; call scaler.unscale_(optimizer) before clip_grad_norm_",
+            "AMP-004", {"order": trace.loop_events},
+        )]
     events = trace.loop_events
     first_step = events.index("step")
     before, after = events[:first_step], events[first_step + 1:]
@@ -48,3 +57,16 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
             "LOOP-003", details,
         )]
     return []
+
+
+def _clipped_while_scaled(events: list[str]) -> bool:
+    """A ``clip`` after a (scaled) backward with no ``unscale`` in between."""
+    scaled = False
+    for event in events:
+        if event == "backward":
+            scaled = True
+        elif event == "unscale":
+            scaled = False
+        elif event == "clip" and scaled:
+            return True
+    return False

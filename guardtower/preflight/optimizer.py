@@ -66,13 +66,23 @@ def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     if ctx.optimizer is None:
         return findings
     names = {id(p): n for n, p in ctx.model.named_parameters()}
-    frozen = [names[id(t)] for _, t in optimizer_tensors(ctx.optimizer) if id(t) in names and not t.requires_grad]
-    if frozen:
+    frozen_tensors = [t for _, t in optimizer_tensors(ctx.optimizer) if id(t) in names and not t.requires_grad]
+    if frozen_tensors:
+        frozen = [names[id(t)] for t in frozen_tensors]
+        state = getattr(base_optimizer(ctx.optimizer), "state", {})
+        stale = [names[id(t)] for t in frozen_tensors if state.get(t)]
+        # consequence: with optimizer state (momentum, moments) a zero gradient still moves them, and unfreezing
+        # resumes stale moments; without, torch optimizers skip a tensor whose gradient is None
+        severity = Severity.WARN if stale else Severity.INFO
+        consequence = (f"{len(stale)} of them carry optimizer state (momentum/moments) from earlier steps, which "
+                       "still moves them whenever their gradient is zero instead of None, and resumes stale on "
+                       "unfreezing" if stale else "they are skipped while their gradient is None and cost only "
+                       "optimizer memory")
         findings.append(Finding(
-            "frozen", Severity.WARN,
+            "frozen", severity,
             f"{len(frozen)} frozen parameter(s) (requires_grad=False) are in the optimizer: {fmt_names(frozen)}; "
-            "they cost optimizer memory, and unfreezing them later silently resumes stale moments",
-            "OPT-002", {"params": frozen},
+            f"{consequence}",
+            "OPT-002", {"params": frozen, "with_state": stale},
         ))
     return findings
 

@@ -1,0 +1,442 @@
+"""The step-invariant families (issue 18): the schedule over the planned run, what the loss supervises, what the
+update does. Every entry of ``_STEP`` has a trigger and a clean counterpart; the severity-from-consequence
+rules (GRAD-001 for a module that never ran, OPT-002 without optimizer state) have their own tests."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from guardtower.errors import ConfigError
+from guardtower.failure_modes import _STEP
+from guardtower.preflight import audit
+from guardtower.severity import Severity
+
+from tests._audit_core_helpers import gpt2, mlp, token_batch
+
+Case = tuple[nn.Module, Callable[[], Any], dict[str, Any]]
+CASES: dict[str, Callable[[bool], Case]] = {}
+
+
+def case(key: str) -> Callable[[Callable[[bool], Case]], Callable[[bool], Case]]:
+    def register(fn: Callable[[bool], Case]) -> Callable[[bool], Case]:
+        CASES[key] = fn
+        return fn
+
+    return register
+
+
+def _data(n: int = 16, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.arange(n) % classes
+
+
+def _classifier(classes: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, classes))
+
+
+# --- the schedule over the planned run ------------------------------------------------------------------------
+def _scheduled(build: Callable[[torch.optim.Optimizer], Any], total: int, per_step: int = 1) -> Case:
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    sched = build(opt)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        for _ in range(per_step):
+            sched.step()
+        return loss
+
+    return m, step, {"optimizer": opt, "lr_scheduler": sched, "total_steps": total}
+
+
+@case("SCHED-001")
+def _schedule_built_for_one_epoch(bug: bool) -> Case:
+    from transformers import get_linear_schedule_with_warmup
+
+    # 100 batches per epoch, 10 epochs: the schedule must count 1,000 optimizer steps, not 100
+    return _scheduled(lambda o: get_linear_schedule_with_warmup(o, 10, 100 if bug else 1000), total=1000)
+
+
+@case("SCHED-001/steplr-per-batch")
+def _steplr_stepped_per_batch(bug: bool) -> Case:
+    # StepLR(step_size=100) meant per epoch of 100 batches; stepped per batch it decays 0.1x every batch... 100
+    return _scheduled(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1 if bug else 100, gamma=0.5),
+                      total=300)
+
+
+@case("SCHED-002")
+def _warmup_longer_than_run(bug: bool) -> Case:
+    from transformers import get_cosine_schedule_with_warmup
+
+    return _scheduled(lambda o: get_cosine_schedule_with_warmup(o, 2000 if bug else 50, 8000 if bug else 500),
+                      total=500)
+
+
+@case("SCHED-003")
+def _schedule_stepped_per_micro_batch(bug: bool) -> Case:
+    from transformers import get_cosine_schedule_with_warmup
+
+    return _scheduled(lambda o: get_cosine_schedule_with_warmup(o, 10, 400), total=400, per_step=2 if bug else 1)
+
+
+@case("SCHED-003/never")
+def _onecycle_not_stepped(bug: bool) -> Case:
+    return _scheduled(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-3, total_steps=300), total=300,
+                      per_step=0 if bug else 1)
+
+
+def test_a_warmup_then_decay_schedule_over_its_own_length_is_quiet() -> None:
+    from transformers import get_linear_schedule_with_warmup
+
+    model, step, kwargs = _scheduled(lambda o: get_linear_schedule_with_warmup(o, 30, 300), total=300)
+    report = audit(model, step, **kwargs)
+    assert not [f for f in report if f.catalog_id.startswith("SCHED-")], str(report)
+
+
+def test_the_scheduler_a_step_advances_is_put_back() -> None:
+    model, step, kwargs = CASES["SCHED-003"](True)
+    sched, opt = kwargs["lr_scheduler"], kwargs["optimizer"]
+    before, lr = sched.state_dict(), opt.param_groups[0]["lr"]
+    audit(model, step, **kwargs)
+    assert sched.state_dict() == before and opt.param_groups[0]["lr"] == lr
+
+
+def test_a_scheduler_attached_to_the_optimizer_is_found_without_lr_scheduler() -> None:
+    model, step, kwargs = CASES["SCHED-001"](True)
+    del kwargs["lr_scheduler"]
+    assert audit(model, step, **kwargs).by_id("SCHED-001")
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "1000"])
+def test_total_steps_must_be_a_positive_whole_number(bad: Any) -> None:
+    model, step, kwargs = CASES["SCHED-001"](False)
+    with pytest.raises(ConfigError, match="total_steps"):
+        audit(model, step, **{**kwargs, "total_steps": bad})
+
+
+def test_overfitting_runs_at_the_schedules_peak_lr_and_says_so() -> None:
+    from transformers import get_linear_schedule_with_warmup
+
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = get_linear_schedule_with_warmup(opt, 100, 1000)  # lr 0 at the first step
+    x, y = _data()
+    report = audit(m, lambda: F.cross_entropy(m(x), y), optimizer=opt, lr_scheduler=sched, total_steps=1000,
+                   steps=15)
+    assert not report.by_id("LOSS-009"), str(report)  # a correct setup, overfit at lr 1e-2, not at 0
+    assert opt.param_groups[0]["lr"] == 0.0
+
+
+# --- what the loss supervises ---------------------------------------------------------------------------------
+def _padded_lm_batch() -> dict[str, torch.Tensor]:
+    batch = token_batch(seq=12)
+    ids, mask = batch["input_ids"].clone(), torch.ones_like(batch["input_ids"])
+    ids[1:, 8:], mask[1:, 8:] = 5, 0  # right padding with id 5
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@case("DATA-005")
+def _custom_loss_over_padding(bug: bool) -> Case:
+    model = gpt2(pad_token_id=5)
+    batch = _padded_lm_batch()
+
+    def step() -> torch.Tensor:
+        logits = model(**batch).logits[:, :-1]
+        target = batch["input_ids"][:, 1:]
+        if not bug:  # the fix: padding positions leave the loss
+            target = target.masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    return model, step, {"inputs": batch}
+
+
+@case("DATA-005/label-pad-id")
+def _seq2seq_labels_padded_with_pad_id(bug: bool) -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                num_heads=2, decoder_start_token_id=0, pad_token_id=0,
+                                                eos_token_id=1))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 40, (4, 8), generator=g)
+    labels = torch.randint(2, 40, (4, 6), generator=g)
+    labels[:, 3:] = 0 if bug else -100  # label padding: the pad id, where -100 belongs
+    labels[:, 3] = 1  # EOS
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return model, lambda: model(**batch), {"inputs": batch}
+
+
+@case("DATA-006")
+def _labels_not_shifted(bug: bool) -> Case:
+    model = gpt2()
+    ids = token_batch(seq=12)["input_ids"]
+
+    def step() -> torch.Tensor:
+        logits = model(input_ids=ids).logits
+        if bug:  # predicts the token it is given
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    return model, step, {"inputs": {"input_ids": ids}}
+
+
+@case("DATA-007")
+def _batch_sorted_by_label(bug: bool) -> Case:
+    m = _classifier()
+    x, y = _data(n=12)
+    if bug:
+        y = torch.zeros_like(y)  # an unshuffled loader over a dataset sorted by class
+    return m, lambda: F.cross_entropy(m(x), y), {"inputs": x}
+
+
+@case("DATA-008")
+def _weights_proportional_to_counts(bug: bool) -> Case:
+    m = _classifier()
+    x, _ = _data(n=16)
+    y = torch.tensor([0] * 10 + [1] * 4 + [2] * 2)
+    counts = torch.bincount(y).float()
+    weights = counts / counts.sum() if bug else counts.sum() / (3 * counts)
+    return m, lambda: F.cross_entropy(m(x), y, weight=weights), {"inputs": x}
+
+
+def _accumulated(divide: bool, equal_tokens: bool = True, k: int = 2) -> Case:
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = _data(n=12)
+    sizes = [6, 6] if equal_tokens else [9, 3]
+    chunks = list(zip(x.split(sizes), y.split(sizes)))
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        total = 0.0
+        for xb, yb in chunks[:k]:
+            loss = F.cross_entropy(m(xb), yb)
+            (loss / k if divide else loss).backward()
+            total += float(loss)
+        opt.step()
+        return loss
+
+    return m, step, {"optimizer": opt, "inputs": x}
+
+
+@case("LOOP-004")
+def _accumulated_losses_summed(bug: bool) -> Case:
+    return _accumulated(divide=not bug)
+
+
+@case("LOOP-005")
+def _micro_batch_means_of_different_sizes(bug: bool) -> Case:
+    if not bug:  # the fix: one mean over the whole step (sum per micro-batch over the step's count)
+        m = _classifier()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        x, y = _data(n=12)
+        chunks = list(zip(x.split([9, 3]), y.split([9, 3])))
+
+        def step() -> torch.Tensor:
+            opt.zero_grad()
+            for xb, yb in chunks:
+                loss = F.cross_entropy(m(xb), yb, reduction="sum") / 12
+                loss.backward()
+            opt.step()
+            return loss
+
+        return m, step, {"optimizer": opt, "inputs": x}
+    return _accumulated(divide=True, equal_tokens=False)
+
+
+def test_a_correct_padded_causal_lm_batch_supervises_no_padding() -> None:
+    model = gpt2(pad_token_id=5)
+    batch = _padded_lm_batch()
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    report = audit(model, lambda: model(**batch, labels=labels), inputs={**batch, "labels": labels})
+    assert not report.by_id("DATA-005") and not report.by_id("DATA-006"), str(report)
+
+
+def test_a_balanced_weighting_and_small_batches_are_no_one_class_finding() -> None:
+    m = _classifier(classes=2)
+    x, _ = _data(n=4)
+    y = torch.zeros(4, dtype=torch.long)  # four of one class out of two: chance 1 in 8, not a finding
+    assert not audit(m, lambda: F.cross_entropy(m(x), y)).by_id("DATA-007")
+
+
+# --- what the update does -------------------------------------------------------------------------------------
+class _Backbone(nn.Module):
+    def __init__(self, no_grad: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 3)
+        self.no_grad = no_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.no_grad:
+            with torch.no_grad():
+                h = self.backbone(x)
+        else:
+            h = self.backbone(x)
+        return self.head(torch.relu(h))
+
+
+class _DecayAll(torch.optim.SGD):
+    """A wrapper applying decoupled weight decay to every tensor that requires grad (as some repos do)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.mul_(1 - 0.01)
+        return super().step(closure)
+
+
+@case("OPT-008")
+def _no_grad_backbone_decayed(bug: bool) -> Case:
+    m = _Backbone(no_grad=bug)
+    if not bug:
+        m.backbone.requires_grad_(False)
+    opt = _DecayAll(m.parameters(), lr=0.01)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt}
+
+
+@case("OPT-008/zeroed-rows")
+def _embedding_rows_zeroed_after_backward(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(32, 2))
+    m[2].requires_grad_(False)
+    opt = torch.optim.AdamW(m[0].parameters(), lr=1e-2, weight_decay=0.1 if bug else 0.0)
+    ids = torch.tensor([[1, 2, 3, 19], [4, 5, 19, 6]])
+    keep = torch.arange(20) != 19  # only the new token's row may train
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(ids), torch.tensor([0, 1]))
+        loss.backward()
+        m[0].weight.grad[keep] = 0
+        opt.step()
+        return loss
+
+    return m, step, {"optimizer": opt, "inputs": ids}
+
+
+@case("AMP-004")
+def _clip_before_unscale(bug: bool) -> Case:
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        scaler.scale(loss).backward()
+        if not bug:
+            scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return m, step, {"optimizer": opt, "scaler": scaler}
+
+
+def test_adamw_weight_decay_on_a_lora_model_is_not_moving_without_gradient() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(gpt2(), LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+    batch = token_batch(seq=12)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    assert not audit(model, step, optimizer=opt).by_id("OPT-008")
+
+
+# --- severity from consequence --------------------------------------------------------------------------------
+def test_grad_001_is_info_for_an_architectures_part_that_never_ran() -> None:
+    from transformers import BertConfig, BertModel
+
+    class Encoder(nn.Module):  # BertModel as an encoder: its own pooling, the library's pooler never runs
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=32))
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.bert(input_ids=ids).last_hidden_state.mean(1))
+
+    m = Encoder()
+    ids = torch.randint(0, 50, (6, 5), generator=torch.Generator().manual_seed(0))
+    report = audit(m, lambda: F.cross_entropy(m(ids), torch.arange(6) % 3))
+    findings = report.by_id("GRAD-001")
+    assert findings and all(f.severity == Severity.INFO and f.details.get("unused_part") for f in findings), str(report)
+    assert all(p.startswith("bert.pooler.") for f in findings for p in f.details["params"])
+
+
+def test_grad_001_stays_a_failure_for_a_users_head_that_never_ran() -> None:
+    m = _Backbone(no_grad=False)
+    m.add_module("orphan", nn.Linear(4, 4))
+    x, y = _data()
+    (finding,) = audit(m, lambda: F.cross_entropy(m(x), y)).by_id("GRAD-001")
+    assert finding.severity == Severity.ERROR and finding.details["params"] == ["orphan.weight", "orphan.bias"]
+
+
+def test_grad_001_stays_a_failure_for_a_module_that_ran_under_no_grad() -> None:
+    m = _Backbone(no_grad=True)
+    x, y = _data()
+    (finding,) = [f for f in audit(m, lambda: F.cross_entropy(m(x), y)).by_id("GRAD-001")]
+    assert finding.severity == Severity.ERROR
+
+
+def test_opt_002_is_info_without_optimizer_state_and_warn_with_it() -> None:
+    m = _classifier()
+    m[0].requires_grad_(False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    x, y = _data()
+    (fresh,) = audit(m, lambda: F.cross_entropy(m(x), y), optimizer=opt).by_id("OPT-002")
+    assert fresh.severity == Severity.INFO
+    m[0].requires_grad_(True)
+    F.cross_entropy(m(x), y).backward()
+    opt.step()  # momentum buffers for every tensor
+    m[0].requires_grad_(False)
+    (stale,) = audit(m, lambda: F.cross_entropy(m(x), y), optimizer=opt).by_id("OPT-002")
+    assert stale.severity == Severity.WARN and stale.details["with_state"]
+
+
+# --- the parametrised trigger / clean pairs ------------------------------------------------------------------
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_triggers(key: str) -> None:
+    catalog_id = key.split("/")[0]
+    model, step, kwargs = CASES[key](True)
+    report = audit(model, step, **kwargs)
+    assert any(f.severity >= Severity.WARN for f in report.by_id(catalog_id)), f"{catalog_id} not emitted:\n{report}"
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_clean_counterparts(key: str) -> None:
+    model, step, kwargs = CASES[key](False)
+    report = audit(model, step, **kwargs)
+    loud = [f"{f.severity.label} {f.catalog_id}: {f.message}" for f in report if f.severity >= Severity.WARN]
+    assert not loud, "\n".join(loud)
+
+
+def test_every_step_entry_has_a_trigger_case() -> None:
+    assert {m.id for m in _STEP} <= {key.split("/")[0] for key in CASES}
