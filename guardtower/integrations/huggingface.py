@@ -75,6 +75,7 @@ class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
         self._handle: torch.utils.hooks.RemovableHandle | None = None
         self._optimizer: Any = None
         self._lr_scheduler: Any = None
+        self._total_steps: int | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, train_dataloader: Any = None,
@@ -88,6 +89,7 @@ class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
         self._remove_hook()
         self._optimizer = optimizer
         self._lr_scheduler = lr_scheduler
+        self._total_steps = state.max_steps if isinstance(state.max_steps, int) and state.max_steps > 0 else None
         if optimizer is not None and train_dataloader is not None and not _needs_real_step(args):
             batch = _first_batch(train_dataloader, model)
             if batch is not None:
@@ -137,7 +139,7 @@ class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
             return model(*args, **kwargs)
 
         return self._audit(model, step_fn, optimizer=optimizer, inputs=kwargs or args, scaler=scaler,
-                           lr_scheduler=self._lr_scheduler)
+                           lr_scheduler=self._lr_scheduler, total_steps=self._total_steps)
 
 
 def _needs_real_step(args: Any) -> bool:

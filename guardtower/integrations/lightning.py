@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -105,7 +106,18 @@ class GuardtowerPreflight(PreflightCallbackBase, Callback):
             return out["loss"] if isinstance(out, Mapping) else out
 
         with _no_logging(pl_module):
-            return self._audit(model, step_fn, optimizer=optimizer, inputs=batch, scaler=scaler)
+            return self._audit(model, step_fn, optimizer=optimizer, inputs=batch, scaler=scaler,
+                               **_schedule(trainer))
+
+
+def _schedule(trainer: pl.Trainer) -> dict[str, Any]:
+    """The per-step LR scheduler the Trainer steps and the planned optimizer steps, for the audit to walk; a
+    per-epoch schedule is left out (the audit walks schedules per optimizer step)."""
+    configs = [c for c in getattr(trainer, "lr_scheduler_configs", []) if c.interval == "step" and c.frequency == 1]
+    total = trainer.estimated_stepping_batches
+    if not configs or not isinstance(total, (int, float)) or not math.isfinite(total) or total < 1:
+        return {}
+    return {"lr_scheduler": configs[0].scheduler, "total_steps": int(total)}
 
 
 class GuardtowerGuard(Callback):
