@@ -816,6 +816,16 @@ _STEP: tuple[FailureMode, ...] = (
         ("data", "loss"),
     ),
     FailureMode(
+        "DATA-009", "Class weights cancel out", Severity.WARN,
+        "The loss is given class weights with reduction='mean', and every supervised sample of the batch has "
+        "the same class: a weighted mean divides by the batch's summed weights, so the weights change nothing.",
+        "CrossEntropyLoss(weight=...) normalises by the weights of the batch's targets; at batch size 1, or with "
+        "batches of one class, up-weighting the rare class has no effect at all, and nothing reports it.",
+        "Mix classes in every batch, or use reduction='none' and divide the weighted sum by the batch size.",
+        "https://github.com/pytorch/pytorch/issues/50528",
+        ("data", "loss"),
+    ),
+    FailureMode(
         "LOOP-004", "Accumulated losses are summed, not averaged", Severity.WARN,
         "The step runs K backward passes (micro-batches) before one optimizer step, and each micro-batch's mean "
         "loss enters the gradient with weight 1: the step's gradient is K times the mean over its batch.",

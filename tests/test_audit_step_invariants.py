@@ -270,6 +270,16 @@ def test_a_balanced_weighting_and_small_batches_are_no_one_class_finding() -> No
     assert not audit(m, lambda: F.cross_entropy(m(x), y)).by_id("DATA-007")
 
 
+@case("DATA-009")
+def _class_weights_at_batch_size_one(bug: bool) -> Case:
+    m = _classifier(classes=2)
+    x, _ = _data(n=1 if bug else 8)
+    y = torch.ones(1 if bug else 8, dtype=torch.long)
+    if not bug:
+        y[::2] = 0
+    return m, lambda: F.cross_entropy(m(x), y, weight=torch.tensor([1.0, 10.0])), {"inputs": x}
+
+
 # --- what the update does -------------------------------------------------------------------------------------
 class _Backbone(nn.Module):
     def __init__(self, no_grad: bool) -> None:
@@ -440,3 +450,4 @@ def test_clean_counterparts(key: str) -> None:
 
 def test_every_step_entry_has_a_trigger_case() -> None:
     assert {m.id for m in _STEP} <= {key.split("/")[0] for key in CASES}
+

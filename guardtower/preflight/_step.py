@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from guardtower.preflight._registry import PROBES, AuditContext
@@ -269,6 +270,16 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     patches += [(owner, name, lambda f: recording("clip", f))
                 for owner in (torch.nn.utils, torch.nn.utils.clip_grad)
                 for name in ("clip_grad_norm_", "clip_grad_value_") if hasattr(owner, name)]
+    def weighted_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            if isinstance(weight, torch.Tensor):
+                trace.loss_weights.append((weight.detach().float().cpu(), str(kwargs.get("reduction", "mean"))))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    patches += [(F, name, weighted_loss) for name in ("cross_entropy", "nll_loss")]
     scheduler = ctx.lr_scheduler
     if scheduler is not None and callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "__dict__"):
         patches.append((scheduler, "step", lambda f: recording("scheduler", f)))

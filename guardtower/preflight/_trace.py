@@ -114,6 +114,8 @@ class StepTrace:
     """``"backward"``, ``"zero_grad"``, ``"step"``, ``"clip"`` (gradient clipping), ``"unscale"`` (a GradScaler
     unscaling the gradients) and ``"scheduler"`` as ``step_fn`` itself ran them, in order (repeats of
     backward and zero_grad merged)"""
+    loss_weights: list[tuple[torch.Tensor, str]] = field(default_factory=list)
+    """``(weight, reduction)`` of each class-weighted ``cross_entropy``/``nll_loss`` call ``step_fn`` made"""
     backward_calls: int = 0
     """how many separate backward passes ``step_fn`` ran itself (micro-batches of one accumulated step)"""
     scaled_backward: bool = False

@@ -189,6 +189,28 @@ def _weights_follow_frequency(rec: Supervision) -> Finding | None:
     )
 
 
+def _weights_cancel(ctx: AuditContext, rec: Supervision) -> Finding | None:
+    """DATA-009: class weights given to the loss, with a mean reduction, over a batch whose supervised samples
+    are all of one class: the weighted mean divides the weight back out, so the weights change nothing."""
+    assert ctx.trace is not None
+    if not _per_sample(rec) or not ctx.trace.loss_weights:
+        return None
+    assert rec.target is not None
+    targets = rec.target[_supervised(rec)].unique()
+    uneven = [(w, red) for w, red in ctx.trace.loss_weights if red == "mean" and float(w.max()) > float(w.min())]
+    if targets.numel() != 1 or not uneven:
+        return None
+    cls = int(targets[0])
+    weight = uneven[0][0]
+    return Finding(
+        "supervision", Severity.WARN,
+        f"the loss has class weights ({', '.join(f'{v:.3g}' for v in weight.tolist()[:8])}) with reduction='mean', "
+        f"but every supervised sample of the batch is class {cls}: the weighted mean divides the weight back out, "
+        "so the class weights have no effect (batch size 1, or batches of one class); use reduction='sum' over the "
+        "batch size, or mix classes in each batch", "DATA-009", {"class": cls, "weight": weight.tolist()[:50]},
+    )
+
+
 def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
     """LOOP-004 / LOOP-005: how the micro-batches of one accumulated step (several backward passes before one
     optimizer step inside ``step_fn``) are weighted against each other."""
@@ -226,7 +248,7 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
         )
 
 
-@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "LOOP-004", "LOOP-005"))
+@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "LOOP-004", "LOOP-005"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
     """What the loss supervises against the batch, the config and the step's accumulation."""
     trace = ctx.trace
@@ -240,7 +262,7 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
             continue
         call = trace.calls[rec.call]
         candidates = [None if labelled else _padding_supervised(ctx, call, rec), _copies_input(ctx, call, rec),
-                      _one_class(rec), _weights_follow_frequency(rec)]
+                      _one_class(rec), _weights_follow_frequency(rec), _weights_cancel(ctx, rec)]
         for f in candidates:
             if f is not None and f.catalog_id not in seen:
                 seen.add(f.catalog_id)
