@@ -104,6 +104,8 @@ def find_scheduler(optimizer: Any) -> Any:
     to the audit), or None. Found through the objects that refer to the optimizer, not by scanning the heap."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return None
+    if not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return None  # torch's LR schedulers mark the step of an optimizer they drive; none was built for this one
     for ref in gc.get_referrers(optimizer):
         if _drives(ref, optimizer):  # an object whose attributes live inline (no separate __dict__)
             return ref
