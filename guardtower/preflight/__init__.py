@@ -20,6 +20,7 @@ from guardtower.preflight import fitting as _fitting  # noqa: F401
 from guardtower.preflight import numerics as _numerics  # noqa: F401
 from guardtower.preflight import precision as _precision  # noqa: F401
 from guardtower.preflight import modes as _modes  # noqa: F401
+from guardtower.preflight import positions as _positions  # noqa: F401
 from guardtower.preflight import tying as _tying  # noqa: F401
 from guardtower.preflight import distributed as _distributed  # noqa: F401
 from guardtower.preflight.lora import is_peft_model, lora_summary
