@@ -266,3 +266,27 @@ def test_roberta_padding_with_another_id_shifts_its_positions_too() -> None:
     (wrong_id,) = report.by_id("INPUT-005")
     assert wrong_id.details == {"pad_id_used": 0, "pad_token_id": 1}
     assert report.by_id("INPUT-003")  # RoBERTa numbers positions past pad ids only: these count as tokens
+
+
+def test_frozen_layers_of_a_stack_are_fine_tuning_not_a_frozen_component() -> None:
+    """Freezing the first blocks of a conv stack (the YOLO transfer-learning recipe) keeps its dropout as the
+    fine-tune's regularisation and reports the moving statistics as INFO only; a frozen backbone is a WARN."""
+    def block(c_in: int, c_out: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.SiLU(), nn.Dropout2d(0.1))
+
+    torch.manual_seed(0)
+    m = nn.Sequential(block(3, 8), block(8, 8), nn.Conv2d(8, 5, 1))
+    m[0].requires_grad_(False)
+    m.train()
+    x, y = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2)), torch.arange(4) % 5
+    report = audit(m, lambda: F.cross_entropy(m(x).mean((2, 3)), y))
+    assert not report.by_id("MODE-002") and not report.by_id("MODE-001")
+    (stats,) = report.by_id("MODE-003")
+    assert stats.severity.label == "INFO" and stats.details["modules"] == ["0"]
+    torch.manual_seed(0)
+    m = nn.Sequential(block(3, 8), block(8, 8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    m[:2].requires_grad_(False)  # the whole conv stack is a frozen backbone in front of a head
+    m.train()
+    report = audit(m, lambda: F.cross_entropy(m(x), y))
+    assert report.by_id("MODE-002") and not report.errors
+    assert {f.severity.label for f in report.by_id("MODE-003")} == {"WARN"}

@@ -84,13 +84,32 @@ def _top_level(model: nn.Module) -> str:
     return prefix
 
 
+def _shape_of(module: nn.Module, depth: int = 3) -> tuple[Any, ...]:
+    """A module's structure (types, recursively; widths ignored): members of one stack share it."""
+    kids = tuple(_shape_of(m, depth - 1) for m in module.children()) if depth > 0 else ()
+    return (type(module).__name__, kids)
+
+
 def frozen_components(ctx: AuditContext) -> dict[str, nn.Module]:
     """Frozen parts that are components of their own (a backbone, a text encoder, a teacher: a top-level part of
     the model or a complete pretrained model), not fragments of a model that is fine-tuned around them (frozen
-    lower layers, the base of a LoRA block), whose dropout is the fine-tune's regularisation."""
+    lower layers of a stack whose other members train, the base of a LoRA block): a fragment's dropout and
+    statistics are the fine-tune's own, computed once per audit (``ctx.memo``)."""
+    cached = ctx.memo.get("frozen_components")
+    if cached is not None:
+        return dict(cached)
     top = _top_level(ctx.model)
     depth = top.count(".") + 1 if top else 0
-    return {n: m for n, m in frozen_parts(ctx).items() if n.count(".") == depth or _has_config(m)}
+    parent = ctx.model.get_submodule(top) if top else ctx.model
+    stack = isinstance(parent, (nn.Sequential, nn.ModuleList))
+    parts = frozen_parts(ctx)
+    members = {} if not stack else {
+        (f"{top}.{n}" if top else n): _shape_of(m) for n, m in parent.named_children()}
+    trainable_shapes = {shape for name, shape in members.items() if name not in parts}
+    found = {n: m for n, m in parts.items()
+             if _has_config(m) or (n.count(".") == depth and members.get(n) not in trainable_shapes)}
+    ctx.memo["frozen_components"] = found
+    return dict(found)
 
 
 @dataclass
@@ -207,15 +226,20 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
             "torch.no_grad() in eval mode)",
             "MODE-002", {"modules": parts},
         ))
-    if record.moved:
-        parts = list(record.moved)
-        layers = [n for names in record.moved.values() for n in names]
+    components = frozen_components(ctx)
+    for own in (True, False):
+        parts = [p for p in record.moved if (p in components) == own]
+        if not parts:
+            continue
+        layers = [n for p in parts for n in record.moved[p]]
+        what = ("frozen part(s)" if own else
+                "frozen layer(s) of a model fine-tuned around them (expected if their statistics are meant to adapt)")
         findings.append(Finding(
-            "frozen_parts", Severity.WARN,
-            f"frozen part(s) {fmt_names(parts)} (requires_grad=False) moved their running statistics in this step "
+            "frozen_parts", Severity.WARN if own else Severity.INFO,
+            f"{what} {fmt_names(parts)} (requires_grad=False) moved their running statistics in this step "
             f"({fmt_names(layers)}): BatchNorm in train mode keeps re-estimating the frozen features' statistics "
             "from each batch; call .eval() on them after model.train() (or replace BatchNorm with FrozenBatchNorm)",
-            "MODE-003", {"modules": parts, "layers": layers},
+            "MODE-003", {"modules": parts, "layers": layers, "component": own},
         ))
     return findings
 

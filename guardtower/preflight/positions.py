@@ -107,7 +107,7 @@ def _model_inputs_probe(ctx: AuditContext) -> Iterator[ModelInputsRecord]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             call = calls.get(owner)
             if call is not None and name not in call.positions and isinstance(output, torch.Tensor):
-                call.positions[name] = output.detach()
+                call.positions[name] = output.detach().clone()  # the model may add to it in place
         return hook
 
     handles = []
