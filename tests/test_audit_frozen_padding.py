@@ -290,3 +290,16 @@ def test_frozen_layers_of_a_stack_are_fine_tuning_not_a_frozen_component() -> No
     report = audit(m, lambda: F.cross_entropy(m(x), y))
     assert report.by_id("MODE-002") and not report.errors
     assert {f.severity.label for f in report.by_id("MODE-003")} == {"WARN"}
+
+
+def test_input_005_reads_padding_at_row_edges_only() -> None:
+    """A position masked out inside a row (a hidden token, not padding) says nothing about the pad id."""
+    from tests.test_audit_checks import _llama_classifier
+
+    m = _llama_classifier(pad=VOCAB - 1)
+    batch = {**token_batch(), "labels": torch.tensor([0, 1, 1, 0])}
+    batch["attention_mask"][1, 3] = 0
+    assert not audit(m, lambda: m(**batch)).by_id("INPUT-005")
+    batch["attention_mask"][1, -2:] = 0  # real right padding, filled with another id than the config's
+    batch["input_ids"][1, -2:] = 5
+    assert audit(m, lambda: m(**batch)).by_id("INPUT-005")

@@ -221,7 +221,8 @@ def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]
                 "which is padding in those rows: pad on the right (tokenizer.padding_side = 'right')",
                 "INPUT-003", {"rows": left[:64], "pooling": "first"},
             ))
-        padded = mask == 0
+        dropped = mask == 0  # padding: the masked-out runs at a row's start or end, not masked tokens inside
+        padded = dropped.int().cumprod(1).bool() | dropped.flip(1).int().cumprod(1).flip(1).bool()
         if bool(padded.any()):
             used = ids[padded].unique()
             if used.numel() == 1 and pad is not None and int(used) != pad:
