@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight.positions import hf_config
 from guardtower.preflight._step import MODE_SENSITIVE
 from guardtower.preflight._trace import RootCall
 from guardtower.preflight._util import fmt_names
@@ -30,12 +31,6 @@ __all__ = ["frozen_parts", "FrozenPartsRecord"]
 
 #: a momentum at or above this keeps little more than the last batch in the running statistics
 _MOMENTUM_LIMIT = 0.5
-
-
-def _has_config(module: nn.Module) -> bool:
-    """A complete pretrained model (a transformers ``PreTrainedModel``), told apart without importing it."""
-    config = getattr(module, "config", None)
-    return hasattr(config, "model_type") and hasattr(config, "to_dict")
 
 
 def frozen_parts(ctx: AuditContext) -> dict[str, nn.Module]:
@@ -107,7 +102,7 @@ def frozen_components(ctx: AuditContext) -> dict[str, nn.Module]:
         (f"{top}.{n}" if top else n): _shape_of(m) for n, m in parent.named_children()}
     trainable_shapes = {shape for name, shape in members.items() if name not in parts}
     found = {n: m for n, m in parts.items()
-             if _has_config(m) or (n.count(".") == depth and members.get(n) not in trainable_shapes)}
+             if hf_config(m) is not None or (n.count(".") == depth and members.get(n) not in trainable_shapes)}
     ctx.memo["frozen_components"] = found
     return dict(found)
 

@@ -25,7 +25,7 @@ from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
-__all__ = ["ModelCall", "ModelInputsRecord"]
+__all__ = ["ModelCall", "ModelInputsRecord", "hf_config"]
 
 #: names of the modules that embed absolute positions in transformers models
 _POSITION_MODULES = frozenset({"wpe", "position_embeddings", "embed_positions", "position_embedding"})
@@ -51,7 +51,8 @@ class ModelInputsRecord:
     calls: list[ModelCall] = field(default_factory=list)
 
 
-def _config(module: nn.Module) -> Any:
+def hf_config(module: nn.Module) -> Any:
+    """The transformers config a module carries (a complete pretrained model), told apart without importing it."""
     config = getattr(module, "config", None)
     return config if hasattr(config, "model_type") and hasattr(config, "to_dict") else None
 
@@ -61,7 +62,7 @@ def _outermost_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if any(name == n or name.startswith(n + ".") or n == "" for n, _ in found):
             continue
-        if _config(module) is not None:
+        if hf_config(module) is not None:
             found.append((name, module))
     return found
 
@@ -113,7 +114,7 @@ def _model_inputs_probe(ctx: AuditContext) -> Iterator[ModelInputsRecord]:
     handles = []
     for owner, module in models:
         handles.append(module.register_forward_pre_hook(pre(owner), with_kwargs=True))
-        decoder_side = bool(getattr(_config(module), "is_encoder_decoder", False))
+        decoder_side = bool(getattr(hf_config(module), "is_encoder_decoder", False))
         for name, sub in module.named_modules():
             if name.rsplit(".", 1)[-1] in _POSITION_MODULES and not (decoder_side and "decoder" in name):
                 handles.append(sub.register_forward_hook(post(owner, name)))
@@ -180,9 +181,14 @@ def _last_token_classifier(module: nn.Module) -> bool:
     return False
 
 
-def _run_at_end(hit: torch.Tensor) -> torch.Tensor:
-    """Per row: how many positions at the end of the row are all True."""
-    return hit.flip(1).int().cumprod(1).sum(1)
+def _from_start(hit: torch.Tensor) -> torch.Tensor:
+    """Per row, the positions of the run of True that starts the row."""
+    return hit.int().cumprod(1).bool()
+
+
+def _from_end(hit: torch.Tensor) -> torch.Tensor:
+    """Per row, the positions of the run of True that ends the row."""
+    return _from_start(hit.flip(1)).flip(1)
 
 
 def _ids(value: Any) -> set[int]:
@@ -197,7 +203,7 @@ def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]
     ids, mask = _ids_and_mask(call, fallback)
     if ids is None:
         return []
-    config = _config(call.module)
+    config = hf_config(call.module)
     pad = getattr(config, "pad_token_id", None)
     where = f"{call.name or 'the model'} ({type(call.module).__name__})"
     findings: list[Finding] = []
@@ -222,7 +228,7 @@ def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]
                 "INPUT-003", {"rows": left[:64], "pooling": "first"},
             ))
         dropped = mask == 0  # padding: the masked-out runs at a row's start or end, not masked tokens inside
-        padded = dropped.int().cumprod(1).bool() | dropped.flip(1).int().cumprod(1).flip(1).bool()
+        padded = _from_start(dropped) | _from_end(dropped)
         if bool(padded.any()):
             used = ids[padded].unique()
             if used.numel() == 1 and pad is not None and int(used) != pad:
@@ -244,7 +250,7 @@ def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]
         special = _ids(getattr(config, "eos_token_id", None)) | _ids(getattr(config, "bos_token_id", None))
         least = 2 if pad in special else 1  # a real EOS that shares the pad id is one token, padding is a run
         hit = ids == pad if mask is None else (ids == pad) & (mask != 0)
-        runs = torch.maximum(_run_at_end(hit), _run_at_end(hit.flip(1)))
+        runs = torch.maximum(_from_start(hit).sum(1), _from_end(hit).sum(1))
         rows = [int(r) for r in torch.nonzero(runs >= least).flatten()]
         if rows and (mask is not None or call.accepts_mask):
             how = ("the attention_mask marks them as real tokens" if mask is not None
