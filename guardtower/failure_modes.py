@@ -158,6 +158,41 @@ _CORE: tuple[FailureMode, ...] = (
         ("wiring", "inputs", "shapes"),
     ),
     FailureMode(
+        "INPUT-003", "Left padding shifts absolute positions", Severity.WARN,
+        "Rows are left padded (their attention_mask starts with 0s) and the model's absolute position embedding "
+        "gives their first real token another position than an unpadded row's, or an encoder classifier pools "
+        "position 0 (CLS), which is padding in those rows.",
+        "GPT-2/BERT-style learned positions number tokens from the start of the row unless position_ids say "
+        "otherwise, so each padded row trains at positions shifted by its pad count (and generation sees other "
+        "positions again); the loss still falls.",
+        "Pass position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0), or pad on the right "
+        "(tokenizer.padding_side = 'right') for training; encoders that pool position 0 need right padding.",
+        "https://github.com/huggingface/trl/issues/469",
+        ("inputs", "padding", "positions", "huggingface"),
+    ),
+    FailureMode(
+        "INPUT-004", "Padding not covered by the attention mask", Severity.WARN,
+        "Rows end (or start) with a run of config.pad_token_id that the attention_mask marks as real tokens, or "
+        "rows hold padding runs and no attention_mask reaches the model.",
+        "Attention then reads the padding as text: every padded row's representation depends on how much padding "
+        "the batch needed, and nothing errors.",
+        "Pass the tokenizer's attention_mask (or build it as input_ids != pad_token_id when pad and EOS differ); "
+        "when pad_token_id == eos_token_id, build the mask from the lengths, not from the ids.",
+        "https://huggingface.co/docs/transformers/troubleshooting#incorrect-output-when-padding-tokens-arent-masked",
+        ("inputs", "padding", "huggingface"),
+    ),
+    FailureMode(
+        "INPUT-005", "Batch pads with another id than config.pad_token_id", Severity.WARN,
+        "The positions the attention_mask marks as padding all hold one id that is not config.pad_token_id, or "
+        "config.pad_token_id is None while a last-token sequence classifier gets padded rows.",
+        "Models find the padding by config.pad_token_id (decoder sequence classifiers pool the token before the "
+        "first pad id, RoBERTa-style positions skip pad ids), so with another pad id they pool or number padding "
+        "positions; the loss still falls.",
+        "Set model.config.pad_token_id = tokenizer.pad_token_id (and resize the embeddings if the pad token is new).",
+        "https://github.com/ymcui/Chinese-LLaMA-Alpaca-2/issues/160",
+        ("inputs", "padding", "special-tokens", "huggingface"),
+    ),
+    FailureMode(
         "GRAD-001", "Trainable parameter gets no gradient", Severity.ERROR,
         "After backward, a parameter with requires_grad=True still has .grad None.",
         "Optimizers skip parameters without a gradient, so the layer silently stays at its initialisation; "
@@ -390,6 +425,40 @@ _CORE: tuple[FailureMode, ...] = (
         "Call model.train() at the start of every training epoch; freeze BatchNorm on purpose only.",
         "https://pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.train",
         ("modes",),
+    ),
+    FailureMode(
+        "MODE-002", "Frozen part is stochastic in the step", Severity.WARN,
+        "A frozen part of the model (a submodule subtree whose parameters all have requires_grad=False) drew random "
+        "numbers during its forward in the training step: dropout (or another random layer) is on inside it.",
+        "Freezing with requires_grad=False does not switch dropout off, and model.train() switches it back on every "
+        "epoch, so a frozen encoder or backbone hands the trainable head randomly perturbed features every step; "
+        "the loss still falls.",
+        "Call .eval() on the frozen part after every model.train() (or override train() to keep it in eval), or "
+        "run it under torch.no_grad() in eval mode; leave it in train mode only if the noise is wanted.",
+        "https://pytorch.org/docs/stable/notes/autograd.html#locally-disabling-gradient-computation",
+        ("modes", "freezing", "randomness"),
+    ),
+    FailureMode(
+        "MODE-003", "Frozen part's running statistics move", Severity.WARN,
+        "The buffers of a frozen part (BatchNorm running mean/variance) changed during the training step.",
+        "requires_grad=False freezes the weights but not the running statistics: BatchNorm in train mode keeps "
+        "re-estimating them from each batch, so the frozen backbone's features drift and evaluation uses "
+        "statistics of the new data, with no error.",
+        "Call .eval() on the frozen part (or its BatchNorm layers) after every model.train(), or use "
+        "FrozenBatchNorm2d (torchvision.ops) for frozen backbones.",
+        "https://github.com/lightly-ai/lightly/issues/1438",
+        ("modes", "freezing", "batchnorm"),
+    ),
+    FailureMode(
+        "MODE-004", "Normalisation momentum keeps only the last batch", Severity.WARN,
+        "A BatchNorm/InstanceNorm layer that tracks running statistics has momentum >= 0.5.",
+        "PyTorch updates running = (1 - momentum) * running + momentum * batch, the opposite of Keras/TF, so "
+        "momentum=0.9 or 0.99 copied from a Keras model makes the running statistics hold little more than the "
+        "last batch; training looks normal and only evaluation is noisy and worse.",
+        "Use PyTorch's convention: momentum = 1 - keras_momentum (0.01 for Keras 0.99; the default is 0.1), or "
+        "momentum=None for a cumulative average.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.BatchNorm2d.html",
+        ("modes", "batchnorm"),
     ),
     FailureMode(
         "ACT-001", "Saturated sigmoid/tanh", Severity.WARN,

@@ -217,6 +217,96 @@ class _SeqRegressor(nn.Module):
         return self.head(out[-1])
 
 
+def _left_padded(rows: int = 4, seq: int = 8, pad: int = 0, seed: int = 4) -> dict[str, torch.Tensor]:
+    """Rows of different lengths padded on the left with ``pad`` (row 0 unpadded), padding labelled -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    for r in range(1, rows):
+        ids[r, :r], mask[r, :r] = pad, 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@case("INPUT-003")
+def _left_padding_absolute_positions(bug: bool) -> Case:
+    m = gpt2()
+    batch = _left_padded()
+    if not bug:
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return m, lambda: m(**batch), {}
+
+
+def _bert_classifier(**overrides: Any) -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=32, pad_token_id=0, num_labels=2)
+    cfg.update(overrides)
+    return BertForSequenceClassification(BertConfig(**cfg))
+
+
+@case("INPUT-003/cls-pooling")
+def _left_padding_cls_pooling(bug: bool) -> Case:
+    m = _bert_classifier()
+    batch = _left_padded()
+    if bug:  # positions are right, but the CLS position of padded rows is padding
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    else:
+        batch = token_batch(pad_last=3)
+    batch["labels"] = torch.tensor([0, 1, 1, 0])
+    return m, lambda: m(**batch), {}
+
+
+@case("INPUT-004")
+def _padding_unmasked(bug: bool) -> Case:
+    m = gpt2()  # pad == eos == 0
+    batch = token_batch(pad_last=3)
+    batch["input_ids"][0, -1] = 0  # one real, supervised EOS at the end of a full row
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    if bug:
+        batch["attention_mask"] = torch.ones_like(batch["attention_mask"])  # mask = ids != pad was "simplified"
+    return m, lambda: m(**batch), {}
+
+
+@case("INPUT-004/no-mask")
+def _padding_without_mask(bug: bool) -> Case:
+    m = _bert_classifier()
+    batch = token_batch(pad_last=3)
+    batch["labels"] = torch.tensor([0, 1, 1, 0])
+    if bug:
+        del batch["attention_mask"]
+    return m, lambda: m(**batch), {}
+
+
+def _llama_classifier(pad: int | None) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, num_labels=2, pad_token_id=pad, bos_token_id=1,
+        eos_token_id=2))
+
+
+@case("INPUT-005")
+def _pad_id_mismatch(bug: bool) -> Case:
+    m = _llama_classifier(pad=0 if bug else VOCAB - 1)
+    batch = token_batch(pad_last=3)
+    batch["input_ids"][batch["attention_mask"] == 0] = VOCAB - 1  # the tokenizer's pad id
+    batch["labels"] = torch.tensor([0, 1, 1, 0])
+    return m, lambda: m(**batch), {}
+
+
+@case("INPUT-005/no-pad-id")
+def _pad_id_missing(bug: bool) -> Case:
+    m = _llama_classifier(pad=None if bug else VOCAB - 1)
+    batch = token_batch(batch=1, pad_last=3)  # batch size 1: transformers raises only for larger batches
+    batch["input_ids"][batch["attention_mask"] == 0] = VOCAB - 1
+    batch["labels"] = torch.tensor([1])
+    return m, lambda: m(**batch), {}
+
+
 @case("INPUT-002")
 def _batch_mixing(bug: bool) -> Case:
     m = _SeqRegressor(bug)
@@ -846,6 +936,123 @@ def _frozen_bn_submodule(bug: bool) -> Case:
         m.bn.eval()
     x = torch.randn(4, 3, 8, 8)
     return m, lambda: F.cross_entropy(m(x), torch.arange(4) % 5), {}
+
+
+class _Distill(nn.Module):
+    """A student trained against a frozen teacher held in the same module (knowledge distillation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 5))
+        self.teacher = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5))
+        self.teacher.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            soft = self.teacher(x).softmax(-1)
+        return F.kl_div(self.student(x).log_softmax(-1), soft, reduction="batchmean")
+
+
+@case("MODE-001/student-eval")
+def _student_eval_teacher_frozen(bug: bool) -> Case:
+    m = _Distill()
+    m.train()
+    m.teacher.eval()  # a frozen teacher in eval mode is intended, never a finding
+    if bug:
+        m.student.eval()  # the part that trains lost its dropout
+    return m, lambda: m(_X), {}
+
+
+def _bert_encoder() -> nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    return BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=64, max_position_embeddings=32, pad_token_id=0),
+                     add_pooling_layer=False)
+
+
+class _FrozenEncoderProbe(nn.Module):
+    """A linear probe on a frozen pretrained text encoder (CLS features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = _bert_encoder()
+        self.encoder.requires_grad_(False)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0])
+
+
+@case("MODE-002")
+def _frozen_encoder_dropout(bug: bool) -> Case:
+    m = _FrozenEncoderProbe()
+    m.train()
+    if not bug:
+        m.encoder.eval()  # frozen features: no dropout
+    batch = token_batch(pad_last=3)
+    y = torch.arange(4) % 3
+    return m, lambda: F.cross_entropy(m(batch["input_ids"], batch["attention_mask"]), y), {}
+
+
+@case("MODE-002/teacher")
+def _teacher_left_in_train_mode(bug: bool) -> Case:
+    m = _Distill()
+    m.train()
+    if not bug:
+        m.teacher.eval()
+    return m, lambda: m(_X), {}
+
+
+class _FrozenBackbone(nn.Module):
+    def __init__(self, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=momentum), nn.ReLU())
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x).mean(dim=(2, 3)))
+
+
+@case("MODE-003")
+def _frozen_backbone_bn_in_train(bug: bool) -> Case:
+    m = _FrozenBackbone()
+    m.backbone.requires_grad_(False)
+    m.train()
+    if not bug:
+        m.backbone.eval()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+    return m, lambda: F.cross_entropy(m(x), torch.arange(4) % 5), {}
+
+
+@case("MODE-004")
+def _keras_momentum(bug: bool) -> Case:
+    m = _FrozenBackbone(momentum=0.99 if bug else 0.01)  # Keras' 0.99 is PyTorch's 0.01
+    m.train()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+    return m, lambda: F.cross_entropy(m(x), torch.arange(4) % 5), {}
+
+
+def test_mode_004_cumulative_and_eval_norms_are_fine() -> None:
+    model, step, kwargs = CASES["MODE-004"](True)
+    model.backbone[1].momentum = None  # cumulative average
+    assert not audit(model, step, **kwargs).by_id("MODE-004")
+    model, step, kwargs = CASES["MODE-004"](True)
+    model.backbone.requires_grad_(False)
+    model.backbone.eval()  # statistics never update, the momentum does not matter
+    assert not audit(model, step, **kwargs).by_id("MODE-004")
+
+
+def test_mode_002_003_name_the_parts() -> None:
+    model, step, kwargs = CASES["MODE-002"](True)
+    (finding,) = audit(model, step, **kwargs).by_id("MODE-002")
+    assert finding.details["modules"] == ["encoder"] and ".eval()" in finding.message
+    model, step, kwargs = CASES["MODE-003"](True)
+    (finding,) = audit(model, step, **kwargs).by_id("MODE-003")
+    assert finding.details["modules"] == ["backbone"] and finding.details["layers"] == ["backbone.1"]
 
 
 # --- mixed precision, devices ---------------------------------------------------------------------------------

@@ -1,22 +1,183 @@
-"""``train_mode``: the step should run with the model (and its dropout/BatchNorm layers) in training mode."""
+"""Modes and randomness: which parts of the model train, which are frozen, and whether the step treats each as
+its setup intends.
+
+A *frozen part* is a maximal submodule subtree whose parameters all have ``requires_grad=False`` (its parent
+holds a trainable one). Eval mode inside a frozen part is a choice (a teacher, a reference model, a frozen
+backbone), eval mode in a trainable part is not (``train_mode``, MODE-001). While the step runs, the
+``frozen_parts`` probe measures, on the frozen parts only, whether their forward drew random numbers (their
+outputs are random: dropout on in a frozen encoder, MODE-002) and whether their buffers moved (BatchNorm in
+train mode updating running statistics of a frozen backbone, MODE-003). ``norm_momentum`` reads the
+normalisation layers' momentum (MODE-004).
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
 
-from guardtower.preflight._registry import AuditContext, check
+import torch
+from torch import nn
+
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight.positions import hf_config
 from guardtower.preflight._step import MODE_SENSITIVE
 from guardtower.preflight._trace import RootCall
 from guardtower.preflight._util import fmt_names
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
-__all__: list[str] = []
+__all__ = ["frozen_parts", "FrozenPartsRecord"]
+
+#: a momentum at or above this keeps little more than the last batch in the running statistics
+_MOMENTUM_LIMIT = 0.5
+
+
+def frozen_parts(ctx: AuditContext) -> dict[str, nn.Module]:
+    """``name -> module`` of the frozen parts, computed once per audit (``ctx.memo``)."""
+    cached = ctx.memo.get("frozen_parts")
+    if cached is None:
+        cached = ctx.memo["frozen_parts"] = _frozen_parts(ctx.model)
+    return dict(cached)
+
+
+def _frozen_parts(model: nn.Module) -> dict[str, nn.Module]:
+    found: dict[str, nn.Module] = {}
+
+    def visit(name: str, module: nn.Module) -> tuple[bool, bool]:
+        """(holds a parameter, all its parameters are frozen) for ``module``'s subtree."""
+        own = list(module.parameters(recurse=False))
+        has, frozen = bool(own), all(not p.requires_grad for p in own)
+        kids = [(f"{name}.{n}" if name else n, m, visit(f"{name}.{n}" if name else n, m))
+                for n, m in module.named_children()]
+        has = has or any(h for _, _, (h, _) in kids)
+        frozen = frozen and all(f for _, _, (_, f) in kids)
+        if not (has and frozen):
+            found.update({n: m for n, m, (h, f) in kids if h and f})
+        return has, frozen
+
+    visit("", model)
+    return found
+
+
+def _inside(name: str, parts: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in parts)
+
+
+def _top_level(model: nn.Module) -> str:
+    """The prefix below which the user's own components sit: wrappers holding one child with parameters and none
+    of their own (DDP's ``module``, peft's ``base_model.model``, a Lightning module's ``model``) are looked through."""
+    prefix, module = "", model
+    for _ in range(8):
+        if list(module.parameters(recurse=False)):
+            break
+        holders = [(n, m) for n, m in module.named_children() if next(m.parameters(), None) is not None]
+        if len(holders) != 1:
+            break
+        name, module = holders[0]
+        prefix = f"{prefix}.{name}" if prefix else name
+    return prefix
+
+
+def _shape_of(module: nn.Module, depth: int = 3) -> tuple[Any, ...]:
+    """A module's structure (types, recursively; widths ignored): members of one stack share it."""
+    kids = tuple(_shape_of(m, depth - 1) for m in module.children()) if depth > 0 else ()
+    return (type(module).__name__, kids)
+
+
+def frozen_components(ctx: AuditContext) -> dict[str, nn.Module]:
+    """Frozen parts that are components of their own (a backbone, a text encoder, a teacher: a top-level part of
+    the model or a complete pretrained model), not fragments of a model that is fine-tuned around them (frozen
+    lower layers of a stack whose other members train, the base of a LoRA block): a fragment's dropout and
+    statistics are the fine-tune's own, computed once per audit (``ctx.memo``)."""
+    cached = ctx.memo.get("frozen_components")
+    if cached is not None:
+        return dict(cached)
+    top = _top_level(ctx.model)
+    depth = top.count(".") + 1 if top else 0
+    parent = ctx.model.get_submodule(top) if top else ctx.model
+    stack = isinstance(parent, (nn.Sequential, nn.ModuleList))
+    parts = frozen_parts(ctx)
+    members = {} if not stack else {
+        (f"{top}.{n}" if top else n): _shape_of(m) for n, m in parent.named_children()}
+    trainable_shapes = {shape for name, shape in members.items() if name not in parts}
+    found = {n: m for n, m in parts.items()
+             if hf_config(m) is not None or (n.count(".") == depth and members.get(n) not in trainable_shapes)}
+    ctx.memo["frozen_components"] = found
+    return dict(found)
+
+
+@dataclass
+class FrozenPartsRecord:
+    """What the frozen parts did while the step ran."""
+
+    stochastic: list[str] = field(default_factory=list)
+    """frozen components whose forward drew random numbers"""
+    moved: dict[str, list[str]] = field(default_factory=dict)
+    """frozen part -> its submodules whose buffers changed (running statistics)"""
+
+
+def _rng_states(module: nn.Module) -> list[torch.Tensor]:
+    """The generator states a forward of ``module`` would draw from: the CPU one, and the CUDA one of the device
+    its first parameter lives on (host-side state, no device sync)."""
+    states = [torch.random.get_rng_state()]
+    p = next(module.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(p.device))
+    return states
+
+
+@probe("frozen_parts")
+@contextlib.contextmanager
+def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
+    record = FrozenPartsRecord()
+    ctx.probes["frozen_parts"] = record
+    parts = frozen_parts(ctx)
+    components = frozen_components(ctx)
+    before: dict[str, list[torch.Tensor]] = {}
+
+    def pre(name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            try:
+                before[name] = _rng_states(module)
+            except Exception:  # observing must never change what the step does
+                pass
+        return hook
+
+    def post(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            try:
+                start = before.pop(name, None)
+                if start is not None and name not in record.stochastic and any(
+                        not torch.equal(a, b) for a, b in zip(start, _rng_states(module))):
+                    record.stochastic.append(name)
+            except Exception:
+                pass
+        return hook
+
+    buffers = {(part, f"{part}.{n}" if n else part): b.detach().clone()
+               for part, m in parts.items() for n, b in m.named_buffers()
+               if b.dtype != torch.bool and b.device.type != "meta"}
+    handles = [h for n, m in components.items()
+               for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
+    try:
+        yield record
+    finally:
+        for h in handles:
+            h.remove()
+        current = {(part, f"{part}.{n}" if n else part): b for part, m in parts.items() for n, b in m.named_buffers()}
+        for (part, name), saved in buffers.items():
+            now = current.get((part, name))
+            if now is not None and (now.shape != saved.shape or not torch.equal(now.detach(), saved)):
+                owner = name.rsplit(".", 1)[0] if "." in name else name
+                record.moved.setdefault(part, [])
+                if owner not in record.moved[part]:
+                    record.moved[part].append(owner)
 
 
 @check("train_mode", emits=("MODE-001",))
 def check_train_mode(ctx: AuditContext) -> Iterable[Finding]:
-    """MODE-001: model in eval mode during the step, or dropout/BatchNorm submodules left in eval mode."""
+    """MODE-001: the model, or dropout/BatchNorm of a trainable part, in eval mode during the training step."""
     calls: list[RootCall] = ctx.trace.calls if ctx.trace is not None else []
     if calls:
         training = calls[0].training
@@ -30,12 +191,68 @@ def check_train_mode(ctx: AuditContext) -> Iterable[Finding]:
             "update) running statistics; call model.train() (from_pretrained() returns an eval-mode model)",
             "MODE-001", {"modules": [""], "root_training": False},
         )]
-    stuck = [n for n, t in training.items() if n and not t]
+    frozen = frozen_parts(ctx)
+    stuck = [n for n, t in training.items() if n and not t and not _inside(n, frozen)]
     if stuck:
         return [Finding(
             "train_mode", Severity.WARN,
-            f"the model trains but {len(stuck)} dropout/BatchNorm submodule(s) are in eval mode: {fmt_names(stuck)} "
-            "(a submodule's .eval() survives model.train() only if called after it; intended for frozen BatchNorm)",
+            f"the model trains but {len(stuck)} dropout/BatchNorm submodule(s) of its trainable parts are in eval "
+            f"mode: {fmt_names(stuck)} (a submodule's .eval() survives model.train() only if called after it; "
+            "freeze a part on purpose with requires_grad=False as well)",
             "MODE-001", {"modules": stuck, "root_training": True},
         )]
     return []
+
+
+@check("frozen_parts", emits=("MODE-002", "MODE-003"))
+def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
+    """MODE-002 a frozen part drew random numbers in the step; MODE-003 a frozen part's buffers moved."""
+    record = ctx.probes.get("frozen_parts")
+    if not isinstance(record, FrozenPartsRecord):
+        return []
+    findings = []
+    if record.stochastic:
+        parts = record.stochastic
+        findings.append(Finding(
+            "frozen_parts", Severity.WARN,
+            f"frozen part(s) {fmt_names(parts)} (requires_grad=False) are stochastic in this step: their forward "
+            "drew random numbers (dropout in train mode), so the features they hand on change at random every step "
+            "although they do not learn; call .eval() on them after model.train() (or run them under "
+            "torch.no_grad() in eval mode)",
+            "MODE-002", {"modules": parts},
+        ))
+    components = frozen_components(ctx)
+    for own in (True, False):
+        parts = [p for p in record.moved if (p in components) == own]
+        if not parts:
+            continue
+        layers = [n for p in parts for n in record.moved[p]]
+        what = ("frozen part(s)" if own else
+                "frozen layer(s) of a model fine-tuned around them (expected if their statistics are meant to adapt)")
+        findings.append(Finding(
+            "frozen_parts", Severity.WARN if own else Severity.INFO,
+            f"{what} {fmt_names(parts)} (requires_grad=False) moved their running statistics in this step "
+            f"({fmt_names(layers)}): BatchNorm in train mode keeps re-estimating the frozen features' statistics "
+            "from each batch; call .eval() on them after model.train() (or replace BatchNorm with FrozenBatchNorm)",
+            "MODE-003", {"modules": parts, "layers": layers, "component": own},
+        ))
+    return findings
+
+
+@check("norm_momentum", emits=("MODE-004",))
+def check_norm_momentum(ctx: AuditContext) -> Iterable[Finding]:
+    """MODE-004: a normalisation layer's momentum keeps little more than the last batch's statistics."""
+    high = [(n, float(m.momentum)) for n, m in ctx.model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training
+            and m.momentum is not None and float(m.momentum) >= _MOMENTUM_LIMIT]
+    if not high:
+        return []
+    names = [n for n, _ in high]
+    momenta = sorted({mom for _, mom in high})
+    return [Finding(
+        "norm_momentum", Severity.WARN,
+        f"{len(high)} normalisation layer(s) use momentum {momenta}: {fmt_names(names)}; in PyTorch the running "
+        "statistics become (1 - momentum) * old + momentum * batch, so they hold little more than the last batch "
+        "and evaluation uses noisy statistics (Keras/TF momentum=0.99 means PyTorch momentum=0.01)",
+        "MODE-004", {"modules": names, "momentum": momenta},
+    )]

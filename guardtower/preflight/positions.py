@@ -1,0 +1,283 @@
+"""``padding``: the batch against the model that receives it: the padding side against the position scheme, the
+mask against the padding, the pad id against ``config.pad_token_id``.
+
+The ``model_inputs`` probe records, for the outermost modules that carry a transformers config (the root for
+Hugging Face models, a text encoder inside a user's model, a teacher and a student), the arguments of their
+first call, and the output of their position embedding (``wpe``, ``position_embeddings``, ``embed_positions``).
+Whether left padding shifts positions is then measured, not read from a list of architectures: the first real
+token of a left-padded row must get the same position vector as the first token of an unpadded row (OPT and
+RoBERTa derive positions from the mask or the pad ids and pass; GPT-2 and BERT without ``position_ids`` do not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from guardtower.preflight._batch import batch_mapping
+from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.report import Finding
+from guardtower.severity import Severity
+
+__all__ = ["ModelCall", "ModelInputsRecord", "hf_config"]
+
+#: names of the modules that embed absolute positions in transformers models
+_POSITION_MODULES = frozenset({"wpe", "position_embeddings", "embed_positions", "position_embedding"})
+_KEYS = ("input_ids", "attention_mask", "position_ids")
+_CLASSIFIERS = ("ForSequenceClassification", "ForMultipleChoice")
+
+
+@dataclass
+class ModelCall:
+    """The first call of one config-carrying model during the step."""
+
+    name: str
+    module: nn.Module
+    arguments: dict[str, Any]
+    """``input_ids``, ``attention_mask``, ``position_ids`` as the call received them (missing when not given)"""
+    accepts_mask: bool
+    positions: dict[str, torch.Tensor] = field(default_factory=dict)
+    """position-embedding module name -> its output (first call)"""
+
+
+@dataclass
+class ModelInputsRecord:
+    calls: list[ModelCall] = field(default_factory=list)
+
+
+def hf_config(module: nn.Module) -> Any:
+    """The transformers config a module carries (a complete pretrained model), told apart without importing it."""
+    config = getattr(module, "config", None)
+    return config if hasattr(config, "model_type") and hasattr(config, "to_dict") else None
+
+
+def _outermost_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name == n or name.startswith(n + ".") or n == "" for n, _ in found):
+            continue
+        if hf_config(module) is not None:
+            found.append((name, module))
+    return found
+
+
+def _bind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The call's ``input_ids``/``attention_mask``/``position_ids`` by name, and whether forward takes a mask."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return {k: kwargs[k] for k in _KEYS if k in kwargs}, True
+    accepts = "attention_mask" in sig.parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    try:
+        bound = dict(sig.bind_partial(*args, **kwargs).arguments)
+    except TypeError:
+        bound = dict(kwargs)
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and isinstance(bound.get(p.name), Mapping):
+            bound.update(bound.pop(p.name))
+    return {k: bound[k] for k in _KEYS if bound.get(k) is not None}, accepts
+
+
+@probe("model_inputs")
+@contextlib.contextmanager
+def _model_inputs_probe(ctx: AuditContext) -> Iterator[ModelInputsRecord]:
+    record = ModelInputsRecord()
+    ctx.probes["model_inputs"] = record
+    models = _outermost_models(ctx.model)
+    calls: dict[str, ModelCall] = {}
+
+    def pre(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            try:
+                if name not in calls:
+                    arguments, accepts = _bind(module, args, kwargs)
+                    calls[name] = ModelCall(name, module, arguments, accepts)
+                    record.calls.append(calls[name])
+            except Exception:  # observing must never change what the step does
+                pass
+        return hook
+
+    def post(owner: str, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            call = calls.get(owner)
+            if call is not None and name not in call.positions and isinstance(output, torch.Tensor):
+                call.positions[name] = output.detach().clone()  # the model may add to it in place
+        return hook
+
+    handles = []
+    for owner, module in models:
+        handles.append(module.register_forward_pre_hook(pre(owner), with_kwargs=True))
+        decoder_side = bool(getattr(hf_config(module), "is_encoder_decoder", False))
+        for name, sub in module.named_modules():
+            if name.rsplit(".", 1)[-1] in _POSITION_MODULES and not (decoder_side and "decoder" in name):
+                handles.append(sub.register_forward_hook(post(owner, name)))
+    try:
+        yield record
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _ids_and_mask(call: ModelCall, fallback: Mapping[str, Any] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    args = dict(call.arguments)
+    if "input_ids" not in args and fallback is not None:
+        args.update({k: fallback[k] for k in _KEYS if k in fallback})
+    ids, mask = args.get("input_ids"), args.get("attention_mask")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()):
+        return None, None
+    if not (isinstance(mask, torch.Tensor) and mask.shape == ids.shape):
+        mask = None
+    return ids, mask
+
+
+def _shifted_rows(mask: torch.Tensor, pos: torch.Tensor) -> list[int]:
+    """Left-padded rows whose first real token gets another position vector than a row's first token would."""
+    real = mask.bool()
+    batch, seq = real.shape
+    if pos.dim() == 2:
+        pos = pos.unsqueeze(0)
+    if pos.dim() != 3 or pos.shape[1] != seq or pos.shape[0] not in (1, batch):
+        return []
+    left = [r for r in range(batch) if not real[r, 0] and real[r].any()]
+    if not left:
+        return []
+    first = real.int().argmax(1).tolist()
+
+    def vec(row: int, k: int) -> torch.Tensor:
+        return pos[row if pos.shape[0] > 1 else 0, k]
+
+    unpadded = [r for r in range(batch) if real[r, 0]]
+    if unpadded:
+        ref = vec(unpadded[0], 0)
+        return [r for r in left if not torch.equal(vec(r, first[r]), ref)]
+    if any(not torch.equal(vec(r, first[r]), vec(left[0], first[left[0]])) for r in left):
+        return left
+    row = left[0]  # every row has the same pad count: numbered padding (0, 1, ...) means numbered from the start
+    return left if first[row] >= 2 and not torch.equal(vec(row, 0), vec(row, 1)) else []
+
+
+def _classifier_pools_first(module: nn.Module) -> bool:
+    """An encoder sequence classifier (BERT-style CLS pooling, a ``classifier`` head, no last-token ``score``)."""
+    for m in module.modules():
+        name = type(m).__name__
+        if name.endswith(_CLASSIFIERS) and not name.startswith("Peft"):
+            return hasattr(m, "classifier") and not hasattr(m, "score")
+    return False
+
+
+def _last_token_classifier(module: nn.Module) -> bool:
+    """A decoder sequence classifier: it pools the token before the first ``config.pad_token_id``."""
+    for m in module.modules():
+        name = type(m).__name__
+        if name.endswith("ForSequenceClassification") and not name.startswith("Peft"):
+            return hasattr(m, "score")
+    return False
+
+
+def _from_start(hit: torch.Tensor) -> torch.Tensor:
+    """Per row, the positions of the run of True that starts the row."""
+    return hit.int().cumprod(1).bool()
+
+
+def _from_end(hit: torch.Tensor) -> torch.Tensor:
+    """Per row, the positions of the run of True that ends the row."""
+    return _from_start(hit.flip(1)).flip(1)
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, (list, tuple)):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]:
+    ids, mask = _ids_and_mask(call, fallback)
+    if ids is None:
+        return []
+    config = hf_config(call.module)
+    pad = getattr(config, "pad_token_id", None)
+    where = f"{call.name or 'the model'} ({type(call.module).__name__})"
+    findings: list[Finding] = []
+    if mask is not None:
+        left = [r for r in range(mask.shape[0]) if mask[r, 0] == 0 and bool(mask[r].any())]
+        shifted = sorted({r for out in call.positions.values() for r in _shifted_rows(mask, out)})
+        given = "position_ids" in call.arguments
+        if shifted:
+            findings.append(Finding(
+                "padding", Severity.WARN,
+                f"{len(shifted)} left-padded row(s) of the batch (rows {shifted[:8]}) reach {where}, whose absolute "
+                f"position embedding ({', '.join(call.positions)}) gives their first real token another position than "
+                f"an unpadded row's ({'the position_ids passed are numbered from the row start' if given else 'no position_ids passed'}): "
+                "pass position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0), or pad on the right for training",
+                "INPUT-003", {"rows": shifted[:64], "modules": list(call.positions), "position_ids": given},
+            ))
+        elif left and _classifier_pools_first(call.module):
+            findings.append(Finding(
+                "padding", Severity.WARN,
+                f"{len(left)} row(s) are left padded (rows {left[:8]}) and {where} classifies from position 0 (CLS), "
+                "which is padding in those rows: pad on the right (tokenizer.padding_side = 'right')",
+                "INPUT-003", {"rows": left[:64], "pooling": "first"},
+            ))
+        dropped = mask == 0  # padding: the masked-out runs at a row's start or end, not masked tokens inside
+        padded = _from_start(dropped) | _from_end(dropped)
+        if bool(padded.any()):
+            used = ids[padded].unique()
+            if used.numel() == 1 and pad is not None and int(used) != pad:
+                findings.append(Finding(
+                    "padding", Severity.WARN,
+                    f"the batch pads with id {int(used)} (every position the attention_mask drops holds it) but "
+                    f"{where} has config.pad_token_id={pad}: it finds padding by that id (last-token pooling, "
+                    "positions), so it reads padding as text; set model.config.pad_token_id = tokenizer.pad_token_id",
+                    "INPUT-005", {"pad_id_used": int(used), "pad_token_id": pad},
+                ))
+            elif pad is None and _last_token_classifier(call.module):
+                findings.append(Finding(
+                    "padding", Severity.WARN,
+                    f"the batch has padding but {where} has config.pad_token_id=None, so its classifier cannot find "
+                    "each row's last real token; set model.config.pad_token_id = tokenizer.pad_token_id",
+                    "INPUT-005", {"pad_id_used": int(used[0]) if used.numel() else None, "pad_token_id": None},
+                ))
+    if isinstance(pad, int):
+        special = _ids(getattr(config, "eos_token_id", None)) | _ids(getattr(config, "bos_token_id", None))
+        least = 2 if pad in special else 1  # a real EOS that shares the pad id is one token, padding is a run
+        hit = ids == pad if mask is None else (ids == pad) & (mask != 0)
+        runs = torch.maximum(_from_start(hit).sum(1), _from_end(hit).sum(1))
+        rows = [int(r) for r in torch.nonzero(runs >= least).flatten()]
+        if rows and (mask is not None or call.accepts_mask):
+            how = ("the attention_mask marks them as real tokens" if mask is not None
+                   else "no attention_mask reaches the model")
+            findings.append(Finding(
+                "padding", Severity.WARN,
+                f"{len(rows)} row(s) (rows {rows[:8]}) start or end with a run of pad id {pad} and {how}: attention "
+                f"reads the padding as text in {where}; pass the tokenizer's attention_mask"
+                + (" (pad_token_id == eos_token_id: build it from the lengths, not from the ids)" if least == 2 else ""),
+                "INPUT-004", {"rows": rows[:64], "pad_token_id": pad, "mask": mask is not None},
+            ))
+    return findings
+
+
+@check("padding", emits=("INPUT-003", "INPUT-004", "INPUT-005"))
+def check_padding(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-003 left padding against absolute positions, INPUT-004 padding the mask does not cover, INPUT-005 a
+    pad id other than config.pad_token_id."""
+    record = ctx.probes.get("model_inputs")
+    if not isinstance(record, ModelInputsRecord) or ctx.trace is None:
+        return []
+    fallback = batch_mapping(ctx.inputs, ctx.trace.calls)
+    findings: list[Finding] = []
+    seen: set[str] = set()
+    for call in record.calls:
+        for f in _judge(call, fallback if call.name == "" else None):
+            if f.catalog_id not in seen:  # one finding per id: a teacher and a student share the batch
+                seen.add(f.catalog_id)
+                findings.append(f)
+    return findings
