@@ -89,7 +89,8 @@ class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
         self._remove_hook()
         self._optimizer = optimizer
         self._lr_scheduler = lr_scheduler
-        self._total_steps = state.max_steps if isinstance(state.max_steps, int) and state.max_steps > 0 else None
+        planned = getattr(state, "max_steps", None)
+        self._total_steps = planned if isinstance(planned, int) and planned > 0 else None
         if optimizer is not None and train_dataloader is not None and not _needs_real_step(args):
             batch = _first_batch(train_dataloader, model)
             if batch is not None:
