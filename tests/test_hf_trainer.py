@@ -256,3 +256,19 @@ def test_importing_the_integration_without_transformers_names_the_extra() -> Non
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
     assert out.startswith("MissingDependencyError")
     assert 'pip install "guardtower[hf]"' in out
+
+
+@pytest.mark.slow
+def test_the_trainers_schedule_is_walked_over_its_max_steps(tmp_path: Path) -> None:
+    from transformers import Trainer
+
+    reports = {}
+    for warmup in (50, 2):  # 50 warmup steps in a 6-step run: it ends inside the warmup; 2 is fine
+        callback = GuardtowerCallback(verbose=False)
+        args = training_args(tmp_path / str(warmup), max_steps=6, lr_scheduler_type="linear", warmup_steps=warmup)
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), callbacks=[callback]).train()
+        assert callback.report is not None
+        reports[warmup] = callback.report
+    (finding,) = reports[50].by_id("SCHED-002")
+    assert finding.details["planned_steps"] == 6
+    assert not [f for f in reports[2] if f.catalog_id.startswith("SCHED-")]

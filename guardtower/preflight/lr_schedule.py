@@ -60,7 +60,7 @@ def _judge(walk: Walk, gi: int) -> tuple[str, str, dict[str, object]] | None:
                 f"({100 * share:.0f}% of the run at <= {NEAR_ZERO:g} x its peak {peak:.3g}): the schedule ends "
                 "early (built for fewer steps than the run, or stepped faster than once per optimizer step)",
                 details)
-    if len(lrs) == n and top >= LATEST_PEAK * n and lrs[-1] > lrs[0] * MOVES:
+    if len(lrs) == n and top >= LATEST_PEAK * (n - 1) and lrs[-1] > lrs[0] * MOVES:
         return ("SCHED-002",
                 f"param group {gi}'s lr is still rising at the end of the {n:,} planned optimizer steps "
                 f"({lrs[0]:.3g} -> {lrs[-1]:.3g}, peak at step {top:,}): the run ends inside the warmup (warmup "
