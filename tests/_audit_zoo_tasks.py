@@ -29,7 +29,8 @@ class Task:
     name: str
     build: Callable[[], Built]
     unused: tuple[str, ...] = ()
-    """name prefixes of trainable tensors the setup never runs (an unused pooler): they get no gradient"""
+    """name prefixes of trainable tensors this correct setup cannot move: a module it never runs (an unused
+    pooler), or a bias the loss is invariant to (a pairwise loss on rewards ignores a shift shared by both)"""
     runs_backward: bool = False
     """step_fn runs backward itself (gradient accumulation); it returns the loss for logging only"""
 
@@ -287,7 +288,7 @@ class _SimCLR(nn.Module):
         self.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                                      nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.projector = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.projector = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.projector(self.encoder(x))
@@ -397,7 +398,7 @@ def dpo_frozen_reference() -> Built:
             ref_c, ref_r = _sequence_logp(reference, *chosen), _sequence_logp(reference, *rejected)
         return -F.logsigmoid(0.1 * ((pi_c - ref_c) - (pi_r - ref_r))).mean()
 
-    return policy, step, {"optimizer": _adamw(policy, lr=1e-2)}
+    return policy, step, {"optimizer": _adamw(policy)}
 
 
 def reward_model_bradley_terry() -> Built:
@@ -537,7 +538,9 @@ TASKS: list[Task] = [
     Task("simclr_two_views", simclr_two_views),
     Task("clip_dual_encoder", clip_dual_encoder),
     Task("dpo_frozen_reference", dpo_frozen_reference),
-    Task("reward_model_bradley_terry", reward_model_bradley_terry),
+    # ln_f.bias only shifts every reward by the same w.b (the score head has no bias): -logsigmoid(r_c - r_r)
+    # cancels it, so its gradient is exactly zero
+    Task("reward_model_bradley_terry", reward_model_bradley_terry, unused=("transformer.ln_f.bias",)),
     Task("causal_lm_right_padded", causal_lm_right_padded),
     Task("gpt2_pad_is_eos", gpt2_pad_is_eos),
     Task("lora_padded_causal_lm", lora_padded_causal_lm),
