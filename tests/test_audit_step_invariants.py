@@ -451,3 +451,12 @@ def test_clean_counterparts(key: str) -> None:
 def test_every_step_entry_has_a_trigger_case() -> None:
     assert {m.id for m in _STEP} <= {key.split("/")[0] for key in CASES}
 
+
+
+def test_grad_004_is_info_when_only_a_shift_a_pairwise_loss_cancels_gets_no_gradient() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))  # a reward head
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    report = audit(m, lambda: -F.logsigmoid(m(a) - m(b)).mean())  # the last bias shifts both rewards alike
+    (finding,) = report.by_id("GRAD-004")
+    assert finding.severity == Severity.INFO and finding.details["params"] == ["2.bias"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from guardtower.preflight._trace import Supervision
 
@@ -19,6 +20,9 @@ __all__ = ["supervision_hook"]
 
 #: a softmax cross-entropy gradient sums to zero over the classes, up to rounding
 _CE_TOLERANCE = 1e-3
+#: how far (relative) a position's gradient may be from w * (p - onehot(y)) and still pull towards class y
+#: (label smoothing of 0.1 stays within it)
+_PULL_TOLERANCE = 0.25
 
 
 def supervision_hook(call: int, output: torch.Tensor, records: list[Supervision]) -> Callable[[torch.Tensor], None]:
@@ -43,9 +47,16 @@ def _reduce(call: int, output: torch.Tensor, grad: torch.Tensor) -> Supervision:
     ce_like = bool(supervised.any()) and bool((total[supervised] <= _CE_TOLERANCE * magnitude[supervised]).all())
     weight = None
     if ce_like:
-        p = torch.softmax(output.float(), dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        probs = torch.softmax(output.float(), dim=-1)
+        p = probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         g_y = g.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        weight = torch.where(supervised, -g_y / (1 - p).clamp_min(1e-12), torch.zeros_like(g_y)).cpu()
+        w = torch.where(supervised, -g_y / (1 - p).clamp_min(1e-12), torch.zeros_like(g_y))
+        # a position the loss pulls towards one class has g = w * (p - onehot(y)), w > 0; one it pushes away
+        # from its label (the rejected side of a preference loss) does not, and has no target of its own
+        pulled = probs.sub_(F.one_hot(target, g.shape[-1]).to(probs.dtype)).mul_(w.unsqueeze(-1)).sub_(g)
+        pulled = (pulled.norm(dim=-1) <= _PULL_TOLERANCE * g.norm(dim=-1)) & (w > 0)
+        target = torch.where(pulled | ~supervised, target, torch.full_like(target, -1))
+        weight = w.cpu() if bool(pulled[supervised].all()) else None
     return Supervision(call, magnitude.cpu(), target.cpu(), weight, int(g.shape[-1]))
 
 

@@ -70,7 +70,8 @@ class Supervision:
     magnitude: torch.Tensor
     """sum of |gradient| over the classes: 0 where the loss does not supervise the position"""
     target: torch.Tensor | None
-    """the class the loss pulls the position towards (most negative gradient entry); None without a class dim"""
+    """the class the loss pulls the position towards (most negative gradient entry), -1 where the gradient does not
+    pull towards one class (a rejected sequence of a preference loss); None without a class dim"""
     weight: torch.Tensor | None
     """the weight of each position in a softmax cross-entropy (``-g[y] / (1 - p[y])``); None when the gradient
     does not have that shape"""

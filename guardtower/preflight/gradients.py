@@ -84,8 +84,11 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
         if g is not None and g.numel() > 0 and not is_lora_factor(n) and not bool(g.any()):
             zero.append(n)
     if zero:
+        # consequence: a weight that cannot learn is a finding; a bias or norm shift alone with no gradient is
+        # usually a symmetry of the loss (a pairwise loss cancels a shared shift)
+        weights = [n for n in zero if _effective_dims(ctx.params[n]) >= 2]
         findings.append(Finding(
-            "grad_connectivity", Severity.WARN,
+            "grad_connectivity", Severity.WARN if weights else Severity.INFO,
             f"{len(zero)} trainable parameter(s) got an all-zero gradient: {fmt_names(zero)} (dead ReLUs or "
             "clamps upstream, a zero-initialised layer in between, or masked-out outputs)",
             "GRAD-004", {"params": zero},
@@ -146,12 +149,17 @@ def _skipped_by_design(ctx: AuditContext, missing: list[str]) -> list[str]:
     return skipped
 
 
+def _effective_dims(t: torch.Tensor) -> int:
+    """Dimensions of size > 1: a (1, 1, d) class token is a vector, not a matrix."""
+    return sum(1 for size in t.shape if size > 1)
+
+
 def _number(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _norms(ctx: AuditContext) -> list[tuple[str, float, float, int]]:
-    """(name, grad norm, param norm, ndim) for finite gradients."""
+    """(name, grad norm, param norm, effective ndim) for finite gradients."""
     assert ctx.trace is not None
     out = []
     with torch.no_grad():
@@ -162,7 +170,7 @@ def _norms(ctx: AuditContext) -> list[tuple[str, float, float, int]]:
             gn = float(g.float().norm())
             if not math.isfinite(gn):
                 continue
-            out.append((name, gn, float(p.detach().float().norm()), p.dim()))
+            out.append((name, gn, float(p.detach().float().norm()), _effective_dims(p)))
     return out
 
 
