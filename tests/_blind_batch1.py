@@ -739,7 +739,9 @@ CASES: list[BlindCase] = [
               "classifies padded rows from a padding position", _padid_build, _padid_proof),
     BlindCase("freeze-overwritten", "https://github.com/ultralytics/yolov5/issues/1213", "freezing",
               "the optimizer-group loop sets requires_grad=True on every parameter after the freeze loop, so the "
-              "frozen layers train", _yolo_build, _yolo_proof),
+              "frozen layers train", _yolo_build, _yolo_proof,
+              known_miss="the freeze is undone before the audit sees the model: no frozen flag, group or "
+                         "gradient is left that says those layers were meant to stay fixed"),
     BlindCase("no-grad-backbone-decayed", "https://github.com/open-mmlab/OpenPCDet/issues/845",
               "optimizer update",
               "a backbone frozen by torch.no_grad() keeps requires_grad=True, so the optimizer wrapper's true "
@@ -765,7 +767,9 @@ CASES: list[BlindCase] = [
     BlindCase("focal-weights-twice", "https://github.com/mathiaszinnen/focal_loss_torch/issues/13",
               "loss supervision",
               "the focal loss applies the class weights twice, so classes are weighted by w**2 instead of w",
-              _focal_build, _focal_proof),
+              _focal_build, _focal_proof,
+              known_miss="a focal loss's output gradient is not softmax-CE shaped, so no per-sample weight is "
+                         "measured, and the intended weights w are not known to compare w**2 against"),
     BlindCase("weighted-ce-batch1", "https://github.com/pytorch/pytorch/issues/50528", "loss supervision",
               "weighted CrossEntropyLoss with reduction='mean' at batch size 1 divides the weight back out, so "
               "the class weights do nothing", _wce_build, _wce_proof),
