@@ -100,7 +100,8 @@ class Spool:
         return os.access(folder, os.W_OK | os.X_OK)
 
     def compact(self) -> bool:
-        """Remove the spool (and its acknowledgements) once nothing in it is pending; True if removed."""
+        """Remove the spool (its acknowledgements, and its folder if that is then empty) once nothing in it
+        is pending; True if removed."""
         with self._lock:
             if not self.path.exists() or next(self.entries(), None) is not None or self.skipped:
                 return False
@@ -109,6 +110,10 @@ class Spool:
                     path.unlink()
                 except FileNotFoundError:
                     pass
+            try:
+                self.path.parent.rmdir()  # only if nothing else is in it
+            except OSError:
+                pass
             self._synced_at.clear()
             return True
 
