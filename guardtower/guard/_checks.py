@@ -48,6 +48,18 @@ def check_base_state(state: Mapping[str, Any], base: torch.optim.Optimizer) -> N
         if len(saved["params"]) != len(own["params"]):
             raise ConfigError("state_dict", f"parameter group {i} has {len(saved['params'])} parameters, "
                               f"the optimizer's has {len(own['params'])}", _FIX)
+    # per-parameter state (momentum, Adam moments) must have the shape of its parameter, or the next step
+    # fails with a raw RuntimeError, long after the load
+    param_of = {saved_id: own_p for saved, own in zip(groups, base.param_groups)
+                for saved_id, own_p in zip(saved["params"], own["params"])}
+    for saved_id, entry in state["state"].items():
+        param = param_of.get(saved_id)
+        if param is None or not isinstance(entry, Mapping):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ConfigError("state_dict", f"state {key!r} of parameter {saved_id} has shape "
+                                  f"{tuple(value.shape)}, the parameter has {tuple(param.shape)}", _FIX)
 
 
 def check_guard_state(guard: Any, detector: Detector) -> dict[str, int]:
@@ -72,6 +84,7 @@ def check_guard_state(guard: Any, detector: Detector) -> dict[str, int]:
             f"guard state is for detector {saved.get('name')!r} over {saved.get('n')} tensors; this guard uses "
             f"{current['name']!r} over {current['n']}", _FIX)
     _same_layout(saved, current, "detector")
+    detector.check_state_dict(dict(saved))  # the detector's own rules (finite baselines), before anything changes
     return counters
 
 

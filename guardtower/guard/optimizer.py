@@ -339,9 +339,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the base optimizer; the new tensors get fresh baselines (and their own warmup)."""
         self._base.add_param_group(param_group)
-        self._params = [p for g in self._base.param_groups for p in g["params"]]
-        self._names = self._param_names(self._base, self.model)
-        self.detector.resize(len(self._params), self._device)
+        self._track_params()
+
+    def _track_params(self) -> None:
+        """Guard every tensor of the base optimizer, also those added to it after wrapping
+        (``base.add_param_group``); O(groups) per step, no device work unless a group was added."""
+        if sum(len(g["params"]) for g in self._base.param_groups) == len(self._params):
+            return
+        params = [p for g in self._base.param_groups for p in g["params"]]
+        names = self._param_names(self._base, self.model)
+        _check_params(params, names)
+        self._params, self._names = params, names
+        self.detector.resize(len(params), self._device)
+        if self._snapshots is not None:
+            self._snapshots.clear()  # a snapshot without the new tensors cannot restore them
 
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's state dict plus the guard's own state under the key ``"guardtower"``."""
@@ -423,6 +434,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             base_closure = _replay_closure(closure, result)
         if not self._started:
             self._start()
+        self._track_params()
         self._drain(block=False)
         self._step_count += 1
         step = self._step_count
