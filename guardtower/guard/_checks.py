@@ -105,3 +105,16 @@ def _same_layout(saved: Any, current: Any, where: str) -> None:
     elif isinstance(current, (int, float)) and not isinstance(current, bool):
         if not isinstance(saved, (int, float)) or isinstance(saved, bool):
             raise ConfigError("state_dict", f"guard state {where} should be a number, got {saved!r}", _FIX)
+
+
+def check_process_group(group: Any) -> None:
+    """``process_group`` is None or a ``torch.distributed`` group: caught now, not at the first step's all-reduce."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    cls = getattr(dist, "ProcessGroup", None)
+    if cls is not None and isinstance(group, cls):
+        return
+    raise ConfigError("process_group", f"expected a torch.distributed ProcessGroup or None, got {type(group).__name__}",
+                      "pass dist.new_group(...) or None for the default group")
