@@ -32,15 +32,19 @@ def read_json_lines(path: Path, on_bad_line: Callable[[], None] | None = None) -
 def append_fd(path: Path) -> int:
     """An ``O_APPEND`` descriptor: every ``write_whole`` lands at the end, with no buffer in this process
     (so a forked child never flushes its parent's half-written bytes)."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
 
 
 def write_whole(target: Path | int, data: bytes) -> None:
     """Append ``data`` (whole lines) completely or not at all: on a full disk or a size limit the bytes
-    that did get written are cut off again, so the file never holds a torn line; then ``OSError``."""
+    that did get written are cut off again, so the file never holds a torn line; then ``OSError``. A file
+    whose last line is unterminated (an older crash, another tool) gets a newline first, so that line alone
+    stays unreadable."""
     fd = append_fd(target) if isinstance(target, Path) else target
     try:
         start = os.fstat(fd).st_size
+        if start and os.pread(fd, 1, start - 1) != b"\n":
+            data = b"\n" + data
         written = 0
         try:
             while written < len(data):
