@@ -200,8 +200,12 @@ from pathlib import Path
 from guardtower.alerts import RetryPolicy, WebhookAlert
 from guardtower.bus import EventBus
 from guardtower.events import SpikeEvent
-sink = WebhookAlert({url!r} + "/hook/T0", grouping=None, spool_path=Path({spool!r}),
-                    retry=RetryPolicy(max_attempts=2, connect_timeout=1, read_timeout=30))
+if {kind!r} == "webhook":
+    sink = WebhookAlert({url!r} + "/hook/T0", grouping=None, spool_path=Path({spool!r}),
+                        retry=RetryPolicy(max_attempts=2, connect_timeout=1, read_timeout=30))
+else:
+    from guardtower.bridges import MLflowBridge
+    sink = MLflowBridge("0123456789abcdef", tracking_uri={url!r}, request_timeout=30, spool_path=Path({spool!r}))
 bus = EventBus([sink])
 mode = {mode!r}
 for i in range(100_000):
@@ -215,8 +219,8 @@ for i in range(100_000):
 """
 
 
-def _run_child(url: str, spool: Path, mode: str, sig: int, after: int) -> int:
-    script = textwrap.dedent(_CHILD.format(url=url, spool=str(spool), mode=mode))
+def _run_child(url: str, spool: Path, mode: str, sig: int, after: int, kind: str = "webhook") -> int:
+    script = textwrap.dedent(_CHILD.format(url=url, spool=str(spool), mode=mode, kind=kind))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=ENV)
     published = 0
     try:
@@ -254,10 +258,12 @@ def test_kill_9_while_the_destination_hangs_leaves_every_event_for_replay_once(h
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["webhook", "mlflow"])
 def test_sigterm_while_the_destination_hangs_leaves_every_published_event_in_the_spool(hung: RawServer,
-                                                                                      tmp_path: Path) -> None:
+                                                                                      tmp_path: Path,
+                                                                                      kind: str) -> None:
     spool = Spool(tmp_path / "spool.jsonl")
-    published = _run_child(hung.url, spool.path, "term", signal.SIGTERM, 300)
+    published = _run_child(hung.url, spool.path, "term", signal.SIGTERM, 300, kind)
     steps = {e.event.step for e in spool.entries()}
     assert set(range(published)) <= steps
 
