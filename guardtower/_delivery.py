@@ -11,7 +11,18 @@ Accounting: every event offered to a sink ends as exactly one of delivered, spoo
 reason) or failed; until then it is pending. ``close()`` writes what is still pending to the spool
 *before* its deadline (a fifth of the time, at most 1 s, is reserved for that) or counts it as dropped.
 ``offer()`` runs on the training thread: it appends to memory and never blocks, raises or touches the
-disk; a full queue's events are parked and spooled by the worker.
+disk.
+
+Persist before you try: for a sink with a spool (trackers, alerts) a second engine thread, the
+persister, appends every accepted event to the spool within ``_PERSIST_WAIT_S`` (batched, fsync at the
+spool's bounded cadence) before the worker's first delivery attempt; a delivered event is acknowledged
+after. So kill -9 leaves every event accepted more than about a second earlier for ``guardtower replay``,
+and SIGTERM (the engine hooks it while its handler is the default) first persists what is in memory.
+
+Refused vs unreachable: ``TransientError`` means the destination is unreachable (the event waits in the
+spool); any other error, or ``PartialFailure``, means it refused the event (resending cannot help): the
+event is quarantined in ``<spool>.refused`` with its reason and counted failed, and the rest flows, live
+and on replay. No exception stops a worker.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import collections
 import logging
 import os
 import random
+import signal
 import threading
 import time
 import weakref
@@ -32,6 +44,7 @@ from guardtower.errors import ConfigError
 from guardtower.events import Event
 
 __all__ = [
+    "Refused",
     "Batch",
     "Batcher",
     "Delivery",
@@ -57,6 +70,11 @@ _BATCH_MAX = 512
 #: events of a full queue parked in memory for the worker to spool (sinks with a spool only)
 _OVERFLOW_MAX = 10_000
 _IDLE_WAIT_S = 0.5
+#: the longest an accepted event waits in memory before the persister writes it to the spool
+_PERSIST_WAIT_S = 0.2
+#: how long SIGTERM waits for the persisters before the process goes on to end
+_SIGTERM_PERSIST_S = 2.0
+_ACCEPTED = "accepted; not delivered yet (the process ended or was killed first)"
 _PROBE_MIN_S = 0.5
 _PROBE_MAX_S = 30.0
 
@@ -73,6 +91,19 @@ class TransientError(Exception):
         self.reason = reason
         self.retry_after = retry_after
         self.pause = pause
+
+
+class Refused(Exception):
+    """The destination refused this event: sending it again cannot help. ``reason`` is safe to log."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """True when ``exc`` says the destination refused (not: could not be reached)."""
+    return not isinstance(exc, TransientError) and (isinstance(exc, Refused) or getattr(exc, "permanent", True))
 
 
 class PartialFailure(Exception):
@@ -269,6 +300,7 @@ class Delivery:
         make_batcher = getattr(sink, "make_batcher", None)
         self._make_batcher: Callable[[], Batcher] = make_batcher if callable(make_batcher) else _Chunks
         self._reset()
+        self._persist = self._spool() is not None
         on_fork(self)
         spool = self._spool()
         # replay_spool: the engine itself re-sends the spool once the destination answers again (and a
@@ -290,6 +322,13 @@ class Delivery:
         self._stop = threading.Event()
         self._queue: collections.deque[Event] = collections.deque()
         self._overflow: list[Event] = []
+        # persist before you try: _queue -> (persister appends to the spool) -> _ready -> worker
+        self._ready: collections.deque[Event] = collections.deque()
+        self._on_disk: set[str] = set()  # ids of live (unfinished) events that are in the spool
+        self._persisting = False
+        self._plock = threading.Lock()
+        self._pwake = threading.Event()
+        self._persister: threading.Thread | None = None
         self._offered = 0
         self._refused: collections.Counter[str] = collections.Counter()  # dropped at offer, under _qlock
         self._closed = False
@@ -333,8 +372,9 @@ class Delivery:
             else:
                 self._refused["queue full"] += 1
                 return
-        if not self._wake.is_set():
-            self._wake.set()
+        wake = self._pwake if self._persist else self._wake
+        if not wake.is_set():
+            wake.set()
         if self._thread is None:
             self._start()
 
@@ -343,49 +383,139 @@ class Delivery:
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name=f"guardtower-sink-{self.name}", daemon=True)
                 self._thread.start()
+                if self._persist:
+                    self._persister = threading.Thread(target=self._persist_run, daemon=True,
+                                                       name=f"guardtower-spool-{self.name}")
+                    self._persister.start()
+                    _hook_sigterm()
+
+    # -- the persister --------------------------------------------------------------------------------------
+
+    def _persist_run(self) -> None:
+        while True:
+            self._pwake.wait(_PERSIST_WAIT_S)
+            self._pwake.clear()
+            try:
+                if not self._persist_once():
+                    return
+            except Exception as exc:  # never stop: the worker still sends what reached _ready
+                self.log.warn(f"internal error while spooling: {_describe(exc)}", 0)
+                self._stop.wait(0.05)
+
+    def _persist_once(self) -> bool:
+        """Move what offer() queued to the spool and on to the worker; False once closed and empty."""
+        with self._plock:
+            with self._qlock:
+                events = list(self._queue)
+                self._queue.clear()
+                overflow, self._overflow = self._overflow, []
+                room = self.maxsize - len(self._ready)
+                self._persisting = bool(events or overflow)
+                closed = self._closed
+            if not events and not overflow:
+                return not closed
+            keep: list[Event] = []
+            durable: list[Event] = []
+            on_disk = False
+            try:
+                keep, spill = events[:max(0, room)], overflow + events[max(0, room):]
+                wanted = getattr(self.sink, "accepts", None)  # an alert sink ignores most kinds: no disk for those
+                durable = [e for e in keep if wanted(e)] if callable(wanted) else keep
+                if durable:
+                    try:
+                        self._spool().append_many(durable, _ACCEPTED, self._spool_sink(), sync=False)
+                        on_disk = True
+                    except Exception as exc:
+                        self.log.warn(f"spool not writable: {_describe(exc)}", len(keep),
+                                      "sending without a copy on disk")
+                if spill:  # the worker cannot keep up: these wait in the spool
+                    self._to_spool(spill, "bus queue full", enter_backlog=True)
+            finally:
+                with self._qlock:
+                    if events:
+                        if on_disk:
+                            self._on_disk.update(e.event_id for e in durable)
+                        self._ready.extend(keep)
+                    self._persisting = False
+            self._wake.set()
+            return True
+
+    def persist_now(self, deadline: float) -> None:
+        """Get everything in memory onto the spool before ``deadline`` (SIGTERM)."""
+        while time.monotonic() < deadline:
+            with self._qlock:
+                busy = bool(self._queue or self._overflow or self._persisting)
+            if not busy or self._persister is None or not self._persister.is_alive():
+                break
+            self._pwake.set()
+            time.sleep(0.01)
+        spool = self._spool()
+        if spool is not None:
+            try:
+                spool.sync()
+            except OSError:
+                pass
 
     # -- the worker ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            self._wake.clear()  # before looking: an event offered from now on sets it again
-            with self._cond:
-                if self._closed:
+            try:
+                if not self._run_once():
                     return
-                batches, overflow = self._take_locked()
-                queue_empty = not self._queue
-                if not batches and not overflow:
-                    idle = queue_empty and not self._batcher.held()
-                    if self._closing and idle:
-                        self._flush_done = self._flush_asked
-                        self._cond.notify_all()
-                        return
-                    probe = self._backlog and self._probe_at <= time.monotonic()
-                    flush = idle and self._flush_asked > self._flush_done
-                    if not probe and not flush:
-                        wait = self._idle_wait()
-                        self._cond.release()
-                        try:
-                            self._wake.wait(wait)
-                        finally:
-                            self._cond.acquire()
-                        continue
-                self._inflight = list(batches)
-                flush_target = self._flush_asked if queue_empty and self._flush_asked > self._flush_done else None
-            if overflow:
-                self._to_spool(overflow, "bus queue full", enter_backlog=True)
-            if self._backlog:
-                self._probe()
-            for batch in batches:
-                self._send(batch)
-            with self._cond:
-                self._inflight = []
-                self._cond.notify_all()
-            if flush_target is not None and not self._batcher.held():
-                self._call_sink_flush()
+            except Exception as exc:  # no exception stops a worker: account for what it held, go on
                 with self._cond:
-                    self._flush_done = max(self._flush_done, flush_target)
+                    stuck, self._inflight = self._inflight, []
+                self.log.warn(f"internal error: {_describe(exc)}", sum(len(b.events) for b in stuck))
+                self._to_spool([e for b in stuck for e in b.events], f"internal error: {_describe(exc)}")
+                self._stop.wait(0.05)
+
+    def _run_once(self) -> bool:
+        """One round of the worker; False when it is done."""
+        self._wake.clear()  # before looking: an event offered from now on sets it again
+        with self._cond:
+            if self._closed:
+                return False
+            batches, overflow = self._take_locked()
+            queue_empty = self._drained()
+            if not batches and not overflow:
+                idle = queue_empty and not self._batcher.held()
+                if self._closing and idle:
+                    self._flush_done = self._flush_asked
                     self._cond.notify_all()
+                    return False
+                probe = self._backlog and self._probe_at <= time.monotonic()
+                flush = idle and self._flush_asked > self._flush_done
+                if not probe and not flush:
+                    wait = self._idle_wait()
+                    self._cond.release()
+                    try:
+                        self._wake.wait(wait)
+                    finally:
+                        self._cond.acquire()
+                    return True
+            self._inflight = list(batches)
+            flush_target = self._flush_asked if queue_empty and self._flush_asked > self._flush_done else None
+        if overflow:
+            self._to_spool(overflow, "bus queue full", enter_backlog=True)
+        if self._backlog:
+            self._probe()
+        for batch in batches:
+            self._send(batch)
+        with self._cond:
+            self._inflight = []
+            self._cond.notify_all()
+        if flush_target is not None and not self._batcher.held():
+            self._call_sink_flush()
+            with self._cond:
+                self._flush_done = max(self._flush_done, flush_target)
+                self._cond.notify_all()
+        return True
+
+    def _drained(self) -> bool:
+        """Nothing waits before the batcher (in the queue, with the persister, or ready to send)."""
+        with self._qlock:
+            return not (self._queue or self._ready or self._overflow or self._persisting)
 
     def _idle_wait(self) -> float:
         waits = [_IDLE_WAIT_S]
@@ -399,15 +529,31 @@ class Delivery:
     def _take_locked(self) -> tuple[list[Batch], list[Event]]:
         now = time.monotonic()
         events: list[Event] = []
+        source = self._ready if self._persist else self._queue
         with self._qlock:
-            while self._queue and len(events) < self.batch_max:
-                events.append(self._queue.popleft())
-            overflow, self._overflow = self._overflow, []
-            more = bool(self._queue)
-        batches = self._batcher.add(events, now) if events else []
+            while source and len(events) < self.batch_max:
+                events.append(source.popleft())
+            overflow: list[Event] = []
+            if not self._persist:
+                overflow, self._overflow = self._overflow, []
+            more = bool(self._queue or self._ready or self._overflow or self._persisting)
+        batches = self._add(events, now) if events else []
         drain = self._closing or self._flush_asked > self._flush_done
         batches.extend(self._batcher.due(now, drain and not more))
         return [b for b in batches if b.events or b.note is not None], overflow
+
+    def _add(self, events: list[Event], now: float) -> list[Batch]:
+        """The batcher's batches; if it raises, event by event, so one bad event takes none of the others."""
+        try:
+            return self._batcher.add(events, now)
+        except Exception:
+            batches: list[Batch] = []
+            for event in events:
+                try:
+                    batches += self._batcher.add([event], now)
+                except Exception as exc:
+                    batches.append(Batch((event,), Handled(f"internal error: {_describe(exc)}")))
+            return batches
 
     def _send(self, batch: Batch) -> None:
         if isinstance(batch.note, Handled):
@@ -424,12 +570,10 @@ class Delivery:
         except PartialFailure as exc:
             failed = {id(e) for e in exc.failed}
             self._finish(batch, failed_events=[e for e in batch.events if id(e) in failed], reason=exc.reason)
-        except Exception as exc:
+        except Exception as exc:  # refused by the destination (or a sink's bug): resending cannot help
             reason = _describe(exc)
             if batch.note is None and len(batch.events) > 1:
                 self._isolate(batch)  # one bad event must not take the others down
-            elif self._spool() is not None:
-                self._finish(batch, spool_reason=reason)
             else:
                 self._finish(batch, failed_events=list(batch.events), reason=reason)
         else:
@@ -469,17 +613,36 @@ class Delivery:
         """Account for a batch the worker is done with (unless ``close`` already spooled it)."""
         if not self._claim(batch):  # close() spooled it while it was in flight; if it got through, say so
             if spool_reason is None and not failed_events:
-                self._ack(batch.events)
+                self._ack(batch.events, live=False)
             return
         if spool_reason is not None:
             self._to_spool(list(batch.events), spool_reason, enter_backlog=backlog)
             return
         failed = len(failed_events)
+        quarantined = self._quarantine(failed_events, reason) if failed else False
+        self._ack(batch.events)
         with self._cond:
             self._counts["delivered"] += len(batch.events) - failed
             self._counts["failed"] += failed
+            if quarantined:
+                self._counts["quarantined"] += failed
         if failed:
-            self.log.warn(reason, failed, "counted as failed")
+            where = f"quarantined in {self._spool().refused_path}" if quarantined else "counted as failed"
+            self.log.warn(reason, failed, where)
+
+    def _quarantine(self, events: Sequence[Event], reason: str) -> bool:
+        spool = self._spool()
+        if spool is None:
+            return False
+        try:
+            spool.quarantine_many(events, reason, self._spool_sink())
+        except Exception:
+            logger.debug("guardtower: could not quarantine refused events", exc_info=True)
+            return False
+        return True
+
+    def _spool_sink(self) -> str:
+        return str(getattr(self.sink, "spool_sink", self.name))
 
     # -- spool, backlog and replay -----------------------------------------------------------------------
 
@@ -492,13 +655,23 @@ class Delivery:
                 self._dropped[f"undeliverable: {reason}"] += len(events)
             self.log.warn(reason, len(events), "dropped (this sink has no spool)")
             return False
+        with self._qlock:  # already on disk since the persister: write only the reason, not the event again
+            on_disk = [e for e in events if e.event_id in self._on_disk]
+            self._on_disk.difference_update(e.event_id for e in on_disk)
+        ids = {id(e) for e in on_disk}
+        todo = [e for e in events if id(e) not in ids] if on_disk else events
+        if on_disk and not reason.startswith("destination unavailable"):
+            todo = events  # the latest line's reason is what replay --list shows
         try:
-            spool.append_many(events, reason, getattr(self.sink, "spool_sink", self.name))
-        except OSError as exc:
-            why = f"spool not writable: {exc.strerror or type(exc).__name__}"
+            if todo:
+                spool.append_many(todo, reason, self._spool_sink())
+        except Exception as exc:
+            why = f"spool not writable: {getattr(exc, 'strerror', None) or type(exc).__name__}"
+            lost = [e for e in todo if id(e) not in ids]
             with self._cond:
-                self._dropped[why] += len(events)
-            self.log.warn(f"{why} (after: {reason})", len(events), f"dropped; spool {spool.path}")
+                self._dropped[why] += len(lost)
+                self._counts["spooled"] += len(events) - len(lost)
+            self.log.warn(f"{why} (after: {reason})", len(lost), f"dropped; spool {spool.path}")
             return False
         with self._cond:
             self._counts["spooled"] += len(events)
@@ -509,13 +682,22 @@ class Delivery:
             self.log.warn(reason, len(events), f"spooled to {spool.path}")
         return True
 
-    def _ack(self, events: Sequence[Event]) -> None:
+    def _ack(self, events: Sequence[Event], *, live: bool = True) -> None:
+        """Acknowledge delivered (or quarantined) events that are in the spool."""
         spool = self._spool()
         if spool is None:
             return
+        if live:
+            with self._qlock:
+                ids = [e.event_id for e in events if e.event_id in self._on_disk]
+                self._on_disk.difference_update(ids)
+        else:
+            ids = [e.event_id for e in events]
+        if not ids:
+            return
         try:
-            spool.ack_many([e.event_id for e in events])
-        except OSError:
+            spool.ack_many(ids, sync=False)
+        except Exception:
             logger.debug("guardtower: could not acknowledge spooled events", exc_info=True)
 
     def _probe(self) -> None:
@@ -525,11 +707,21 @@ class Delivery:
         spool = self._spool()
         sent = 0
         ok = True
+        if not spool.ackable():  # sending without acknowledging would resend the same events every time
+            self.log.warn(f"spool {spool.path} is read-only: cannot acknowledge, not replaying", 0)
+            with self._cond:
+                self._backlog = False
+            return
+        with self._qlock:
+            live = set(self._on_disk)  # accepted but not tried yet: the worker sends those itself
         try:
             for chunk in spool.pending_chunks(int(getattr(self.sink, "replay_batch", self.batch_max))):
                 if self._stop.is_set():
                     ok = False
                     break
+                chunk = [e for e in chunk if e.event_id not in live]
+                if not chunk:
+                    continue
                 batch = Batch(tuple(chunk))
                 try:
                     send_with_retry(self._export, batch, getattr(self.sink, "retry", None), stop=self._stop,
@@ -537,15 +729,21 @@ class Delivery:
                 except TransientError:
                     ok = False
                     break
-                except Exception as exc:  # the destination refuses these events: keep them pending, go on
-                    self.log.warn(f"rejected on replay: {_describe(exc)}", len(chunk),
-                                  "left in the spool for `guardtower replay`")
+                except Exception as exc:  # the destination refuses these events: quarantine them, go on
+                    failed = exc.failed if isinstance(exc, PartialFailure) else chunk
+                    reason = _describe(exc)
+                    spool.quarantine_many(failed, reason, self._spool_sink())
+                    spool.ack_many([e.event_id for e in chunk])
+                    self.log.warn(f"refused on replay: {reason}", len(failed), f"quarantined in {spool.refused_path}")
+                    with self._cond:
+                        self._counts["replay_refused"] += len(failed)
+                    sent += len(chunk) - len(failed)
                     continue
                 spool.ack_many([e.event_id for e in chunk])
                 sent += len(chunk)
         except OSError as exc:
             ok = False
-            self.log.warn(f"spool not readable: {exc.strerror or type(exc).__name__}", 0)
+            self.log.warn(f"spool not usable: {exc.strerror or type(exc).__name__}", 0)
         with self._cond:
             self._counts["replayed"] += sent
             if ok:
@@ -595,9 +793,26 @@ class Delivery:
         """Close time: spool (or count as dropped) whatever the worker has not finished, then stop it."""
         self._stop.set()
         self._wake.set()
+        self._pwake.set()
+        got = self._plock.acquire(timeout=1.0)  # the persister may hold events between queue and _ready
+        try:
+            self._take_over_locked()
+        finally:
+            if got:
+                self._plock.release()
+        spool = self._spool()
+        if spool is not None:
+            try:
+                spool.sync()
+                spool.compact()  # everything delivered: no file left behind
+            except OSError:
+                pass
+
+    def _take_over_locked(self) -> None:
         with self._cond:
             with self._qlock:
-                leftovers = list(self._overflow) + list(self._queue)
+                leftovers = list(self._ready) + list(self._overflow) + list(self._queue)
+                self._ready.clear()
                 self._overflow.clear()
                 self._queue.clear()
                 self._closed = True
@@ -636,11 +851,45 @@ class Delivery:
                 "spooled": c["spooled"],
                 "dropped": dropped,
                 "failed": c["failed"],
+                "quarantined": c["quarantined"],
+                "replay_refused": c["replay_refused"],
                 "pending": published - done,
                 "replayed": c["replayed"],
                 "backlog": self._backlog,
                 "dropped_reasons": dict(reasons),
             }
+
+
+_sigterm_lock = threading.Lock()
+_sigterm_hooked = False
+
+
+def _hook_sigterm() -> None:
+    """While SIGTERM has its default action (torchrun, schedulers), persist every live spool first, then
+    end the process the same way. A handler the user installed is left alone. Main thread only."""
+    global _sigterm_hooked
+    with _sigterm_lock:
+        if _sigterm_hooked or threading.current_thread() is not threading.main_thread():
+            return
+        _sigterm_hooked = True
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            return
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    deadline = time.monotonic() + _SIGTERM_PERSIST_S
+    for obj in list(_live):
+        if isinstance(obj, Delivery) and obj._persist:
+            try:
+                obj.persist_now(deadline)
+            except Exception:
+                pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def close_all(deliveries: Iterable[Delivery], timeout: float | None) -> None:

@@ -4,7 +4,7 @@
 not UTF-8, not JSON, not an event, of an unknown kind or with a field of the wrong type is *malformed*: it is
 counted with its file, line number and problem instead of raising, so ``guardtower events``/``report`` can
 say in one line what they skipped. An unterminated last line that does not parse is a write torn by a crash,
-expected after ``kill -9``, and is not counted.
+expected after ``kill -9``: it is not counted as malformed, only listed in ``torn`` for a notice.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class EventLog:
     #: files that held at least one event
     files: list[Path] = field(default_factory=list)
     malformed: list[Malformed] = field(default_factory=list)
+    #: files whose unterminated last line was cut short (skipped)
+    torn: list[Path] = field(default_factory=list)
 
 
 def describe_malformed(malformed: Sequence[Malformed]) -> str:
@@ -69,7 +71,8 @@ def read_event_log(path: Path) -> EventLog:
     for file in _event_files(path):
         events, malformed = _read_file(file)
         if events or explicit:
-            log.malformed.extend(malformed)
+            log.malformed.extend(m for m in malformed if m.problem != _TORN)
+            log.torn.extend(m.file for m in malformed if m.problem == _TORN)
         if events:
             log.files.append(file)
             log.events.extend(events)
@@ -90,8 +93,8 @@ def _read_file(file: Path) -> tuple[list[Event], list[Malformed]]:
         try:
             events.append(_parse_line(raw))
         except _TornLine:
-            if number != len(lines):  # only the unterminated last line can be torn
-                malformed.append(Malformed(file, number, "not JSON"))
+            # only the unterminated last line can be torn
+            malformed.append(Malformed(file, number, "not JSON" if number != len(lines) else _TORN))
         except ValueError as exc:
             malformed.append(Malformed(file, number, str(exc)))
     return events, malformed
@@ -102,6 +105,9 @@ _JSON_NAMES = {type(None): "null", bool: "boolean", int: "number", float: "numbe
 
 class _TornLine(Exception):
     pass
+
+
+_TORN = "torn last line"
 
 
 def _parse_line(raw: bytes) -> Event:

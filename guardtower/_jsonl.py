@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 
 from guardtower.errors import ConfigError
 
-__all__ = ["read_json_lines", "check_writable_dir", "check_creatable_dir"]
+__all__ = ["read_json_lines", "write_whole", "append_fd", "check_writable_dir", "check_creatable_dir"]
 
 
 def read_json_lines(path: Path, on_bad_line: Callable[[], None] | None = None) -> Iterator[Any]:
@@ -21,11 +21,44 @@ def read_json_lines(path: Path, on_bad_line: Callable[[], None] | None = None) -
             if not line:
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+                value = json.loads(line)
+            except (ValueError, RecursionError):  # JSONDecodeError, or nesting deeper than Python recurses
                 if on_bad_line is not None:
                     on_bad_line()
                 continue
+            yield value
+
+
+def append_fd(path: Path) -> int:
+    """An ``O_APPEND`` descriptor: every ``write_whole`` lands at the end, with no buffer in this process
+    (so a forked child never flushes its parent's half-written bytes)."""
+    return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+
+
+def write_whole(target: Path | int, data: bytes) -> None:
+    """Append ``data`` (whole lines) completely or not at all: on a full disk or a size limit the bytes
+    that did get written are cut off again, so the file never holds a torn line; then ``OSError``. A file
+    whose last line is unterminated (an older crash, another tool) gets a newline first, so that line alone
+    stays unreadable."""
+    fd = append_fd(target) if isinstance(target, Path) else target
+    try:
+        start = os.fstat(fd).st_size
+        if start and os.pread(fd, 1, start - 1) != b"\n":
+            data = b"\n" + data
+        written = 0
+        try:
+            while written < len(data):
+                n = os.write(fd, data[written:])
+                if n <= 0:
+                    raise OSError(28, "No space left on device")
+                written += n
+        except OSError:
+            if written and os.fstat(fd).st_size == start + written:  # nobody else appended meanwhile
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        if isinstance(target, Path):
+            os.close(fd)
 
 
 def check_writable_dir(directory: Path, argument: str) -> None:

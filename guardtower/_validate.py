@@ -58,6 +58,8 @@ def path(argument: str, value: object, *, allow_none: bool = False) -> Path | No
     if value is None and allow_none:
         return None
     if isinstance(value, (str, os.PathLike)) and str(os.fspath(value)).strip():
+        if "\x00" in str(os.fspath(value)):
+            raise ConfigError(argument, "the path contains a NUL byte", "pass a path without '\\x00'")
         return Path(value).expanduser()
     raise ConfigError(argument, f"expected a file path (str or os.PathLike), got {type(value).__name__}",
                       "pass a path such as 'sg_logs/events.jsonl'")

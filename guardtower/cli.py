@@ -123,6 +123,9 @@ def _events(path: str, *, kinds: list[str] | None, min_severity: str) -> int:
             continue
         if event.severity >= threshold:
             print(render_event(event))
+    for file in log.torn:
+        print(f"guardtower events: {file}: skipped a torn last line (a write cut short by a crash or a full disk)",
+              file=sys.stderr)
     if log.malformed:
         print(f"guardtower events: {describe_malformed(log.malformed)}", file=sys.stderr)
         return 2

@@ -312,32 +312,58 @@ def _type_hints(cls: type[Event]) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-_ATOMS = (str, int, float, type(None))
+_ATOMS = (int, float, type(None))
+#: deeper nesting than this in an event field is a ``ConfigError`` (JSON readers and writers recurse)
+MAX_DEPTH = 64
 
 
-def _plain(value: Any, name: str) -> Any:
-    """``value`` with numpy/torch scalars turned into Python numbers; ``ConfigError`` if not JSON-able.
+def _text(value: str) -> str:
+    """``value`` as valid UTF-8: a lone surrogate (``os.environ`` and file names decode undecodable bytes
+    to them) becomes U+FFFD, so the fingerprint, JSON and every destination can encode it."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in value)
+    return value
+
+
+def _plain(value: Any, name: str, depth: int = 0, seen: frozenset[int] = frozenset()) -> Any:
+    """``value`` with numpy/torch scalars turned into Python numbers and strings made valid UTF-8;
+    ``ConfigError`` if not JSON-able (also when cyclic or nested deeper than ``MAX_DEPTH``).
 
     Runs when an event is built, so a bad value fails at the producer's call site instead of taking a
     whole batch down on a sink's worker thread later.
     """
-    if type(value) in _ATOMS or isinstance(value, bool):
+    kind = type(value)
+    if kind is str:
+        return _text(value)
+    if kind in _ATOMS or isinstance(value, bool):
         return value
     for atom in (float, int, str):  # a subclass such as numpy.float64 or an IntEnum: its plain value
         if isinstance(value, atom):
-            return atom(value)
+            return _text(str(value)) if atom is str else atom(value)
+    if isinstance(value, (list, tuple, Mapping)):
+        if depth >= MAX_DEPTH:
+            raise ConfigError(name, f"nested deeper than {MAX_DEPTH} levels", "pass a flatter structure")
+        if id(value) in seen:
+            raise ConfigError(name, "the value contains itself (a cycle) and cannot become JSON",
+                              "pass a copy without the reference cycle")
+        seen = seen | {id(value)}
     if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
         item = value.item()  # numpy scalar or 0-d tensor (events are built off the hot path)
         if isinstance(item, _ATOMS):
             return item
     elif isinstance(value, (list, tuple)):
-        items = [_plain(v, name) for v in value]
+        items = [_plain(v, name, depth + 1, seen) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return tuple(items) if isinstance(value, tuple) else items
     elif isinstance(value, Mapping):
         if all(isinstance(k, str) for k in value):
-            return {k: _plain(v, f"{name}.{k}") for k, v in value.items()}
+            return {_text(k): _plain(v, f"{name}.{k}" if depth < 2 else name, depth + 1, seen)
+                    for k, v in value.items()}
         raise ConfigError(name, "a dict with non-string keys cannot become strict JSON", "use string keys")
     raise ConfigError(name, f"a {type(value).__name__} cannot become strict JSON",
                       "pass Python numbers, strings, lists or dicts (convert tensors with .item() or .tolist())")

@@ -4,7 +4,10 @@ Each spool entry records its sink as ``"<kind>:<name>"`` (e.g. ``slack:alerts`` 
 ``mlflow:<run_id>|guardtower|http://host``). ``REPLAYERS`` maps a kind to a factory that gets the parsed
 command line (with ``sink``, ``sink_kind`` and ``sink_name`` filled in) and returns ``deliver(event)``, which
 raises when the event could not be sent. Entries are re-sent in order and each is acknowledged in the spool
-as it succeeds, so running the command again never sends an event twice; a sink stops at its first failure.
+as it succeeds, so running the command again never sends an event twice. An event the destination refuses
+(``Refused``, a permanent ``DeliveryError``) is quarantined in ``<spool>.refused`` with its reason and the
+rest flows; a sink stops at its first unreachable failure. A spool whose acknowledgements cannot be written
+(a read-only folder) is not replayed: it would resend the same events on every run.
 Destinations come from ``--url``/``--routing-key``/``--secret``/``--tracking-uri`` or the environment
 variables the sinks read.
 """
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from guardtower._argparse import ArgumentParser
+from guardtower._delivery import is_refusal
+from guardtower.alerts._secret import redact
 from guardtower.errors import GuardtowerError
 from guardtower.events import Event
 from guardtower.spool import Spool, SpoolEntry
@@ -109,21 +114,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if args.list:
             for entry in pending:
-                print(f"{entry.sink}\t{entry.event.kind}\tstep={entry.event.step}\t{entry.event.event_id}\t{entry.reason}")
+                print(f"{entry.sink}\t{entry.event.kind}\tstep={entry.event.step}\t{entry.event.event_id}\t"
+                      f"{redact(entry.reason)}")
             continue
-        sent, left, usage_error = _replay_file(spool, pending, args)
+        if not spool.ackable():
+            print(f"guardtower replay: {path}: cannot write {spool.acked_path.name} (read-only?); not replaying, "
+                  "or the same events would be sent again next time. Copy the spool to a writable folder.",
+                  file=sys.stderr)
+            remaining += len(pending)
+            status = 2
+            continue
+        sent, refused, left, usage_error = _replay_file(spool, pending, args)
         remaining += left
         status = max(status, 2 if usage_error else 0)
-        print(f"{path}: sent {sent}, remaining {left}")
+        note = f", refused {refused} (quarantined in {spool.refused_path.name})" if refused else ""
+        print(f"{path}: sent {sent}{note}, remaining {left}")
     return status or (1 if remaining else 0)
 
 
-def _replay_file(spool: Spool, pending: list[SpoolEntry], args: argparse.Namespace) -> tuple[int, int, bool]:
-    """Replay one spool, sink by sink; returns (sent, remaining, whether a destination was unusable)."""
+def _replay_file(spool: Spool, pending: list[SpoolEntry],
+                 args: argparse.Namespace) -> tuple[int, int, int, bool]:
+    """Replay one spool, sink by sink; returns (sent, refused, remaining, whether a destination was unusable)."""
     by_sink: dict[str, list[SpoolEntry]] = {}
     for entry in pending:
         by_sink.setdefault(entry.sink, []).append(entry)
     sent = 0
+    refused = 0
     usage_error = False
     for sink, entries in by_sink.items():
         kind, _, name = sink.partition(":")
@@ -143,12 +159,18 @@ def _replay_file(spool: Spool, pending: list[SpoolEntry], args: argparse.Namespa
             try:
                 deliver(entry.event)
             except Exception as exc:
-                from guardtower.alerts._secret import redact  # the message may quote a destination URL
-
-                reason = redact(str(exc)).splitlines()[0] if str(exc) else type(exc).__name__
+                text = str(getattr(exc, "reason", "") or exc)  # the message may quote a destination URL
+                reason = redact(text).splitlines()[0] if text else type(exc).__name__
+                if is_refusal(exc):
+                    spool.quarantine_many([entry.event], reason, entry.sink)
+                    spool.ack(entry.event.event_id)
+                    refused += 1
+                    print(f"guardtower replay: {kind} refused {entry.event.kind} step {entry.event.step}: {reason}",
+                          file=sys.stderr)
+                    continue
                 print(f"guardtower replay: {kind} failed at {entry.event.kind} step {entry.event.step}: {reason}",
                       file=sys.stderr)
                 break
             spool.ack(entry.event.event_id)
             sent += 1
-    return sent, len(pending) - sent, usage_error
+    return sent, refused, len(pending) - sent - refused, usage_error

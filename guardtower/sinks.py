@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -10,7 +11,8 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from guardtower import _validate
-from guardtower._jsonl import check_writable_dir, read_json_lines
+from guardtower._delivery import on_fork
+from guardtower._jsonl import append_fd, check_writable_dir, read_json_lines, write_whole
 from guardtower._dist import current_rank, world_size
 from guardtower._render import box
 from guardtower._wording import what
@@ -26,9 +28,10 @@ class JsonlSink(BaseSink):
     """Append every event as one strict-JSON line.
 
     Under ``torch.distributed`` with several ranks each rank writes its own file (``events.rank1.jsonl``).
-    The parent folder is created here if missing. Each batch is flushed; a batch holding an event of
-    severity ``fsync_severity`` (default WARN) or above is also fsynced, so it survives ``kill -9`` of the
-    training process.
+    The parent folder is created here if missing. Each batch is one append of whole lines, straight to
+    the file (no buffer in the process): on a full disk it is written completely or not at all, so the
+    file never holds a torn line, and a forked child starts with a fresh lock and descriptor. A batch
+    holding an event of severity ``fsync_severity`` (default WARN) or above is also fsynced.
     """
 
     rank_zero_only = False
@@ -49,8 +52,19 @@ class JsonlSink(BaseSink):
         check_writable_dir(target.parent, "path")
         self.path = target
         self.name = f"jsonl:{self.path.name}"
-        self._fh: IO[str] | None = None
+        self._fd: int | None = None
         self._lock = threading.Lock()
+        on_fork(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's lock may have been held by one of its threads at fork time."""
+        self._lock = threading.Lock()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)  # the child's copy only
+            except OSError:
+                pass
 
     def file_path(self) -> Path:
         """The file this process writes: the path itself, or a per-rank file under multi-rank jobs."""
@@ -62,37 +76,40 @@ class JsonlSink(BaseSink):
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
-        text = "".join(json.dumps(e.to_record(), allow_nan=False) + "\n" for e in events)
+        data = "".join(json.dumps(e.to_record(), allow_nan=False) + "\n" for e in events).encode("utf-8")
         with self._lock:
-            if self._fh is None:
-                self._fh = open(self.file_path(), "a", encoding="utf-8")
-            self._fh.write(text)
-            self._fh.flush()
+            if self._fd is None:
+                self._fd = append_fd(self.file_path())
+            write_whole(self._fd, data)
             if any(e.severity >= self.fsync_severity for e in events):
-                os.fsync(self._fh.fileno())
+                os.fsync(self._fd)
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._lock:
-            if self._fh is not None:
-                self._fh.flush()
-                os.fsync(self._fh.fileno())
+            if self._fd is not None:
+                os.fsync(self._fd)
         return True
 
     def close(self, timeout: float | None = None) -> None:
         with self._lock:
-            if self._fh is not None:
-                self._fh.flush()
-                os.fsync(self._fh.fileno())
-                self._fh.close()
-                self._fh = None
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def __repr__(self) -> str:
         return f"JsonlSink({str(self.path)!r})"
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
-    """Events from a JSONL file written by ``JsonlSink``; a torn last line (a crash mid-write) is skipped."""
-    for record in read_json_lines(Path(path)):
+    """Events from a JSONL file written by ``JsonlSink``; a torn line (a crash mid-write) is skipped with a
+    warning on the ``guardtower`` logger."""
+    def notice() -> None:
+        logging.getLogger("guardtower").warning("guardtower: skipped a torn or unreadable line in %s", path)
+
+    for record in read_json_lines(Path(path), on_bad_line=notice):
         yield event_from_record(record)
 
 

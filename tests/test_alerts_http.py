@@ -31,7 +31,17 @@ def webhook(server_url: str, tmp_path: Path, **kw: object) -> WebhookAlert:
 
 
 def spooled(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The spool's pending lines (every accepted event is written before its first attempt, then acknowledged)."""
+    if not path.exists():
+        return []
+    acked_path = path.with_name(path.name + ".acked")
+    acked = set(acked_path.read_text().split()) if acked_path.exists() else set()
+    latest: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["event"]["event_id"] not in acked:
+            latest[record["event"]["event_id"]] = record
+    return list(latest.values())
 
 
 def test_200_delivers_once_with_event_id(tmp_path) -> None:
@@ -83,10 +93,13 @@ def test_permanent_errors_are_not_retried_and_dead_lettered(tmp_path, status: in
         bus.publish(event)
         bus.close(10)
     assert len(server.requests) == 1
-    (record,) = spooled(sink.spool_path)
-    assert record["event"]["event_id"] == event.event_id
-    assert record["reason"] == f"HTTP {status}: channel_is_archived"
-    assert record["sink"] == "webhook:webhook"
+    assert spooled(sink.spool_path) == []  # refused, not unreachable: it never holds up the spool
+    (entry,) = sink.spool.refused()  # quarantined with its reason
+    assert entry.event.event_id == event.event_id
+    assert entry.reason == f"HTTP {status}: channel_is_archived"
+    assert entry.sink == "webhook:webhook"
+    stats = bus.stats()["sinks"]["webhook"]
+    assert stats["failed"] == stats["quarantined"] == 1
 
 
 def test_a_reply_slower_than_the_timeout_is_retried(tmp_path) -> None:
@@ -219,14 +232,14 @@ def test_queue_overflow_is_spilled_to_the_spool(tmp_path) -> None:
 def test_replay_resends_once_and_never_twice(tmp_path, capsys) -> None:
     from guardtower.cli import main
 
-    with ScriptedServer(lambda n: Reply(410)) as dead:
+    with ScriptedServer(lambda n: Reply(503)) as dead:
         bus = EventBus([sink := webhook(dead.url, tmp_path)])
         events = [nan(i) for i in range(3)]
         for event in events:
             bus.publish(event)
         bus.close(10)
     assert len(spooled(sink.spool_path)) == 3
-    with ScriptedServer([Reply(200), Reply(410)]) as flaky:
+    with ScriptedServer([Reply(200)] + [Reply(503)] * 20) as flaky:
         assert main(["replay", str(sink.spool_path), "--url", flaky.url]) == 1
         assert "sent 1, remaining 2" in capsys.readouterr().out
     with ScriptedServer() as good:
@@ -389,6 +402,8 @@ def test_a_forked_child_never_sends_its_parents_pending_alerts(tmp_path) -> None
                                                                              for b in sink._batchers) \
                 and time.monotonic() < deadline:
             time.sleep(0.005)  # until the event waits in the sink's group rather than in the bus queue
+        time.sleep(0.5)  # the parent's persister has written it to the spool (persist before you try)
+        before = sink.spool_path.read_bytes() if sink.spool_path.exists() else b""
         pid = os.fork()
         if pid == 0:  # a DataLoader worker, say
             child = EventBus([sink])
@@ -397,7 +412,8 @@ def test_a_forked_child_never_sends_its_parents_pending_alerts(tmp_path) -> None
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert server.requests == [] and not sink.spool_path.exists()  # neither sent nor spooled by the child
+        after = sink.spool_path.read_bytes() if sink.spool_path.exists() else b""
+        assert server.requests == [] and after == before  # neither sent nor spooled by the child
         bus.close(5)
     assert [r.json["event_ids"] for r in server.requests] == [[parent_event.event_id]]
 

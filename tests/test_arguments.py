@@ -108,6 +108,7 @@ PROBES = [
     Probe("guard-on_rollback-int", lambda: _guard(on_rollback=3), "on_rollback"),
     Probe("guard-detector-bogus", lambda: _guard(detector="bogus"), "detector"),
     Probe("guard-run-int", lambda: _guard(run=3), "run"),
+    *[Probe(f"guard-process_group-{v!r}", partial(_guard, process_group=v), "process_group") for v in ("gloo", 0, [])],
     # audit()
     Probe("audit-model-str", lambda: _audit(model="model"), "model"),
     Probe("audit-step_fn-int", lambda: _audit(step_fn=3), "step_fn"),
@@ -202,3 +203,86 @@ def test_bad_cli_arguments_are_one_line_naming_the_option(tmp_path: Path, argv: 
     code, err = _cli(*[a.replace("{log}", str(log)) for a in argv])
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and named in err, err
+
+
+# ------------------------------------------------------------------- the fuzz: every public constructor
+def _constructors(tmp: Path) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """Every public constructor with the arguments it needs to succeed (the fuzz varies one at a time)."""
+    from guardtower.alerts import DiscordAlert, GroupPolicy, PagerDutyAlert, RetryPolicy, SlackAlert, TeamsAlert, \
+        WebhookAlert
+    from guardtower.bridges import MLflowBridge, TensorBoardBridge, WandBBridge
+    from guardtower.integrations import huggingface, lightning
+
+    model = _model()
+    url = "http://127.0.0.1:9/hook/T0"
+    alert = {"spool_path": tmp / "spool.jsonl"}
+    return {
+        "GuardedOptimizer": (guardtower.GuardedOptimizer,
+                             {"base_optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "model": model,
+                              "log_dir": tmp / "logs", "verbose": False}),
+        "EventBus": (guardtower.EventBus, {}),
+        "JsonlSink": (guardtower.JsonlSink, {"path": tmp / "events.jsonl"}),
+        "ConsoleSink": (guardtower.ConsoleSink, {}),
+        "WebhookAlert": (WebhookAlert, {"url": url, **alert}),
+        "SlackAlert": (SlackAlert, {"url": url, **alert}),
+        "DiscordAlert": (DiscordAlert, {"url": url, **alert}),
+        "TeamsAlert": (TeamsAlert, {"url": url, **alert}),
+        "PagerDutyAlert": (PagerDutyAlert, {"routing_key": "R0123456789", "url": url, **alert}),
+        "GroupPolicy": (GroupPolicy, {}),
+        "RetryPolicy": (RetryPolicy, {}),
+        "MLflowBridge": (MLflowBridge, {"run_id": "0123456789abcdef", "tracking_uri": "http://127.0.0.1:9",
+                                        "spool_path": tmp / "mlflow.jsonl"}),
+        "TensorBoardBridge": (TensorBoardBridge, {"log_dir": tmp / "tb"}),
+        "WandBBridge": (WandBBridge, {}),
+        "hf.GuardtowerCallback": (huggingface.GuardtowerCallback, {}),
+        "hf.StabilityGuardCallback": (huggingface.StabilityGuardCallback, {"log_dir": tmp / "hf"}),
+        "lightning.GuardtowerPreflight": (lightning.GuardtowerPreflight, {}),
+        "lightning.GuardtowerGuard": (lightning.GuardtowerGuard, {"log_dir": tmp / "pl"}),
+    }
+
+
+_PATHS = ("path", "log_dir", "spool_path")
+
+
+def _bad_values(name: str, default: Any) -> list[Any]:
+    """Values no constructor may accept for a parameter of this name and default."""
+    if name in _PATHS:
+        return ["", "   ", "bad\x00path", 123]
+    if name in ("run", "run_id", "name", "prefix", "source", "tracking_uri"):
+        return ["", 123]
+    if isinstance(default, bool):
+        return ["yes", 1]
+    if isinstance(default, (int, float)):
+        return ["abc", math.nan]
+    return []
+
+
+def _fuzz_cases() -> list[tuple[str, str, Any]]:
+    import inspect
+
+    cases = []
+    for cls_name, (cls, _) in _constructors(Path("/nonexistent-probe")).items():
+        for p in inspect.signature(cls).parameters.values():
+            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            default = p.default if p.default is not p.empty else None
+            for value in _bad_values(p.name, default):
+                cases.append((cls_name, p.name, value))
+    return cases
+
+
+@pytest.mark.parametrize("cls_name,argument,value", _fuzz_cases(), ids=lambda v: repr(v)[:40])
+def test_every_public_constructor_refuses_nonsense_naming_the_argument(tmp_path: Path, cls_name: str, argument: str,
+                                                                       value: Any) -> None:
+    cls, good = _constructors(tmp_path)[cls_name]
+    with pytest.raises(ConfigError) as caught:
+        cls(**{**good, argument: value})
+    assert caught.value.argument == argument, f"{cls_name}({argument}={value!r}): {caught.value}"
+    assert not any(tmp_path.iterdir()), "a rejected constructor left files behind"
+
+
+def test_the_fuzz_walks_every_public_sink_and_option() -> None:
+    names = set(_constructors(Path("/nonexistent-probe")))
+    assert {"GuardedOptimizer", "JsonlSink", "MLflowBridge", "TensorBoardBridge", "PagerDutyAlert",
+            "hf.StabilityGuardCallback", "lightning.GuardtowerGuard"} <= names
+    assert len(_fuzz_cases()) > 100

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -547,3 +548,55 @@ def test_the_spool_records_a_tracking_uri_that_replays(uri: str, stored: str, tm
 
     bridge = MLflowBridge("r" * 32, tracking_uri=uri, spool_path=tmp_path / "s.jsonl")
     assert bridge.name.split("|", 2)[2] == stored.format(cwd=os.getcwd())
+
+
+def _new_run(uri: str) -> str:
+    client = _client(uri)
+    experiment = client.create_experiment(f"refusals-{time.time_ns()}")
+    return str(client.create_run(experiment).info.run_id)
+
+
+@pytest.mark.slow
+def test_an_event_mlflow_refuses_is_quarantined_and_the_rest_flows(server: MlflowServer, tmp_path: Path) -> None:
+    """time=inf and step=10**20 cannot be stored: refused (quarantined with the reason), not "server down"."""
+    import math
+
+    from guardtower.bridges import MLflowBridge
+    from guardtower.events import PreflightEvent, SummaryEvent
+
+    run_id = _new_run(server.url)
+    bridge = MLflowBridge(run_id, tracking_uri=server.url, spool_path=tmp_path / "spool.jsonl", retry_interval=0.05)
+    poison = [SummaryEvent(step=1, time=math.inf, grad_norm=1.0), SummaryEvent(step=10**20, grad_norm=1.0)]
+    report = PreflightEvent(report={"score": math.nan, "nested": {"x": [math.inf]}})  # strict JSON as $float tags
+    healthy = [SummaryEvent(step=i, grad_norm=float(i)) for i in range(10, 20)]
+    stats = _publish_and_flush(bridge, poison + [report] + healthy)
+    assert stats["delivered"] == 11 and stats["failed"] == stats["quarantined"] == 2 and stats["spooled"] == 0
+    assert [s for s, _ in _history(server.url, run_id, f"{P}.grad_norm")] == list(range(10, 20))
+    assert _client(server.url).get_run(run_id).data.tags[f"{P}.preflight"] == "PASS"
+    spool = bridge.spool
+    assert spool is not None and list(spool.entries()) == []
+    refused = spool.refused()
+    assert sorted(e.event.event_id for e in refused) == sorted(e.event_id for e in poison)
+    assert all(e.reason.startswith("MLflow refused the event") for e in refused)
+
+
+@pytest.mark.slow
+def test_replay_quarantines_a_bad_spool_line_at_the_head_and_sends_the_rest(server: MlflowServer,
+                                                                          tmp_path: Path) -> None:
+    from guardtower.bridges.mlflow import sink_name
+    from guardtower.events import SummaryEvent
+    from guardtower.spool import Spool
+
+    run_id = _new_run(server.url)
+    spool = Spool(tmp_path / "spool.jsonl")
+    sink = f"mlflow:{sink_name(run_id, P, server.url)}"
+    bad = SummaryEvent(step=0, grad_norm=1.0).to_record()
+    bad["step"] = "abc"
+    spool.path.write_text(json.dumps({"reason": "x", "sink": sink, "time": 0, "event": bad}) + "\n")
+    spool.append_many([SummaryEvent(step=i, grad_norm=float(i)) for i in range(1, 11)], "down", sink)
+    replay = subprocess.run([sys.executable, "-m", "guardtower", "replay", str(spool.path)], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert replay.returncode == 0, replay.stderr
+    assert "sent 10, refused 1" in replay.stdout and "remaining 0" in replay.stdout
+    assert [s for s, _ in _history(server.url, run_id, f"{P}.grad_norm")] == list(range(1, 11))
+    assert [e.event.event_id for e in spool.refused()] == [bad["event_id"]]

@@ -164,11 +164,13 @@ def check_accounting(result: dict[str, Any], spool_path: Path | None) -> None:
     assert result["close_s"] < CLOSE_S + 2.0, result  # bounded by its timeout (slack for a loaded machine)
     assert result["p99_ms"] < 50, result  # never a network call or a disk write on the training thread
     if spool_path is not None and result["spooled"]:
-        # What the counter says is on disk. A request still in flight when close() returned may get through
-        # later and acknowledge its line, so count every spooled line once, acknowledged or not, in one read.
-        spooled_ids = [json.loads(line)["event"]["event_id"] for line in spool_path.read_text().splitlines()]
-        assert len(set(spooled_ids)) == len(spooled_ids) == result["spooled"], result
-        assert Spool(spool_path).acked_ids() <= set(spooled_ids), result
+        # What the counter says is on disk. Every accepted event was written before its first attempt (a
+        # reason line may follow); a request still in flight when close() returned may get through later and
+        # acknowledge its line, so the pending ones are at most the spooled count.
+        spooled_ids = {json.loads(line)["event"]["event_id"] for line in spool_path.read_text().splitlines()}
+        acked = Spool(spool_path).acked_ids()
+        assert len(spooled_ids - acked) <= result["spooled"] <= len(spooled_ids), result
+        assert acked <= spooled_ids, result
 
 
 @pytest.mark.slow
@@ -186,7 +188,8 @@ def test_http_sink_faults_lose_nothing_silently(kind: str, fault: str, tmp_path:
     record_property("publish_p99_ms", round(result["p99_ms"], 3))  # in the JUnit report (--junitxml)
     record_property("close_s", round(result["close_s"], 2))
     check_accounting(result, tmp_path / "spool.jsonl")
-    if fault == "garbage" and kind != "mlflow":  # an alert receiver's 200 is its acknowledgement
+    if fault in ("garbage", "disconnect") and kind != "mlflow":  # an alert receiver's 200 is its acknowledgement
+        # (the body of a 200 is never read: every reply is bounded in bytes)
         assert result["delivered"] == N_EVENTS, result
     else:  # nothing was acknowledged: every event is on disk for a replay
         assert result["spooled"] == N_EVENTS, result
@@ -213,14 +216,14 @@ def make_local_sink(kind: str, fault: str, tmp_path: Path, monkeypatch: pytest.M
         if fault == "read_only":
             folder.chmod(0o500)
             monkeypatch.setattr(os, "access", lambda *a, **k: False)  # root ignores mode bits: say it as a user
-            real_open = open
+            real_open = os.open
 
-            def read_only_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-                if str(file).startswith(str(folder)) and "a" in mode:
+            def read_only_open(file: Any, flags: int, *args: Any, **kwargs: Any) -> Any:
+                if str(file).startswith(str(folder)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND):
                     raise PermissionError(errno.EACCES, "Permission denied")
-                return real_open(file, mode, *args, **kwargs)
+                return real_open(file, flags, *args, **kwargs)
 
-            monkeypatch.setattr("builtins.open", read_only_open)
+            monkeypatch.setattr(os, "open", read_only_open)
         else:
             real = sink.handle_batch
 

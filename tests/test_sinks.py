@@ -99,15 +99,15 @@ def test_a_write_that_fails_is_counted_and_later_events_still_arrive(tmp_path, m
 
     sink = JsonlSink(tmp_path / "events.jsonl")
     bus = EventBus([sink])
-    real_open = open
+    real_write = os.write
     full = {"on": True}
 
-    def failing_open(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if full["on"] and str(args[0]).endswith("events.jsonl"):
+    def failing_write(fd: int, data: bytes) -> int:
+        if full["on"] and fd == sink._fd:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_open(*args, **kwargs)
+        return real_write(fd, data)
 
-    monkeypatch.setattr("builtins.open", failing_open)
+    monkeypatch.setattr(os, "write", failing_write)
     bus.publish(SummaryEvent(step=1))
     assert bus.flush(5)
     full["on"] = False

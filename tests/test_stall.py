@@ -14,6 +14,7 @@ from _alerts_helpers import Reply, ScriptedServer
 from guardtower.alerts import GroupPolicy, Notification, RetryPolicy, SlackAlert, WebhookAlert
 from guardtower.bus import EventBus
 from guardtower.errors import ConfigError
+from guardtower.spool import Spool
 from guardtower.events import Event, StallEvent, event_from_record
 from guardtower.guard import GuardedOptimizer
 from guardtower.heartbeat import Heartbeat
@@ -141,8 +142,8 @@ def test_a_stall_that_cannot_be_delivered_is_retried_then_spooled(tmp_path: Path
         beat.stop()
         bus.close(10)
     assert len(server.requests) == FAST.max_attempts
-    spooled = [line for line in (tmp_path / "spool.jsonl").read_text().splitlines() if line]
-    assert len(spooled) == 1 and '"kind":"stall"' in spooled[0].replace(" ", "")
+    spooled = list(Spool(tmp_path / "spool.jsonl").entries())  # pending: written before the first attempt
+    assert len(spooled) == 1 and spooled[0].event.kind == "stall" and "HTTP" in spooled[0].reason
 
 
 def test_stall_alerts_by_default_and_renders_both_states(tmp_path: Path) -> None:

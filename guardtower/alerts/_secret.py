@@ -1,21 +1,24 @@
 """Secret values (webhook URLs, routing keys, HMAC keys) that never print, log or travel into errors.
 
 A ``Secret`` reprs as ``<redacted>``; ``redact()`` strips every live secret (and, for URLs, their path and
-query, which is where webhook tokens live) from text such as a requests/urllib3 error message. A logging
-filter on urllib3's loggers does the same for its debug lines, which name the request path.
+query, which is where webhook tokens live) from text such as a requests/urllib3 error message, and the
+``user:password@`` and ``?query`` of any URL in it (MLflow tracking URIs carry tokens there). A logging
+filter on urllib3's loggers does the same for its debug lines, which name the request path. The MLflow
+bridge uses the same mechanism for its tracking URI.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import urllib.parse
 import weakref
 
 from guardtower.errors import ConfigError
 
-__all__ = ["Secret", "resolve_secret", "resolve_url", "redact", "REDACTED"]
+__all__ = ["Secret", "resolve_secret", "resolve_url", "redact", "has_credentials", "REDACTED"]
 
 REDACTED = "<redacted>"
 #: loggers of the HTTP stack that put request URLs into their records
@@ -80,14 +83,32 @@ def resolve_url(value: str | Secret | None, argument: str, env: str) -> Secret:
     return url
 
 
+#: ``scheme://user:password@`` (a password may hold an unescaped ``@``: up to the last one before the path)
+_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
+#: the query of a URL
+_QUERY = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s?#'\"]*)\?[^\s#'\"]*")
+
+
 def redact(text: str) -> str:
-    """``text`` with every live secret (and the path/query of secret URLs) replaced by ``<redacted>``."""
+    """``text`` with every live secret (and the path/query of secret URLs) replaced by ``<redacted>``, and
+    with the credentials and query of every URL in it removed."""
     with _live_lock:
         needles = sorted({n for s in _live for n in s._needles}, key=len, reverse=True)
     for needle in needles:
         if needle in text:
             text = text.replace(needle, REDACTED)
+    if "://" in text:
+        text = _QUERY.sub(lambda m: f"{m.group(1)}?{REDACTED}", _USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text))
     return text
+
+
+def has_credentials(url: str) -> bool:
+    """Whether a URL carries a user, password or query (where tracking tokens live)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "@" in url or "?" in url
+    return bool(parts.username or parts.password or parts.query or "@" in parts.netloc)
 
 
 def _needles(value: str) -> tuple[str, ...]:
@@ -100,8 +121,12 @@ def _needles(value: str) -> tuple[str, ...]:
             found.add(urllib.parse.quote(parts.path))
         if parts.query:
             found.add(parts.query)
-        if parts.password:
-            found.add(parts.password)
+            found.update(v for _, v in urllib.parse.parse_qsl(parts.query))
+        userinfo = parts.netloc.rpartition("@")[0]
+        if userinfo:  # the password as written (escaped or not) and as decoded
+            found.add(userinfo)
+            password = userinfo.partition(":")[2]
+            found.update({password, urllib.parse.unquote(password), urllib.parse.quote(urllib.parse.unquote(password), safe="")})
         # the whole destination: urllib3 writes "host='127.0.0.1', port=9" next to the (redacted) path
         found.add(parts.netloc)
         if parts.hostname:

@@ -14,6 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from guardtower._delivery import RetryPolicy, TransientError
+from guardtower._http import bounded
 from guardtower.errors import GuardtowerError, MissingDependencyError
 from guardtower.alerts._secret import Secret, redact
 from guardtower.alerts.policy import parse_retry_after
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["DeliveryError", "Transport", "require_dependencies", "describe_error"]
 
 _USER_AGENT = "guardtower-alerts/0.1"
+#: the most bytes of an error reply read for the reason's snippet, and of any reply at all
+_SNIPPET_BYTES = 4096
+_MAX_BYTES = 65536
 
 
 class DeliveryError(GuardtowerError):
@@ -47,7 +51,9 @@ def require_dependencies() -> None:
 
 
 class Transport:
-    """POSTs a body to one destination once, with the policy's connect and read timeouts."""
+    """POSTs a body to one destination once, with the policy's connect and read timeouts, within
+    ``connect_timeout + read_timeout`` in all (a server trickling its reply is cut off) and reading at most
+    a few KB of the answer (a success's body is not read at all)."""
 
     def __init__(self, policy: RetryPolicy) -> None:
         require_dependencies()
@@ -69,22 +75,30 @@ class Transport:
         import requests
 
         policy = self.policy
-        try:
-            response = self._session().post(
-                url.reveal(), data=body, headers=dict(headers(body)), allow_redirects=False,
-                timeout=(policy.connect_timeout, policy.read_timeout),
-            )
-            status = response.status_code
-            snippet = redact(response.text[:4000]).strip()[:200] if status >= 300 else ""
-            response.close()
-        except (requests.exceptions.SSLError, requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
-                requests.exceptions.InvalidSchema) as exc:
-            raise DeliveryError(describe_error(exc), permanent=True) from None
-        except requests.Timeout as exc:
-            self.timeouts += 1
-            raise TransientError(f"timeout: {describe_error(exc)}") from None
-        except requests.RequestException as exc:  # refused, reset, disconnected mid-response, ...
-            raise TransientError(f"connection error: {describe_error(exc)}") from None
+        total = policy.connect_timeout + policy.read_timeout
+        with bounded(total, _MAX_BYTES) as watch:
+            try:
+                response = self._session().post(
+                    url.reveal(), data=body, headers=dict(headers(body)), allow_redirects=False, stream=True,
+                    timeout=(policy.connect_timeout, policy.read_timeout),
+                )
+                status = response.status_code
+                snippet = ""
+                if status >= 300:
+                    raw = next(response.iter_content(_SNIPPET_BYTES), b"")
+                    snippet = redact(raw.decode("utf-8", "replace")).strip()[:200]
+                response.close()
+            except (requests.exceptions.SSLError, requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
+                    requests.exceptions.InvalidSchema) as exc:
+                raise DeliveryError(describe_error(exc), permanent=True) from None
+            except requests.Timeout as exc:
+                self.timeouts += 1
+                raise TransientError(f"timeout: {describe_error(exc)}") from None
+            except (requests.RequestException, OSError) as exc:  # refused, reset, disconnected mid-response, ...
+                if watch.expired:
+                    self.timeouts += 1
+                    raise TransientError(f"timeout: no complete reply within {total:g} s") from None
+                raise TransientError(f"connection error: {describe_error(exc)}") from None
         if 200 <= status < 300:
             return
         retry_after = parse_retry_after(response.headers.get("Retry-After"), cap=policy.max_retry_after)

@@ -13,6 +13,7 @@ import datetime
 import socket
 from typing import Any
 
+from guardtower import _validate
 from guardtower.severity import Severity
 from guardtower.alerts import _format
 from guardtower.alerts._secret import resolve_secret, resolve_url
@@ -47,7 +48,7 @@ class PagerDutyAlert(AlertSink):
     def __init__(self, routing_key: str | None = None, *, url: str = EVENTS_API_URL, source: str | None = None,
                  **kwargs: Any) -> None:
         self._routing_key = resolve_secret(routing_key, "routing_key", "PAGERDUTY_ROUTING_KEY")
-        self.source = source or socket.gethostname()
+        self.source = _validate.text("source", source, allow_none=True, example="a host name") or socket.gethostname()
         endpoint = resolve_url(url, "url", "PAGERDUTY_EVENTS_URL")
         assert self._routing_key is not None
         kwargs.setdefault("throttle_key", endpoint.reveal() + "#" + self._routing_key.reveal())

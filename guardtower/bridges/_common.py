@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import re
 import threading
 import warnings
 from types import ModuleType
@@ -30,13 +29,12 @@ def warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-_CREDENTIALS = re.compile(r"//[^/@\s]+@")
-
-
 def safe_error(exc: BaseException) -> str:
-    """The first line of an error, without ``user:password@`` in URLs (MLflow puts the full URL in it)."""
+    """The first line of an error, redacted like every alert error (MLflow puts the full URL in it)."""
+    from guardtower.alerts._secret import redact
+
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return _CREDENTIALS.sub("//", text)[:300]
+    return redact(text)[:300]
 
 
 def require(package: str, extra: str) -> ModuleType:

@@ -4,7 +4,9 @@ MLflow reads ``MLFLOW_HTTP_REQUEST_TIMEOUT``/``..._MAX_RETRIES``/``..._BACKOFF_F
 from the process environment on every request (defaults: 120 s, 7 retries with exponential backoff, i.e.
 minutes per call). Setting the variables would change them for the user's own MLflow calls too, so instead
 each variable object's ``get_raw`` is wrapped once to return guardtower's value while — and only while — the
-calling thread is inside ``bounded_http()``. Other threads, and the user's environment, are untouched.
+calling thread is inside ``bounded_http()``. Other threads, and the user's environment, are untouched. The
+block is also bounded in total time and bytes read (``guardtower._http.bounded``): a server trickling its
+reply or sending a huge body cannot wedge the worker or ``guardtower replay``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import os
 import threading
 from typing import Any, Callable, Iterator
+
+from guardtower._http import bounded
 
 __all__ = ["bounded_http"]
 
@@ -64,6 +68,13 @@ def _scoped(name: str, original: Callable[[], Any]) -> Callable[[], Any]:
 def bounded_http(timeout_s: int, max_retries: int) -> Iterator[None]:
     """MLflow requests made by this thread inside the block time out after ``timeout_s`` and retry at most
     ``max_retries`` times without backoff (guardtower's spool does the patient retrying)."""
+    with bounded(float(timeout_s) * (max_retries + 1) + 1.0):
+        with _scoped_settings(timeout_s, max_retries):
+            yield
+
+
+@contextlib.contextmanager
+def _scoped_settings(timeout_s: int, max_retries: int) -> Iterator[None]:
     values = {
         "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout_s),
         "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(max_retries),

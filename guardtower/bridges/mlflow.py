@@ -32,7 +32,8 @@ from guardtower.bridges._common import (
     warn_once,
 )
 from guardtower import _validate
-from guardtower._delivery import PartialFailure, RetryPolicy, TransientError, check_spool_path
+from guardtower._delivery import PartialFailure, Refused, RetryPolicy, TransientError, check_spool_path
+from guardtower.alerts._secret import Secret, has_credentials
 from guardtower.bridges._mlflow_http import bounded_http
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
@@ -47,7 +48,7 @@ from guardtower.events import (
 )
 from guardtower.spool import Spool, default_spool_dir
 
-__all__ = ["MLflowBridge", "MlflowWriter", "replayer", "sink_name", "is_permanent"]
+__all__ = ["MLflowBridge", "MlflowWriter", "replayer", "sink_name", "is_permanent", "is_unreachable"]
 
 logger = logging.getLogger("guardtower.bridges.mlflow")
 
@@ -115,7 +116,8 @@ class MlflowWriter:
     def _artifacts(self, event: Event) -> None:
         p = self.prefix
         if isinstance(event, PreflightEvent):
-            body = event.report or event.to_record()
+            record = event.to_record()  # strict JSON: a NaN in the report is {"$float": "nan"}
+            body = record["report"] or record
             self._client.log_text(self.run_id, json.dumps(body, indent=2, allow_nan=False), f"{p}/preflight.json")
         elif isinstance(event, SpikeEvent):
             if event.report_path and os.path.isfile(event.report_path):
@@ -133,16 +135,41 @@ class MlflowWriter:
             self._client.log_text(self.run_id, text, f"{p}/spikes/{name}")
 
 
-def is_permanent(exc: BaseException) -> bool:
-    """True when the server answered and refused (4xx but 408/429): resending the same event cannot help."""
+def _status(exc: BaseException) -> int | None:
     status: Any = None
     getter = getattr(exc, "get_http_status_code", None)
-    if callable(getter) and type(exc).__name__ == "RestException":
-        status = getter()
+    if callable(getter):
+        try:
+            status = getter()
+        except Exception:
+            status = None
     response = getattr(exc, "response", None)
     if status is None and response is not None:
         status = getattr(response, "status_code", None)
-    return isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
+    return status if isinstance(status, int) else None
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """True when the server answered and refused (4xx but 408/429): resending the same event cannot help."""
+    status = _status(exc)
+    return status is not None and 400 <= status < 500 and status not in (408, 429)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True when MLflow could not be reached or failed on its side (transport error, timeout, 5xx, 408,
+    429): the event waits in the spool. Anything else (a 4xx, or a value MLflow's client cannot encode:
+    ``time=inf``, ``step=10**20``, a malformed spool line) is a refusal of this one event."""
+    if isinstance(exc, (OSError, TimeoutError)):
+        return True
+    try:
+        import requests
+
+        if isinstance(exc, requests.RequestException):
+            return True
+    except ImportError:
+        pass
+    status = _status(exc)
+    return status is not None and (status >= 500 or status in (408, 429))
 
 
 class MLflowBridge(BaseSink):
@@ -190,6 +217,8 @@ class MLflowBridge(BaseSink):
             run_id = active.info.run_id if active is not None else None
         self.run_id = run_id
         self.tracking_uri: str = tracking_uri or mlflow.get_tracking_uri()
+        # a token or password in the URI is redacted from every log line, error, spool reason and repr
+        self._uri_secret = Secret(self.tracking_uri) if has_credentials(self.tracking_uri) else None
         self.retry_interval = float(retry_interval)
         self.max_retry_interval = float(max_retry_interval)
         self.retry = RetryPolicy(max_attempts=2, initial_backoff=0.2, max_backoff=1.0,
@@ -245,7 +274,7 @@ class MLflowBridge(BaseSink):
             try:
                 self._writer.send(event)
             except Exception as exc:
-                if not is_permanent(exc):
+                if is_unreachable(exc):
                     raise TransientError(f"MLflow at {_public_uri(self.tracking_uri)} unreachable: "
                                          f"{safe_error(exc)}") from None
                 refused.append(event)
@@ -277,13 +306,16 @@ def replayer(sink: str, *, tracking_uri: str | None = None, request_timeout: int
     writer = MlflowWriter(tracking_uri or recorded_uri, run_id, prefix or "guardtower",
                           request_timeout=request_timeout, request_retries=1)
 
+    secret = Secret(writer.tracking_uri) if has_credentials(writer.tracking_uri) else None
+
     def deliver(event: Event) -> None:
+        assert secret is None or secret.reveal()  # keeps the URI's secret live (redacted) while replaying
         try:
             writer.send(event)
-        except Exception as exc:
-            if not is_permanent(exc):  # MLflow's message quotes the full URL: drop credentials from it
-                raise RuntimeError(safe_error(exc)) from None
-            logger.warning("guardtower replay: MLflow refused a %s event (%s); dropping it", event.kind, safe_error(exc))
+        except Exception as exc:  # MLflow's message quotes the full URL: redacted
+            if is_unreachable(exc):
+                raise TransientError(f"MLflow unreachable: {safe_error(exc)}") from None
+            raise Refused(f"MLflow refused the event: {safe_error(exc)}") from None
 
     return deliver
 

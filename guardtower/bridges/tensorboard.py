@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from guardtower import _validate
 from guardtower.bridges._common import check_prefix, incident_label, require
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
@@ -55,6 +56,7 @@ class TensorBoardBridge(BaseSink):
             raise ConfigError("writer", f"{type(writer).__name__} has no add_scalar()",
                               "pass a torch.utils.tensorboard.SummaryWriter")
         self.prefix = check_prefix(prefix)
+        _validate.path("log_dir", log_dir, allow_none=True)
         require("tensorboard", "tensorboard")
         self.log_dir = Path(log_dir).expanduser().absolute() if log_dir is not None else Path(writer.log_dir)
         if log_dir is not None and self.log_dir.exists() and not self.log_dir.is_dir():

@@ -48,6 +48,18 @@ def check_base_state(state: Mapping[str, Any], base: torch.optim.Optimizer) -> N
         if len(saved["params"]) != len(own["params"]):
             raise ConfigError("state_dict", f"parameter group {i} has {len(saved['params'])} parameters, "
                               f"the optimizer's has {len(own['params'])}", _FIX)
+    # per-parameter state (momentum, Adam moments) must have the shape of its parameter, or the next step
+    # fails with a raw RuntimeError, long after the load
+    param_of = {saved_id: own_p for saved, own in zip(groups, base.param_groups)
+                for saved_id, own_p in zip(saved["params"], own["params"])}
+    for saved_id, entry in state["state"].items():
+        param = param_of.get(saved_id)
+        if param is None or not isinstance(entry, Mapping):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ConfigError("state_dict", f"state {key!r} of parameter {saved_id} has shape "
+                                  f"{tuple(value.shape)}, the parameter has {tuple(param.shape)}", _FIX)
 
 
 def check_guard_state(guard: Any, detector: Detector) -> dict[str, int]:
@@ -72,6 +84,7 @@ def check_guard_state(guard: Any, detector: Detector) -> dict[str, int]:
             f"guard state is for detector {saved.get('name')!r} over {saved.get('n')} tensors; this guard uses "
             f"{current['name']!r} over {current['n']}", _FIX)
     _same_layout(saved, current, "detector")
+    detector.check_state_dict(dict(saved))  # the detector's own rules (finite baselines), before anything changes
     return counters
 
 
@@ -92,3 +105,16 @@ def _same_layout(saved: Any, current: Any, where: str) -> None:
     elif isinstance(current, (int, float)) and not isinstance(current, bool):
         if not isinstance(saved, (int, float)) or isinstance(saved, bool):
             raise ConfigError("state_dict", f"guard state {where} should be a number, got {saved!r}", _FIX)
+
+
+def check_process_group(group: Any) -> None:
+    """``process_group`` is None or a ``torch.distributed`` group: caught now, not at the first step's all-reduce."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    cls = getattr(dist, "ProcessGroup", None)
+    if cls is not None and isinstance(group, cls):
+        return
+    raise ConfigError("process_group", f"expected a torch.distributed ProcessGroup or None, got {type(group).__name__}",
+                      "pass dist.new_group(...) or None for the default group")

@@ -51,8 +51,9 @@ class GradMeter:
 
     def norms(self, params: list[Tensor]) -> Tensor:
         grads = [p.grad for p in params]
-        if self._plain_layout(params) and all(g is not None for g in grads):
-            # every parameter has a dense gradient of one device and dtype: one multi-tensor pass, no regrouping
+        if self._plain_layout(params) and all(g is not None and g.layout == torch.strided for g in grads):
+            # every parameter has a dense gradient (not a sparse one, e.g. Embedding(sparse=True)) of one
+            # device and dtype: one multi-tensor pass, no regrouping
             tensors: list[Tensor] = grads  # type: ignore[assignment]
             device, dtype = tensors[0].device, tensors[0].dtype
             self._groups = [(tensors, self._all_positions, device)]

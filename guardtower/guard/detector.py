@@ -75,6 +75,8 @@ class Detector(ABC):
     not test for it on the device. ``absent_loss``: the value the guard passes when no loss was given.
     """
 
+    #: state entries that may hold NaN/Inf by design; every other one must be finite to be loaded
+    may_be_nonfinite: frozenset[str] = frozenset()
     name: str = "detector"
     threshold: float = 10.0
     judges_nonfinite: bool = False
@@ -185,6 +187,9 @@ class Detector(ABC):
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                 raise ConfigError("state_dict", f"detector state {key!r} is {shape}, expected "
                                                 f"{tuple(current.shape)}", fix)
+            if key not in self.may_be_nonfinite and not bool(torch.isfinite(value).all()):  # load time, not a step
+                raise ConfigError("state_dict", f"detector state {key!r} holds NaN or Inf (it would reject every "
+                                                "step)", fix)
 
 
 def _warm(count: Tensor, warmup: int) -> Tensor:
@@ -347,6 +352,7 @@ class AutoDetector(Detector):
     """
 
     name = "auto"
+    may_be_nonfinite = frozenset({"ring"})  # NaN/Inf marks a slot that did not trip
     judges_nonfinite = True
     absent_loss = 0.0
     _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the spread uses ema_alpha

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from guardtower._jsonl import check_creatable_dir
 from guardtower._dist import current_rank, is_distributed, world_size
+from guardtower import _validate
 from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, adopt_log_dir, check_bus_args
 from guardtower.errors import ConfigError, GradientSpikeError
@@ -34,6 +35,7 @@ from guardtower.guard._buffers import BufferGuard
 from guardtower.guard._checks import check_base_state as _check_base_state
 from guardtower.guard._checks import check_guard_state as _check_guard_state
 from guardtower.guard._checks import check_params as _check_params
+from guardtower.guard._checks import check_process_group as _check_process_group
 from guardtower.guard._checks import decision_device as _decision_device
 from guardtower.guard._measure import GradMeter
 from guardtower.guard._records import Header, RecordQueue, StepRecord
@@ -149,16 +151,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
         verbose = flag("verbose", verbose)
         if on_rollback is not None and not callable(on_rollback):
             raise ConfigError("on_rollback", "must be callable(from_step, to_step)", "pass a function or None")
-        if run is not None and not isinstance(run, str):
-            raise ConfigError("run", f"expected a str, got {type(run).__name__}", "pass a run name or None")
+        if run is not None and (not isinstance(run, str) or not run.strip()):
+            raise ConfigError("run", f"expected a non-empty str, got {run!r}", "pass a run name or None")
+        _check_process_group(process_group)
         if on_halt is not None and not callable(on_halt):
             raise ConfigError("on_halt", "must be callable(error)", "pass a function or None")
         params = [p for g in base_optimizer.param_groups for p in g["params"]]
         names = self._param_names(base_optimizer, model)
         _check_params(params, names)
-        if not isinstance(log_dir, (str, os.PathLike)):
-            raise ConfigError("log_dir", f"expected a path, got {type(log_dir).__name__}", "pass e.g. log_dir='./sg_logs'")
-        log_path = Path(log_dir)
+        log_path = _validate.path("log_dir", log_dir)
+        assert log_path is not None
         check_creatable_dir(log_path, "log_dir")
         user_sinks = check_bus_args(bus, sinks)
 
@@ -339,9 +341,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the base optimizer; the new tensors get fresh baselines (and their own warmup)."""
         self._base.add_param_group(param_group)
-        self._params = [p for g in self._base.param_groups for p in g["params"]]
-        self._names = self._param_names(self._base, self.model)
-        self.detector.resize(len(self._params), self._device)
+        self._track_params()
+
+    def _track_params(self) -> None:
+        """Guard every tensor of the base optimizer, also those added to it after wrapping
+        (``base.add_param_group``); O(groups) per step, no device work unless a group was added."""
+        if sum(len(g["params"]) for g in self._base.param_groups) == len(self._params):
+            return
+        params = [p for g in self._base.param_groups for p in g["params"]]
+        names = self._param_names(self._base, self.model)
+        _check_params(params, names)
+        self._params, self._names = params, names
+        self.detector.resize(len(params), self._device)
+        if self._snapshots is not None:
+            self._snapshots.clear()  # a snapshot without the new tensors cannot restore them
 
     def state_dict(self) -> dict[str, Any]:
         """The base optimizer's state dict plus the guard's own state under the key ``"guardtower"``."""
@@ -423,6 +436,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             base_closure = _replay_closure(closure, result)
         if not self._started:
             self._start()
+        self._track_params()
         self._drain(block=False)
         self._step_count += 1
         step = self._step_count

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import nn
 
-from guardtower._validate import no_unknown_kwargs
+from guardtower._validate import flag, no_unknown_kwargs
 from guardtower.bus import EventBus, Sink, check_bus_args
 from guardtower.errors import ConfigError, MissingDependencyError, PreflightFailed
 from guardtower.integrations._clip import deferred_clipper
@@ -240,6 +240,7 @@ class StabilityGuardCallback(TrainerCallback):
         if not isinstance(clip_in_guard, bool):
             raise ConfigError("clip_in_guard", f"expected True or False, got {clip_in_guard!r}",
                               "pass clip_in_guard=False to keep the Trainer's own clipping")
+        flag("fail_mlflow_run", fail_mlflow_run)
         no_unknown_kwargs("StabilityGuardCallback", guard_kwargs,
                           [name for name in inspect.signature(GuardedOptimizer).parameters if name not in ("base_optimizer", "model")])
         user_sinks = check_bus_args(bus, sinks)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
+from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, GradientSpikeError, MissingDependencyError, PreflightFailed
 from guardtower.integrations._clip import deferred_clipper
@@ -148,6 +149,9 @@ class GuardtowerGuard(Callback):
             if reserved in guard_kwargs:
                 raise ConfigError(reserved, "is set by the callback from the Trainer",
                                   f"remove {reserved}= from GuardtowerGuard(...)")
+        for name, value in (("clip_in_guard", clip_in_guard), ("log_counters", log_counters),
+                            ("fail_mlflow_run", fail_mlflow_run)):
+            flag(name, value)
         self.guard_kwargs: dict[str, Any] = dict(spike_threshold=spike_threshold, nan_action=nan_action,
                                                  **guard_kwargs)
         # build a throwaway guard now so a bad argument fails here, not after the Trainer has started
