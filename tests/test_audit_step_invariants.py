@@ -460,3 +460,10 @@ def test_grad_004_is_info_when_only_a_shift_a_pairwise_loss_cancels_gets_no_grad
     report = audit(m, lambda: -F.logsigmoid(m(a) - m(b)).mean())  # the last bias shifts both rewards alike
     (finding,) = report.by_id("GRAD-004")
     assert finding.severity == Severity.INFO and finding.details["params"] == ["2.bias"]
+
+
+def test_a_per_epoch_schedule_stepped_outside_the_step_is_not_sched_003() -> None:
+    # StepLR(step_size=3) counts epochs; walked per optimizer step it would end within 1% of the run
+    model, step, kwargs = _scheduled(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.1),
+                                     total=2000, per_step=0)
+    assert not [f for f in audit(model, step, **kwargs) if f.catalog_id.startswith("SCHED-")]

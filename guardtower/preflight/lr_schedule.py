@@ -83,7 +83,11 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
         return []
     if cadence is not None and cadence != 1:
         per_step = walk_schedule(ctx.lr_scheduler, opt, planned, 1) if cadence == 0 else walk
-        moves = per_step is not None and any(
+        # a schedule not stepped by the step is judged per-step only when its horizon fits the planned run in
+        # optimizer steps (walked once per step it moves, and neither ends early nor stays in warmup); one that
+        # would end in a few percent of the run was planned per epoch, and stepping it elsewhere is right
+        fits = per_step is not None and all(_judge(per_step, gi) is None for gi in range(len(per_step.lrs)))
+        moves = fits and per_step is not None and any(
             max(s) > MOVES * max(min(s), 1e-30) or max(s) > 0 == min(s) for s in per_step.lrs)
         if cadence >= 2 or moves:
             name = type(ctx.lr_scheduler).__name__
