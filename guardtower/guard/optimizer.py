@@ -41,7 +41,7 @@ from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, devi
 from guardtower.guard.detector import Detector, Explanation, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
-from guardtower.guard.watch import LoopWatch, Watch, resolve_watch
+from guardtower.guard.watch import LoopWatch, Watch, read_intent, resolve_watch
 from guardtower.heartbeat import Heartbeat, check_stall_after
 from guardtower.severity import Severity
 
@@ -223,6 +223,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._last_report: str | None = None
         self._last_summary = -1  # the step of the last summary event
         self._watch_options = watch_options
+        # what the loop means, before the loop can change it (an epoch's model.train(), a helper's lr writes)
+        self._intent = read_intent(base_optimizer, model) if watch_options is not None else None
         self._loop: dict[str, Any] = {}  # what a trainer declared about the loop, for the watch
         self.watch: LoopWatch | None = None  # built by the first step; its ``findings`` stay after it ends
 
@@ -261,7 +263,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         ))
         if self._watch_options is not None:
             self.watch = LoopWatch(self._watch_options, self._base, self.model, self._publish, self._run_kw,
-                                   holder=self, **self._loop)
+                                   holder=self, intent=self._intent, **self._loop)
 
     def declare_loop(self, *, schedulers: Iterable[Any] = (), accumulation: int | None = None,
                      total_steps: int | None = None) -> None:

@@ -32,7 +32,7 @@ from guardtower.errors import ConfigError, LoopInvariantError
 from guardtower.events import FindingEvent
 from guardtower.severity import Severity
 
-__all__ = ["Watch", "LoopWatch", "WATCH_IDS", "resolve_watch"]
+__all__ = ["Watch", "LoopWatch", "Intent", "WATCH_IDS", "read_intent", "resolve_watch"]
 
 #: the catalog ids the watch emits
 WATCH_IDS = ("OPT-008", "OPT-009", "OPT-010", "OPT-011", "OPT-012", "LOOP-003", "LOOP-004", "LOOP-005",
@@ -261,7 +261,7 @@ class LoopWatch:
     def __init__(self, options: Watch, optimizer: torch.optim.Optimizer, model: nn.Module | None,
                  publish: Callable[[FindingEvent], None], run_kw: dict[str, Any], *,
                  schedulers: Iterable[Any] = (), accumulation: int | None = None,
-                 total_steps: int | None = None, holder: Any = None) -> None:
+                 total_steps: int | None = None, holder: Any = None, intent: Intent | None = None) -> None:
         self.options = options
         self.findings: list[FindingEvent] = []
         self.active = True
@@ -277,7 +277,7 @@ class LoopWatch:
         found = list(schedulers) or _discover(optimizer, holder)
         self._schedules = [_Schedule(s, int(getattr(s, "last_epoch", 0)), 0) for s in _top_level(found, optimizer)]
         # learning rates
-        self._distinct = False
+        self._distinct = intent is not None and _distinct(intent.lrs)
         self._max_lr = [0.0] * len(optimizer.param_groups)
         self._zero_run = [0] * len(optimizer.param_groups)
         # modes, ties, frozen tensors
@@ -287,7 +287,7 @@ class LoopWatch:
         self._stats: list[Tensor] = []
         self._ties: list[list[tuple[str, nn.Module, str]]] = []
         if model is not None:
-            self._intent(model)
+            self._intent(model, intent)
         self._frozen_key: tuple[int, ...] = ()
         self._frozen: list[tuple[str, Tensor]] = []
         self._generation = 0
@@ -306,27 +306,19 @@ class LoopWatch:
         _install_hooks()
 
     # ------------------------------------------------------------------ setup
-    def _intent(self, model: nn.Module) -> None:
-        """What the run means at its start: frozen eval-mode modules (and their statistics), tied parameters."""
-        names = {id(m): n for n, m in model.named_modules()}
-        if model.training:
-            covered: set[int] = set()
-            for name, module in model.named_modules():
-                if module.training or id(module) in covered:
-                    continue
-                if all(not p.requires_grad for p in module.parameters()):
-                    self._eval_frozen.append((name or type(module).__name__, module))
-                    covered.update(id(m) for m in module.modules())
-                    for sub_name, buf in module.named_buffers():
-                        if buf.is_floating_point() and buf.device.type != "meta":
-                            self._stat_names.append(f"{name}.{sub_name}" if name else sub_name)
-                            self._stats.append(buf)
-        by_id: dict[int, list[tuple[str, nn.Module, str]]] = {}
-        for module in model.modules():
-            for attr, p in module._parameters.items():
-                if p is not None:
-                    by_id.setdefault(id(p), []).append((names.get(id(module), "?"), module, attr))
-        self._ties = [slots for slots in by_id.values() if len(slots) > 1]
+    def _intent(self, model: nn.Module, intent: Intent | None) -> None:
+        """What the run means: frozen eval-mode modules (and their statistics) as the guard's construction saw
+        them (or, if the model was in eval mode then, as the first step sees them), tied parameters."""
+        frozen = intent.eval_frozen if intent is not None and intent.eval_frozen is not None else \
+            eval_frozen_modules(model)
+        self._eval_frozen = frozen or []
+        for name, module in self._eval_frozen:
+            for sub_name, buf in module.named_buffers():
+                if buf.is_floating_point() and buf.device.type != "meta":
+                    self._stat_names.append(f"{name}.{sub_name}" if name else sub_name)
+                    self._stats.append(buf)
+        slots = intent.ties if intent is not None else tied_slots(model)
+        self._ties = slots
 
     def _hook_grads(self, optimizer: torch.optim.Optimizer) -> _Grads | None:
         param = next((p for g in optimizer.param_groups for p in g["params"] if p.requires_grad), None)
@@ -418,7 +410,7 @@ class LoopWatch:
                     expected = [float(v) for v in last]
                     break
         known = [lr for lr in lrs if lr is not None]
-        distinct_now = len(known) > 1 and min(known) > 0 and not all(_close(known[0], v) for v in known)
+        distinct_now = _distinct(lrs)
         collapsed = len(known) > 1 and min(known) > 0 and all(_close(known[0], v) for v in known)
         if expected is not None:
             want_distinct = len(expected) > 1 and not all(_close(expected[0], v) for v in expected)
@@ -606,6 +598,53 @@ class LoopWatch:
                 if ref is not None and ref() is self:
                     del _WATCHERS[id(p)]
             _release_hooks()
+
+
+@dataclass
+class Intent:
+    """What the loop means, read when the guard is constructed (before the loop can change it)."""
+
+    lrs: list[float | None]
+    eval_frozen: list[tuple[str, nn.Module]] | None  # None: the model was in eval mode, ask at the first step
+    ties: list[list[tuple[str, nn.Module, str]]]
+
+
+def read_intent(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> Intent:
+    """Flags and lrs only: reading them changes nothing."""
+    return Intent([_lr(g) for g in optimizer.param_groups],
+                  eval_frozen_modules(model) if model is not None and model.training else None,
+                  tied_slots(model) if model is not None else [])
+
+
+def eval_frozen_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules in eval mode with every parameter frozen, inside a model in training mode."""
+    if not model.training:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    covered: set[int] = set()
+    for name, module in model.named_modules():
+        if module.training or id(module) in covered:
+            continue
+        if all(not p.requires_grad for p in module.parameters()):
+            found.append((name or type(module).__name__, module))
+            covered.update(id(m) for m in module.modules())
+    return found
+
+
+def tied_slots(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Each parameter held by more than one (module, attribute) slot: its slots."""
+    names = {id(m): n for n, m in model.named_modules()}
+    by_id: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                by_id.setdefault(id(p), []).append((names.get(id(module), "?"), module, attr))
+    return [slots for slots in by_id.values() if len(slots) > 1]
+
+
+def _distinct(lrs: list[float | None]) -> bool:
+    known = [lr for lr in lrs if lr is not None]
+    return len(known) > 1 and min(known) > 0 and not all(_close(known[0], v) for v in known)
 
 
 def _norms(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
