@@ -390,3 +390,46 @@ def test_bad_watch_argument_fails_before_any_side_effect(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="watch"):
         GuardedOptimizer(opt, model, log_dir=tmp_path / "never", watch="yes")  # type: ignore[arg-type]
     assert not (tmp_path / "never").exists()
+
+
+# ---------------------------------------------------------------------------------- cost
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _added_ops(tmp_path: Path, frozen_layers: int, steps: tuple[int, ...]) -> dict[int, int]:
+    """Ops the watch adds to guard.step (same gradients, watch on minus off), at the given watch steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(frozen_layers)], nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model[:frozen_layers + 1].requires_grad_(False)
+    model[frozen_layers].eval()
+    base = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+    on = GuardedOptimizer(base, model, verbose=False, log_dir=tmp_path, log_every=10**9)
+    off = GuardedOptimizer(base, model, verbose=False, log_dir=tmp_path, log_every=10**9, watch=False)
+    added = {}
+    for step in range(1, max(steps) + 1):
+        counts = []
+        for guard in (on, off):
+            guard.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            ops = _Ops()
+            with ops:
+                guard.step()
+            counts.append(ops.count)
+        if step in steps:
+            added[step] = counts[0] - counts[1]
+    on.close()
+    off.close()
+    return added
+
+
+def test_watch_adds_no_op_off_its_samples_and_a_flat_count_on_them(tmp_path: Path) -> None:
+    few, many = _added_ops(tmp_path, 2, (13, 16)), _added_ops(tmp_path, 20, (13, 16))
+    assert few[13] == many[13] == 0  # step 13 is not sampled: host facts only
+    assert 0 < few[16] == many[16] <= 12  # sampled: one foreach norm pass, whatever the number of tensors

@@ -657,7 +657,7 @@ def _norms(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
     parts: list[Tensor] = []
     order: list[int] = []
     for idx in groups.values():
-        norms = torch._foreach_norm([tensors[i].detach() for i in idx])
+        norms = torch._foreach_norm([tensors[i] for i in idx])  # under no_grad: no detach op per tensor
         part = torch.stack(norms).to(device=device, dtype=torch.float32, non_blocking=True)
         parts.append(part)
         order += idx
