@@ -429,6 +429,7 @@ def _added_ops(tmp_path: Path, frozen_layers: int, steps: tuple[int, ...]) -> di
     return added
 
 
+@pytest.mark.slow  # two guards stepped side by side under a dispatch mode
 def test_watch_adds_no_op_off_its_samples_and_a_flat_count_on_them(tmp_path: Path) -> None:
     few, many = _added_ops(tmp_path, 2, (13, 16)), _added_ops(tmp_path, 20, (13, 16))
     assert few[13] == many[13] == 0  # step 13 is not sampled: host facts only
