@@ -314,7 +314,7 @@ _CORE: tuple[FailureMode, ...] = (
         ("loop", "optimizer"),
     ),
     FailureMode(
-        "OPT-008", 'Optimizer rebuilt during training (moments thrown away)', Severity.WARN,
+        "OPT-009", 'Optimizer rebuilt during training (moments thrown away)', Severity.WARN,
         "The loop watch saw a new optimizer take over parameters another optimizer had already stepped, with empty state: Adam's moments and step counts start again from zero (typically an optimizer built inside the epoch loop).",
         'Every rebuild restarts bias correction and forgets the moments, so each epoch begins with a burst of badly scaled updates; the loss still falls, just worse, and nothing raises.',
         'Build the optimizer (and its scheduler) once, before the epoch loop; to change hyper-parameters, edit optimizer.param_groups instead of constructing a new one.',
@@ -322,7 +322,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'optimizer', 'loop'),
     ),
     FailureMode(
-        "OPT-009", 'Optimizer state emptied or step count went backwards', Severity.WARN,
+        "OPT-010", 'Optimizer state emptied or step count went backwards', Severity.WARN,
         "The loop watch saw the optimizer's per-parameter state disappear between steps, or its step count decrease (state reset, a stale state dict loaded mid-run).",
         'Resetting moments mid-run looks like an ordinary loss bump; a step count that goes back re-applies bias correction meant for the first steps.',
         "Do not reset optimizer.state during training; load a state dict only when resuming, from the same run's latest checkpoint.",
@@ -330,7 +330,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'optimizer'),
     ),
     FailureMode(
-        "OPT-010", 'Param-group learning rates collapsed to one value', Severity.WARN,
+        "OPT-011", 'Param-group learning rates collapsed to one value', Severity.WARN,
         'The param groups started with different learning rates (e.g. a backbone at lr/10) and now all have the same one: a helper such as adjust_learning_rate wrote one lr into every group.',
         'Training goes on at a plausible lr, so nothing looks wrong; the pretrained backbone is fine-tuned ten times too fast and quietly loses what it knew.',
         "Scale each group's own lr (group['lr'] = group['initial_lr'] * factor) or use an LR scheduler, which keeps the groups' ratios.",
@@ -338,7 +338,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'optimizer', 'lr'),
     ),
     FailureMode(
-        "OPT-011", 'Learning rate written outside the scheduler', Severity.WARN,
+        "OPT-012", 'Learning rate written outside the scheduler', Severity.WARN,
         "A param group's lr differs from the lr its scheduler set last: something wrote group['lr'] directly while a scheduler is active.",
         'The scheduler overwrites the change at its next step, or a chainable scheduler compounds it; either way the lr the run uses is not the one the config or the log says.',
         'Change the lr through the scheduler (or rebuild the scheduler after writing the groups), never both.',
@@ -346,7 +346,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'optimizer', 'lr', 'scheduler'),
     ),
     FailureMode(
-        "OPT-012", 'Learning rate stuck at 0', Severity.WARN,
+        "OPT-013", 'Learning rate stuck at 0', Severity.WARN,
         'A param group with trainable tensors has had lr 0 (or below a millionth of its peak) for many consecutive steps, outside a warmup.',
         'Forward, backward and logging all run normally; the weights simply stop moving and the loss plateaus (a scheduler stepped per batch instead of per epoch decays to nothing).',
         "Check the scheduler's cadence and gamma; step per-epoch schedules once per epoch.",
@@ -354,7 +354,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'optimizer', 'lr', 'scheduler'),
     ),
     FailureMode(
-        "LOOP-004", 'Schedule stepped too rarely to get through it', Severity.WARN,
+        "LOOP-006", 'Schedule stepped too rarely to get through it', Severity.WARN,
         'A schedule sized in optimizer steps (OneCycleLR, a cosine or linear schedule with total steps) is stepped about once per epoch, so by the planned end it has walked only a fraction of its length.',
         'The run never leaves warmup (or never decays): it trains at a small, nearly constant lr, and the loss still falls.',
         "Step a per-step schedule after every optimizer step (Lightning: interval='step'), or size it in epochs.",
@@ -362,7 +362,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'loop', 'scheduler'),
     ),
     FailureMode(
-        "LOOP-005", 'Scheduler stepped more than once per optimizer step', Severity.WARN,
+        "LOOP-007", 'Scheduler stepped more than once per optimizer step', Severity.WARN,
         "The scheduler's step count grows faster than the optimizer's: it is stepped per batch and again per epoch, per micro-batch under accumulation, or twice in the loop.",
         'The schedule runs ahead of the training: warmup ends early and the lr decays before the run is over; nothing raises.',
         'Call scheduler.step() exactly once per optimizer step (for a per-step schedule) and nowhere else.',
@@ -370,7 +370,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'loop', 'scheduler'),
     ),
     FailureMode(
-        "LOOP-006", 'Backward calls per optimizer step differ from the declared accumulation', Severity.WARN,
+        "LOOP-008", 'Backward calls per optimizer step differ from the declared accumulation', Severity.WARN,
         'The trainer declares gradient accumulation over N micro-batches, but the gradients applied at a step hold a different number of backward passes (zero_grad inside the accumulation window, or a step taken every micro-batch).',
         'The run trains with an effective batch N times smaller (or larger) than configured, and the learning rate tuned for it is wrong; the loss curve looks normal.',
         "Clear gradients only right after optimizer.step(), and step once every N micro-batches (accelerator.accumulate / Trainer's gradient_accumulation_steps do both).",
@@ -378,7 +378,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'loop'),
     ),
     FailureMode(
-        "MODE-002", 'Frozen eval-mode module switched back to training mode', Severity.WARN,
+        "MODE-005", 'Frozen eval-mode module switched back to training mode', Severity.WARN,
         'A module that was frozen and in eval mode at the start of the run (a teacher, a frozen BatchNorm backbone) is in training mode at a later step, usually because model.train() at the start of each epoch recursed into it.',
         "Its BatchNorm statistics are overwritten by the fine-tuning data and its dropout turns on, while its parameters stay frozen, so every check of 'frozen' still passes.",
         'Re-apply eval() to the frozen part after every model.train() (or override train() in the module to keep it in eval).',
@@ -386,7 +386,7 @@ _CORE: tuple[FailureMode, ...] = (
         ('watch', 'modes', 'frozen'),
     ),
     FailureMode(
-        "MODE-003", 'Model left in eval mode during training', Severity.WARN,
+        "MODE-006", 'Model left in eval mode during training', Severity.WARN,
         'The model was in training mode at the start of the run and is in eval mode at a later optimizer step: an evaluation called model.eval() and training never called model.train() again.',
         'Dropout is off and BatchNorm uses running statistics for the rest of the epoch; the loss still falls, and the model over-fits or trains differently from what the config says.',
         'Call model.train() at the start of every training epoch (and after each evaluation).',

@@ -109,7 +109,7 @@ def test_new_optimizer_each_epoch_is_opt_008(tmp_path: Path) -> None:
             holder["opt"].zero_grad()
         ids += [f.catalog_id for f in holder["opt"].watch.findings]
     holder["opt"].close()
-    assert "OPT-008" in ids
+    assert "OPT-009" in ids
 
 
 def test_new_plain_optimizer_is_seen_through_the_parameters(tmp_path: Path) -> None:
@@ -123,7 +123,7 @@ def test_new_plain_optimizer_is_seen_through_the_parameters(tmp_path: Path) -> N
     plain = torch.optim.Adam([p for g in opt.param_groups for p in g["params"]], lr=1e-3)
     nn.functional.cross_entropy(model(x), y).backward()
     plain.step()
-    assert guard.watch is not None and [f.catalog_id for f in guard.watch.findings] == ["OPT-008"]
+    assert guard.watch is not None and [f.catalog_id for f in guard.watch.findings] == ["OPT-009"]
     guard.close()
 
 
@@ -148,7 +148,7 @@ def test_state_emptied_is_opt_009(tmp_path: Path) -> None:
         if epoch == 2:
             opt.state.clear()
 
-    assert train(model, guard, each_epoch=reset) == ["OPT-009"]
+    assert train(model, guard, each_epoch=reset) == ["OPT-010"]
 
 
 def test_step_count_backwards_is_opt_009_and_a_guard_rollback_is_not(tmp_path: Path) -> None:
@@ -162,7 +162,7 @@ def test_step_count_backwards_is_opt_009_and_a_guard_rollback_is_not(tmp_path: P
         if epoch == 3:
             opt.load_state_dict(early["state"])  # a stale state dict loaded mid-run
 
-    assert train(model, guard, each_epoch=restore) == ["OPT-009"]
+    assert train(model, guard, each_epoch=restore) == ["OPT-010"]
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     guard.load_state_dict(guard.state_dict())  # through the guard: re-baselined
@@ -179,7 +179,7 @@ def test_adjust_learning_rate_collapsing_groups_is_opt_010(tmp_path: Path) -> No
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     assert train(model, guard, each_epoch=lambda e: adjust_learning_rate(opt, 1e-2 * 0.5 ** e) if e else None) \
-        == ["OPT-010"]
+        == ["OPT-011"]
 
 
 def test_per_group_decay_keeps_ratios_and_is_clean(tmp_path: Path) -> None:
@@ -202,7 +202,7 @@ def test_lr_written_outside_the_scheduler_is_opt_011(tmp_path: Path) -> None:
         if epoch == 2:
             opt.param_groups[1]["lr"] = 5e-3  # a resumed run's new lr written into the groups only
 
-    assert train(model, guard, each_epoch=override, each_step=lambda i: None) == ["OPT-011"]
+    assert train(model, guard, each_epoch=override, each_step=lambda i: None) == ["OPT-012"]
     del sched
 
 
@@ -217,7 +217,7 @@ def test_lr_decayed_to_zero_is_opt_012_and_warmup_from_zero_is_not(tmp_path: Pat
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.01)  # stepped per batch: lr -> 0
-    assert train(model, guard, epochs=8, each_step=lambda i: sched.step()) == ["OPT-012"]
+    assert train(model, guard, epochs=8, each_step=lambda i: sched.step()) == ["OPT-013"]
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1e-9, total_iters=10)
@@ -229,7 +229,7 @@ def test_onecycle_stepped_per_epoch_is_loop_004(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-3, 1e-2], epochs=6, steps_per_epoch=5)
-    assert train(model, guard, epochs=6, each_epoch=lambda e: sched.step() if e else None) == ["LOOP-004"]
+    assert train(model, guard, epochs=6, each_epoch=lambda e: sched.step() if e else None) == ["LOOP-006"]
 
 
 def test_onecycle_stepped_per_batch_and_cosine_per_epoch_are_clean(tmp_path: Path) -> None:
@@ -243,7 +243,7 @@ def test_planned_end_judges_a_cosine_sized_in_steps(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path, total_steps=30)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30)  # sized in steps, stepped per epoch
-    assert train(model, guard, epochs=6, each_epoch=lambda e: sched.step() if e else None) == ["LOOP-004"]
+    assert train(model, guard, epochs=6, each_epoch=lambda e: sched.step() if e else None) == ["LOOP-006"]
 
 
 def test_scheduler_stepped_per_batch_and_per_epoch_is_loop_005(tmp_path: Path) -> None:
@@ -251,7 +251,7 @@ def test_scheduler_stepped_per_batch_and_per_epoch_is_loop_005(tmp_path: Path) -
     guard = guard_for(opt, model, tmp_path)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s) ** 0.1)
     assert train(model, guard, epochs=4, steps=4, each_epoch=lambda e: sched.step() if e else None,
-                 each_step=lambda i: sched.step()) == ["LOOP-005"]
+                 each_step=lambda i: sched.step()) == ["LOOP-007"]
 
 
 # ---------------------------------------------------------------------------------- what must not move
@@ -263,7 +263,7 @@ def test_model_train_waking_a_frozen_batchnorm_is_mode_002_and_drift_002(tmp_pat
         if epoch >= 1:
             model.teacher.train()  # model.train() without re-freezing the teacher
 
-    assert sorted(train(model, guard, epochs=4, steps=5, each_epoch=forget)) == ["DRIFT-002", "MODE-002"]
+    assert sorted(train(model, guard, epochs=4, steps=5, each_epoch=forget)) == ["DRIFT-002", "MODE-005"]
 
 
 def test_frozen_param_moved_by_momentum_is_drift_001(tmp_path: Path) -> None:
@@ -306,7 +306,7 @@ def test_model_left_in_eval_after_validation_is_mode_003(tmp_path: Path) -> None
         if i == 2:
             model.eval()  # validation mid-epoch, no model.train() afterwards
 
-    assert train(model, guard, each_step=validate) == ["MODE-003"]
+    assert train(model, guard, each_step=validate) == ["MODE-006"]
 
 
 def test_ties_broken_is_tie_003(tmp_path: Path) -> None:
@@ -330,7 +330,7 @@ def test_gradients_never_cleared_is_loop_003(tmp_path: Path) -> None:
 def test_zero_grad_inside_the_accumulation_window_is_loop_006(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path, accumulation=4)
-    assert train(model, guard, micro=4, zero=False, zero_in_window=True) == ["LOOP-006"]
+    assert train(model, guard, micro=4, zero=False, zero_in_window=True) == ["LOOP-008"]
 
 
 def test_declared_accumulation_done_right_is_clean(tmp_path: Path) -> None:

