@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "catalog_markdown": "guardtower.failure_modes",
     # runtime guard
     "GuardedOptimizer": "guardtower.guard",
+    "Watch": "guardtower.guard",
     # events, bus, sinks
     "EventBus": "guardtower.bus",
     "BaseSink": "guardtower.bus",
@@ -40,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "PreflightFailed": "guardtower.errors",
     "GradientSpikeError": "guardtower.errors",
     "NonFiniteActivation": "guardtower.errors",
+    "LoopInvariantError": "guardtower.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -52,11 +54,12 @@ if TYPE_CHECKING:
         ConfigError,
         GradientSpikeError,
         GuardtowerError,
+        LoopInvariantError,
         MissingDependencyError,
         NonFiniteActivation,
         PreflightFailed,
     )
-    from guardtower.guard import GuardedOptimizer
+    from guardtower.guard import GuardedOptimizer, Watch
     from guardtower.nonfinite_watch import monitor
     from guardtower.report import Finding, Report
     from guardtower.severity import Severity

@@ -5,7 +5,8 @@
     ├── MissingDependencyError      an optional extra is not installed (also an ImportError)
     ├── PreflightFailed             audit().raise_if_errors() found FAIL findings; carries .report
     ├── GradientSpikeError          GuardedOptimizer(nan_action="raise") rejected a step
-    └── NonFiniteActivation         monitor() saw a NaN/Inf activation
+    ├── NonFiniteActivation         monitor() saw a NaN/Inf activation
+    └── LoopInvariantError          Watch(strict=True) saw a broken loop invariant; carries .finding
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "PreflightFailed",
     "GradientSpikeError",
     "NonFiniteActivation",
+    "LoopInvariantError",
 ]
 
 
@@ -77,3 +79,11 @@ class NonFiniteActivation(GuardtowerError):
         self.details = details
         origin = "its input was already non-finite" if input_nonfinite else "its input was finite"
         super().__init__(f"non-finite output from module {module!r} ({origin})")
+
+
+class LoopInvariantError(GuardtowerError):
+    """The loop watch (``Watch(strict=True)``) saw a broken invariant; ``.finding`` is the published event."""
+
+    def __init__(self, finding: Any) -> None:
+        self.finding = finding
+        super().__init__(f"{finding.catalog_id}: {finding.message}")

@@ -11,9 +11,11 @@ from guardtower.guard.detector import (
 )
 from guardtower.guard.optimizer import GuardedOptimizer
 from guardtower.guard.reports import SpikeReportSink, read_report
+from guardtower.guard.watch import Watch
 
 __all__ = [
     "GuardedOptimizer",
+    "Watch",
     "Detector",
     "Verdict",
     "AutoDetector",

@@ -43,6 +43,7 @@ from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, devi
 from guardtower.guard.detector import Detector, Explanation, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
+from guardtower.guard.watch import LoopWatch, Watch, read_intent, resolve_watch
 from guardtower.heartbeat import Heartbeat, check_stall_after
 from guardtower.severity import Severity
 
@@ -98,7 +99,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
     skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
     to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``,
     ``stall_after`` (seconds without a step before a ``stall`` event; ``guardtower.heartbeat``), ``on_halt(error)``
-    (called on the training thread right before ``GradientSpikeError`` is raised).
+    (called on the training thread right before ``GradientSpikeError`` is raised), ``watch`` (``True``: the
+    loop watch of ``guardtower.guard.watch`` for the first 2,000 steps; ``Watch(...)`` to tune it; ``False``).
 
     Constructing validates and creates nothing: the bus's sinks, the console box, the stall watchdog and the
     ``log_dir`` (created with the first spike report) come with the first ``step()``.
@@ -130,6 +132,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         run: str | None = None,
         stall_after: float | None = None,
         on_halt: Callable[[GradientSpikeError], Any] | None = None,
+        watch: bool | Watch = True,
     ) -> None:
         # --- validate everything before touching anything ---
         if not isinstance(base_optimizer, torch.optim.Optimizer):
@@ -156,6 +159,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         _check_process_group(process_group)
         if on_halt is not None and not callable(on_halt):
             raise ConfigError("on_halt", "must be callable(error)", "pass a function or None")
+        watch_options = resolve_watch(watch)
         params = [p for g in base_optimizer.param_groups for p in g["params"]]
         names = self._param_names(base_optimizer, model)
         _check_params(params, names)
@@ -220,6 +224,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._pending_loss: Tensor | None = None
         self._last_report: str | None = None
         self._last_summary = -1  # the step of the last summary event
+        self._watch_options = watch_options
+        # what the loop means, before the loop can change it (an epoch's model.train(), a helper's lr writes)
+        self._intent = read_intent(base_optimizer, model) if watch_options is not None else None
+        self._loop: dict[str, Any] = {}  # what a trainer declared about the loop, for the watch
+        self.watch: LoopWatch | None = None  # built by the first step; its ``findings`` stay after it ends
 
         # the bus exists now (no thread until a sink is added); sinks are attached by the first step
         self._user_bus = bus
@@ -254,6 +263,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
             parameters=sum(p.numel() for p in self._params), device_decides=not self._host_decides,
             settings=settings,
         ))
+        if self._watch_options is not None:
+            self.watch = LoopWatch(self._watch_options, self._base, self.model, self._publish, self._run_kw,
+                                   holder=self, intent=self._intent, **self._loop)
+
+    def declare_loop(self, *, schedulers: Iterable[Any] = (), accumulation: int | None = None,
+                     total_steps: int | None = None) -> None:
+        """Tell the watch what the trainer knows: its LR schedulers, gradient accumulation and planned length.
+
+        The HF and Lightning callbacks call this; a plain loop may too (schedulers are otherwise found once,
+        at the first step, among the objects that refer to the optimizer).
+        """
+        self._loop = {"schedulers": list(schedulers), "accumulation": accumulation, "total_steps": total_steps}
+        if self.watch is not None:
+            self.watch.declare(**self._loop)
 
     # ------------------------------------------------------------------ counters
     def _current(self) -> None:
@@ -408,6 +431,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._snapshots.clear()
         if self._buffers is not None:
             self._buffers.refresh()
+        if self.watch is not None:
+            self.watch.rebaseline()
 
     # ------------------------------------------------------------------ the step
     def observe_loss(self, loss: Any) -> None:
@@ -442,6 +467,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         step = self._step_count
         if self._snapshots is not None and not self._snapshots.snapshots:  # e.g. after load_state_dict
             self._snapshots.take(step - 1)
+        watch = self.watch if self.watch is not None and self.watch.active else None
+        if watch is not None:
+            watch.before_step(step)  # host facts only
 
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         scaler_found_inf: Tensor | None = getattr(self, "found_inf", None)
@@ -463,6 +491,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._snapshots.take(step)
         if self.heartbeat is not None:
             self.heartbeat.beat(step)
+        if watch is not None:
+            watch.after_step(step)  # device values only on its sample steps, read back asynchronously
         return result if closure is not None else out
 
     def _base_step(self, found_inf: Tensor, grad_scale: Tensor | None, closure: Callable[[], Any] | None) -> Any:
@@ -686,6 +716,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         store.restore(snap)
         if self._buffers is not None:
             self._buffers.refresh()
+        if self.watch is not None:
+            self.watch.rebaseline()
         self._total_rollbacks += 1
         self.consecutive_rejections = 0
         self._publish(RollbackEvent(**self._run_kw, step=from_step, severity=Severity.ERROR, layer=layer,
@@ -714,6 +746,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self.heartbeat is not None:
             self.heartbeat.stop()
         try:
+            if self.watch is not None:
+                self.watch.close()
             self._drain(block=True)
             if self._started and self._last_summary != self._step_count:  # not twice for the same step
                 last = self._history[-1][1] if self._history else math.nan

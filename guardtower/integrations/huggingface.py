@@ -279,6 +279,10 @@ class StabilityGuardCallback(TrainerCallback):
         else:
             self.guard = GuardedOptimizer(inner, model, **self.guard_kwargs, sinks=self._sinks, bus=self._bus)
             _swap_inner_optimizer(holder, self.guard)
+        # the loop watch judges the Trainer's own cadence: its scheduler, accumulation and planned length
+        scheduler = kwargs.get("lr_scheduler")
+        self.guard.declare_loop(schedulers=[scheduler] if scheduler is not None else [],
+                                accumulation=int(args.gradient_accumulation_steps), total_steps=state.max_steps)
         self._holder = holder
         self._args = args
         if model is not None and self._loss_handle is None:

@@ -172,6 +172,10 @@ class GuardtowerGuard(Callback):
                        else GuardedOptimizer(opt, pl_module, **self.guard_kwargs, bus=self._bus)
                        for opt in trainer.strategy.optimizers]
         trainer.strategy.optimizers = list(self.guards)  # also rebuilds the LightningOptimizer wrappers
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for guard in self.guards:  # the loop watch judges the Trainer's own cadence
+            guard.declare_loop(schedulers=schedulers, accumulation=int(trainer.accumulate_grad_batches),
+                               total_steps=_planned_steps(trainer))
         clip_val = trainer.gradient_clip_val
         if self.clip_in_guard and clip_val:
             algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
@@ -222,6 +226,15 @@ class GuardtowerGuard(Callback):
             guard.close()
         if self._owns_bus:
             self._bus.close(5.0)
+
+
+def _planned_steps(trainer: pl.Trainer) -> int | None:
+    """The optimizer steps the Trainer plans (None when it cannot say: an unbounded run)."""
+    try:
+        steps = trainer.estimated_stepping_batches
+    except Exception:  # noqa: BLE001 - a loader without a length: the watch does without
+        return None
+    return int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps > 0 else None
 
 
 def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
