@@ -164,6 +164,9 @@ class SpikeEvent(Event):
     loss: float | None = None
     lr: float | None = None
     top_layers: tuple[tuple[str, float, float], ...] = ()  # (name, norm, ratio)
+    # the tensors' ratios (top_layers, and ``ratio`` when ``layer`` is a tensor) compare each tensor's share
+    # of the gradient with its usual share (the auto detector), not its norm with a baseline norm
+    share_ratios: bool = False
     nonfinite_layers: tuple[str, ...] = ()
     report_path: str | None = None
     # the steps before and including this one: global grad norm and the trigger layer's norm

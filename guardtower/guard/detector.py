@@ -77,6 +77,9 @@ class Detector(ABC):
 
     name: str = "detector"
     threshold: float = 10.0
+    #: a tensor's ratio compares its share of the gradient (norm over the others' norm) with its usual share,
+    #: not its norm with a baseline norm (the console box and alerts name it so)
+    share_ratios: bool = False
     judges_nonfinite: bool = False
     absent_loss: float = math.nan
     _per_tensor: dict[str, float] = {}
@@ -347,6 +350,7 @@ class AutoDetector(Detector):
     """
 
     name = "auto"
+    share_ratios = True
     judges_nonfinite = True
     absent_loss = 0.0
     _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the spread uses ema_alpha

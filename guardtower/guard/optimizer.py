@@ -630,11 +630,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         rank = current_rank()
         report_path = self._last_report = str(self.log_dir / report_filename(record.step, rank))
         module = layer.rsplit(".", 1)[0] if "." in layer else ""
+        # a NaN/Inf step is a failure wherever it shows (console, events, alerts, trackers); a finite spike a warning
+        severity = Severity.ERROR if reason == "nonfinite" else Severity.WARN
         self._publish(SpikeEvent(
             **self._run_kw,
-            step=record.step, severity=Severity.WARN, layer=layer, module=module, reason=reason, norm=norm,
+            step=record.step, severity=severity, layer=layer, module=module, reason=reason, norm=norm,
             baseline=baseline, ratio=ratio, threshold=self.detector.threshold, global_norm=head.global_norm,
-            action=action, loss=loss, lr=record.lr, top_layers=top,
+            action=action, loss=loss, lr=record.lr, top_layers=top, share_ratios=self.detector.share_ratios,
             nonfinite_layers=tuple(names[i] for i in nonfinite), report_path=report_path,
             history_steps=steps, history_global_norms=global_hist, history_layer_norms=layer_hist,
         ))
@@ -642,7 +644,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._total_clips += 1
         elif action == "skip":
             self._total_skips += 1
-            self._publish(SkipEvent(**self._run_kw, step=record.step, severity=Severity.WARN, layer=layer,
+            self._publish(SkipEvent(**self._run_kw, step=record.step, severity=severity, layer=layer,
                                     reason=reason, total_skips=self._total_skips,
                                     consecutive_skips=self.consecutive_rejections))
         elif action == "rollback":
