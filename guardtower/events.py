@@ -44,10 +44,11 @@ _FLOAT_TAG = "$float"
 
 
 def default_run_name() -> str:
-    """The run name events carry when the producer was given none: ``GUARDTOWER_RUN`` or ``"default"``."""
-    import os
+    """The run name events carry when the producer was given none: ``GUARDTOWER_RUN``, else the active
+    tracker run's name (MLflow, W&B), else ``"default"`` (``guardtower._runs``)."""
+    from guardtower._runs import run_name
 
-    return os.environ.get("GUARDTOWER_RUN", "default")
+    return run_name()
 
 
 @dataclass(frozen=True, kw_only=True)

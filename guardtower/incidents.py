@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +96,11 @@ def load_run_log(path: str | os.PathLike[str]) -> RunLog:
     found = list(events.events)
     if root.is_dir():
         for file in sorted(root.rglob("*.json")):
-            event = _spike_report_event(file)
+            try:
+                event = _spike_report_event(file)
+            except ValueError as exc:  # a spike report cut short or damaged: said, never silently dropped
+                log.malformed.append(Malformed(file, 1, f"damaged spike report ({exc})"))
+                continue
             if event is not None:
                 log.files.append(file)
                 found.append(event)
@@ -103,11 +108,21 @@ def load_run_log(path: str | os.PathLike[str]) -> RunLog:
     return log
 
 
+_REPORT_NAME = re.compile(r"spike_step\d+-rank\d+-[0-9a-f]+\.json")
+
+
 def _spike_report_event(file: Path) -> SpikeEvent | None:
-    """The spike described by a guard spike report (``guardtower.spike-report/1``), else None."""
+    """The spike described by a guard spike report (``guardtower.spike-report/1``), else None (another
+    program's JSON). ``ValueError`` for a file named or marked as a report that does not parse (truncated)."""
     try:
-        data = _decode(json.loads(file.read_text(encoding="utf-8")))
+        text = file.read_text(encoding="utf-8")
     except (OSError, ValueError):
+        return None
+    try:
+        data = _decode(json.loads(text))
+    except ValueError as exc:
+        if _REPORT_NAME.fullmatch(file.name) or _REPORT_PREFIX in text[:200]:
+            raise ValueError(f"not valid JSON: {exc}") from None
         return None
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith(_REPORT_PREFIX):
         return None

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from guardtower._jsonl import check_creatable_dir
+from guardtower._runs import DEFAULT_ROOT, run_folder, run_name
 from guardtower._dist import current_rank, is_distributed, world_size
 from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, adopt_log_dir, check_bus_args
@@ -110,7 +111,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         spike_threshold: float = 10.0,
         nan_action: str = "skip",
         log_every: int = 50,
-        log_dir: str | os.PathLike[str] = "./sg_logs",
+        log_dir: str | os.PathLike[str] | None = None,
         ema_alpha: float = 0.01,
         warmup_steps: int = 10,
         verbose: bool = True,
@@ -156,9 +157,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         params = [p for g in base_optimizer.param_groups for p in g["params"]]
         names = self._param_names(base_optimizer, model)
         _check_params(params, names)
-        if not isinstance(log_dir, (str, os.PathLike)):
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise ConfigError("log_dir", f"expected a path, got {type(log_dir).__name__}", "pass e.g. log_dir='./sg_logs'")
-        log_path = Path(log_dir)
+        run = run_name(run)
+        # no log_dir: this run's own folder under ./sg_logs, so runs never mix; a given log_dir is used as is
+        log_path = run_folder(DEFAULT_ROOT, run) if log_dir is None else Path(log_dir)
         check_creatable_dir(log_path, "log_dir")
         user_sinks = check_bus_args(bus, sinks)
 
@@ -184,8 +187,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.on_rollback = on_rollback
         self.on_halt = on_halt
         self.process_group = process_group
-        self.run = run
-        self._run_kw: dict[str, Any] = {} if run is None else {"run": run}
+        self.run = run  # resolved: run=, GUARDTOWER_RUN, or the active tracker run's name (guardtower._runs)
+        self._run_kw: dict[str, Any] = {"run": run}
         self.detector = found_detector
         self._names = names
         self._params = params

@@ -29,6 +29,8 @@ from guardtower.preflight._util import unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
+from guardtower._runs import run_name
+from guardtower._validate import flag
 from guardtower.events import FindingEvent, PreflightEvent
 from guardtower.report import Finding, Report
 from guardtower.severity import Severity
@@ -103,6 +105,8 @@ def audit(
     steps: int = 0,
     sinks: Iterable[Sink] | None = None,
     bus: EventBus | None = None,
+    run: str | None = None,
+    verbose: bool = True,
 ) -> Report:
     """Run one instrumented training step and report the silent bugs it reveals.
 
@@ -111,7 +115,9 @@ def audit(
     optimizer state, RNG streams, ``training`` flags and the inputs' ``requires_grad`` are restored bitwise,
     also when ``step_fn`` or a check raises. ``lr_scheduler`` (optional) is looked ahead to catch a schedule
     that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
-    one batch and checks that its loss falls (LOSS-009); everything is restored afterwards as well.
+    one batch and checks that its loss falls (LOSS-009); everything is restored afterwards as well, and a
+    progress line (tqdm when installed) shows the step and the time left unless ``verbose=False``. ``run``
+    names the run in the events (default: ``GUARDTOWER_RUN`` or the active tracker run's name).
     """
     _validate_model(model)
     if not callable(step_fn):
@@ -128,6 +134,9 @@ def audit(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError("steps", f"expected a whole number of overfitting steps >= 0, got {steps!r}",
                           "pass e.g. steps=30 to check that 30 steps on this batch drive its loss down, or leave it out")
+    if run is not None and not isinstance(run, str):
+        raise ConfigError("run", f"expected a str, got {type(run).__name__}", "pass a run name or None")
+    verbose = flag("verbose", verbose)
     if steps and optimizer is None:
         raise ConfigError("steps", "overfitting one batch needs the optimizer",
                           "pass optimizer= together with steps=")
@@ -137,8 +146,8 @@ def audit(
         # torch.compile'd code runs eagerly under the audit: dynamo must not trace the audit's own hooks, and
         # the eager step is the same computation
         with torch.compiler.set_stance("force_eager"):
-            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, specs)
-        _publish(event_bus, report)
+            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, specs, verbose)
+        _publish(event_bus, report, run_name(run))
     finally:
         if owned:
             deadline = time.monotonic() + FLUSH_TIMEOUT_S
@@ -148,7 +157,7 @@ def audit(
 
 
 def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs: Any, scaler: Any,
-           lr_scheduler: Any, steps: int, specs: list[CheckSpec]) -> Report:
+           lr_scheduler: Any, steps: int, specs: list[CheckSpec], verbose: bool = True) -> Report:
     ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
                        lr_scheduler=lr_scheduler)
     report = Report(checks_run=[s.name for s in specs])
@@ -215,7 +224,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 report.notes.append(f"step_fn ran {steps + 1} more times: steps={steps} overfits this batch with "
                                     "real optimizer steps (then every value is put back)")
                 with state.isolated_optimizers():
-                    trace.overfit_losses = overfit_losses(ctx, counted_step, steps)
+                    trace.overfit_losses = overfit_losses(ctx, counted_step, steps, verbose=verbose)
                 state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
         for spec in specs:
@@ -247,12 +256,13 @@ def _run_check(spec: CheckSpec, ctx: AuditContext) -> list[Finding]:
         )]
 
 
-def _publish(bus: EventBus, report: Report) -> None:
+def _publish(bus: EventBus, report: Report, run: str) -> None:
     for f in report.findings:
-        bus.publish(FindingEvent(severity=f.severity, check=f.check, catalog_id=f.catalog_id, message=f.message,
+        bus.publish(FindingEvent(run=run, severity=f.severity, check=f.check, catalog_id=f.catalog_id, message=f.message,
                                  details=f.to_dict()["details"]))
     worst = max((f.severity for f in report.findings), default=Severity.INFO)
     bus.publish(PreflightEvent(
+        run=run,
         severity=worst,
         status=report.status,
         errors=len(report.errors),
