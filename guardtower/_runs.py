@@ -67,3 +67,15 @@ def run_folders(root: Path) -> list[Path]:
 def _newest(folder: Path) -> float:
     times = [f.stat().st_mtime for f in folder.rglob("*") if f.is_file()]
     return max(times, default=folder.stat().st_mtime)
+
+
+def pick_run(path: Path, *, listing: bool = False) -> tuple[Path, str | None]:
+    """What ``guardtower report|events PATH`` reads: PATH itself, or the latest run folder when PATH is a root
+    holding run folders; with a note for people (the folder chosen, or the list when ``listing``)."""
+    folders = run_folders(path)
+    if not folders:
+        return path, ("no run folders in " + str(path) if listing else None)
+    if listing:
+        return path, "\n".join(str(f) for f in folders)
+    latest = folders[-1]
+    return latest, f"latest of {len(folders)} run(s) in {path}: {latest.name} (--list shows them all)"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from guardtower._argparse import ArgumentParser
+from guardtower._runs import pick_run
 from guardtower._eventlog import Malformed, describe_malformed, read_event_log
 from guardtower.errors import ConfigError, MissingDependencyError
 from guardtower.events import (
@@ -277,14 +278,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="OUT.png",
                         help="draw the whole run's gradient norms with a panel per incident (or burst) below")
     parser.add_argument("--json", action="store_true", help="print the incidents as JSON lines")
+    parser.add_argument("--list", action="store_true", help="list the run folders under a log root, newest last")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    chosen, note = pick_run(Path(args.path), listing=args.list)
+    if args.list:
+        print(note)
+        return 0
+    if note:
+        print(note, file=sys.stderr)
 
     try:
-        log = load_run_log(args.path)
+        log = load_run_log(chosen)
     except ConfigError as exc:
         print(f"guardtower report: {exc}", file=sys.stderr)
         return 2
-    path = Path(args.path)
+    path = chosen
     if not log.files:
         problem = f" ({describe_malformed(log.malformed)})" if log.malformed else ""
         print(f"guardtower report: no guardtower event or spike report in {path}{problem}", file=sys.stderr)

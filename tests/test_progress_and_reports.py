@@ -123,3 +123,19 @@ def test_json_report_round_trip_is_untouched_by_the_damage_check(tmp_path: Path)
     (tmp_path / "notes.json").write_text("{not json")  # another program's file, not named like a report
     (tmp_path / "events.jsonl").write_text(json.dumps(SummaryEvent(step=3).to_record()) + "\n")
     assert load_run_log(tmp_path).malformed == []
+
+
+def test_the_close_warning_counts_every_event_left_undelivered(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    from guardtower.alerts import WebhookAlert
+    from guardtower.events import SpikeEvent
+
+    bus = EventBus([WebhookAlert("http://127.0.0.1:9/hook", spool_path=tmp_path / "spool.jsonl")])  # nothing listens
+    for step in range(6):
+        bus.publish(SpikeEvent(step=step, layer=f"h.{step}", reason="nonfinite", severity="ERROR"))
+    with caplog.at_level("WARNING", logger="guardtower.delivery"):
+        bus.close(5)
+    assert bus.stats()["sinks"]["webhook"]["spooled"] == 6
+    totals = [r.getMessage() for r in caplog.records if "in all" in r.getMessage()]
+    assert len(totals) == 1 and "6 event(s) not delivered in all" in totals[0] and "6 in its spool" in totals[0]
+    assert "guardtower replay" in totals[0]

@@ -183,6 +183,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.clip = clip
         self.log_every = log_every
         self.log_dir = log_path.resolve()
+        self._own_folder = log_dir is None  # the run's own folder: the guard keeps its event log there too
         self.verbose = verbose
         self.on_rollback = on_rollback
         self.on_halt = on_halt
@@ -238,6 +239,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.bus.add_sink(sink)
         self._report_sink = SpikeReportSink(self.log_dir)
         self.bus.add_sink(self._report_sink)
+        if self._own_folder:  # so `guardtower report sg_logs` finds this run, clean or not, as the latest
+            from guardtower.sinks import JsonlSink
+
+            self.bus.add_sink(JsonlSink(self.log_dir / "events.jsonl"))
         if self.verbose:
             from guardtower.sinks import ConsoleSink
 
@@ -660,6 +665,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                        + (f" after {self.consecutive_rejections} rejected steps in a row" if escalated else ""))
             self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, ratio=ratio, message=message))
+            self._summary(record.step, head.global_norm, loss, record.lr)  # the run's last record: it ends here
             self.bus.flush(_RAISE_FLUSH_S)
             error = GradientSpikeError(record.step, layer, ratio, message)
             if self.heartbeat is not None:  # training is stopping: its silence is not a stall
@@ -692,6 +698,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def flush(self, timeout: float | None = None) -> bool:
         """Hand every pending step record to the bus (waits for the device) and flush the bus."""
         self._drain(block=True)
+        return self.bus.flush(timeout)
+
+    def finish(self, timeout: float | None = 10.0) -> bool:
+        """End of training, guard kept: publish what is pending and a final ``summary`` (unless the last step
+        had one), then flush. The integrations call it when training ends or raises; ``close()`` does it too."""
+        if self._closed:
+            return True
+        self._drain(block=True)
+        if self._started and self._last_summary != self._step_count:  # not twice for the same step
+            last = self._history[-1][1] if self._history else math.nan
+            self._summary(self._step_count, last, None, self._lr())
         return self.bus.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:

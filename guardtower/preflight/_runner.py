@@ -202,8 +202,12 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             state.restore_values()
         if ("input_independence" in needs and inputs is not None and isinstance(trace.loss, torch.Tensor)
                 and trace.error is None and given_inputs_unused(inputs, trace.calls)):
+            # a Lightning training_step calls the module's submodules, never the module itself: say that, not
+            # that the batch did not reach the model
+            why = ("no tensor of inputs= reached the model" if trace.calls else
+                   "the model itself was never called (the step calls its submodules)")
             report.notes.append("step_fn ran once more, without gradients and with inputs= perturbed (then put back): "
-                                "no tensor of inputs= reached the model, so the audit checked whether the loss reads them")
+                                f"{why}, so the audit checked whether the loss reads them")
             with state.isolated_optimizers():
                 trace.given_inputs_ignored = confirm_given_inputs_ignored(counted_step, inputs, trace.loss,
                                                                           state.restore_rng)

@@ -1,0 +1,101 @@
+"""Runs name themselves and keep to their own folder; callbacks finish the run's log without a close()."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from guardtower.cli import main as cli_main
+from guardtower.guard import GuardedOptimizer
+from guardtower.sinks import JsonlSink, read_events
+from guardtower.testing import capture_events
+
+
+def _steps(guard: GuardedOptimizer, model: torch.nn.Module, n: int) -> None:
+    for _ in range(n):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        guard.step()
+        guard.zero_grad()
+
+
+def test_a_guard_takes_the_active_mlflow_runs_name_and_tags_it(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    from guardtower.bridges import MLflowBridge
+
+    monkeypatch.delenv("GUARDTOWER_RUN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    with mlflow.start_run(run_name="sweep-3") as active:
+        bridge = MLflowBridge(spool_path=tmp_path / "spool.jsonl")
+        guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, sinks=[bridge])
+        with capture_events() as events:
+            _steps(guard, model, 3)
+            guard.close()
+    assert guard.run == "sweep-3" and {e.run for e in events} == {"sweep-3"}
+    assert guard.log_dir.parent == (tmp_path / "sg_logs").resolve() and guard.log_dir.name.startswith("sweep-3-")
+    tags = mlflow.MlflowClient().get_run(active.info.run_id).data.tags
+    assert tags["guardtower.run"] == "sweep-3"
+
+
+def test_each_default_run_has_its_own_folder_and_report_picks_the_latest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    first = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, run="noisy")
+    _steps(first, model, 2)
+    model.weight.grad = torch.full_like(model.weight, float("nan"))
+    model.bias.grad = torch.zeros_like(model.bias)
+    first.step()
+    first.close()
+    model.zero_grad(set_to_none=True)
+    second = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, run="clean")
+    _steps(second, model, 5)
+    second.close()
+    assert first.log_dir != second.log_dir
+    assert [e.kind for e in read_events(second.log_dir / "events.jsonl")] == ["start", "summary"]
+    os.utime(first.log_dir / "events.jsonl", (1, 1))  # whatever the clock's resolution: "clean" is newer
+    for report in first.log_dir.glob("*.json"):
+        os.utime(report, (1, 1))
+    assert cli_main(["report", "sg_logs"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("5 steps, 0 incidents in") and second.log_dir.name in captured.out
+    assert "latest of 2 run(s)" in captured.err
+    assert cli_main(["report", "sg_logs", "--list"]) == 0
+    assert capsys.readouterr().out.split() == [str(Path("sg_logs") / first.log_dir.name),
+                                               str(Path("sg_logs") / second.log_dir.name)]
+    assert cli_main(["events", "sg_logs", "--kind", "summary"]) == 0
+    assert "run=clean" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_hf_callbacks_name_the_run_and_finish_its_log_without_close(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    from guardtower.integrations.huggingface import GuardtowerCallback, StabilityGuardCallback
+    from tests._hf_helpers import TokenDataset, tiny_gpt2, training_args
+
+    monkeypatch.delenv("GUARDTOWER_RUN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    preflight = GuardtowerCallback(verbose=False, sinks=[JsonlSink(tmp_path / "preflight.jsonl")])
+    guard = StabilityGuardCallback(verbose=False, log_every=50)
+    trainer = Trainer(model=tiny_gpt2(), args=training_args(tmp_path / "out", max_steps=12, run_name="exp-7"),
+                      train_dataset=TokenDataset(), callbacks=[preflight, guard])
+    trainer.train()  # no callback.close()
+    assert guard.guard is not None
+    (folder,) = (tmp_path / "sg_logs").iterdir()
+    assert folder.name.startswith("exp-7-")
+    events = list(read_events(folder / "events.jsonl"))
+    assert [(e.kind, e.step) for e in events if e.kind == "summary"][-1] == ("summary", 12)
+    assert {e.run for e in events} == {"exp-7"}
+    preflight_events = list(read_events(tmp_path / "preflight.jsonl"))
+    assert preflight_events and {e.run for e in preflight_events} == {"exp-7"}
+    assert cli_main(["report", str(tmp_path / "sg_logs")]) == 0
