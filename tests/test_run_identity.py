@@ -99,3 +99,41 @@ def test_hf_callbacks_name_the_run_and_finish_its_log_without_close(tmp_path: Pa
     preflight_events = list(read_events(tmp_path / "preflight.jsonl"))
     assert preflight_events and {e.run for e in preflight_events} == {"exp-7"}
     assert cli_main(["report", str(tmp_path / "sg_logs")]) == 0
+
+
+@pytest.mark.slow
+def test_lightning_run_is_named_by_its_logger_with_one_step_numbering_in_tensorboard(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("lightning")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from guardtower.bridges import TensorBoardBridge
+    from guardtower.integrations.lightning import GuardtowerGuard, GuardtowerPreflight
+    from tests._lightning_helpers import TinyModule, lightning_trainer
+
+    monkeypatch.delenv("GUARDTOWER_RUN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    logger = TensorBoardLogger(str(tmp_path / "tb"), name="exp")
+    bridge = TensorBoardBridge(writer=logger.experiment)
+    preflight = GuardtowerPreflight(verbose=False)
+    guard = GuardtowerGuard(verbose=False, log_every=1, sinks=[bridge])
+    trainer = lightning_trainer(tmp_path, logger=logger, max_steps=12, callbacks=[preflight, guard])
+    with capture_events() as events:
+        trainer.fit(TinyModule(spike_at=11))  # after the 10 warmup steps
+    assert preflight.report is not None
+    assert not any("no tensor of inputs= reached the model" in note for note in preflight.report.notes)
+    assert {e.run for e in events} == {"exp-version_0"}
+    assert guard.guards[0].log_dir.name.startswith("exp-version_0-")
+    summaries = [e.step for e in events if e.kind == "summary"]
+    assert summaries[-1] == trainer.global_step == 12
+    logger.experiment.flush()
+    accumulator = EventAccumulator(logger.log_dir)
+    accumulator.Reload()
+    for tag in ("guardtower/spikes", "guardtower/skipped_steps"):
+        steps = [s.step for s in accumulator.Scalars(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps, accumulator.Scalars(tag))  # no duplicate points
+        assert steps == sorted(steps) and steps[-1] == trainer.global_step
+    spikes = [(s.step, s.value) for s in accumulator.Scalars("guardtower/spikes")]
+    assert dict(spikes)[11] == 1.0 and dict(spikes)[10] == 0.0  # counted at the Trainer's step 11
