@@ -137,3 +137,19 @@ def test_lightning_run_is_named_by_its_logger_with_one_step_numbering_in_tensorb
         assert steps == sorted(steps) and steps[-1] == trainer.global_step
     spikes = [(s.step, s.value) for s in accumulator.Scalars("guardtower/spikes")]
     assert dict(spikes)[11] == 1.0 and dict(spikes)[10] == 0.0  # counted at the Trainer's step 11
+
+
+def test_a_halt_leaves_the_final_summary_at_the_halted_step(tmp_path: Path) -> None:
+    from guardtower.errors import GradientSpikeError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, log_dir=tmp_path,
+                             nan_action="raise", log_every=50)
+    with capture_events() as events:
+        _steps(guard, model, 3)
+        model.weight.grad = torch.full_like(model.weight, float("nan"))
+        with pytest.raises(GradientSpikeError):
+            guard.step()
+    assert [(e.kind, e.step) for e in events][-2:] == [("halt", 4), ("summary", 4)]
+    guard.close()

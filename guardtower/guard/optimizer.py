@@ -95,7 +95,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``clip`` (``"global"``: one factor for all gradients, or ``"per_tensor"``, for ``nan_action="clip"``),
     ``max_consecutive_skips``/``escalate_to`` (a run that keeps failing stops or rolls back instead of
     skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
-    to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``,
+    to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run`` (the
+    name events, alerts, tracker tags and the log folder share; default ``GUARDTOWER_RUN``, else the active
+    MLflow/W&B run's name, else ``default``: ``guardtower._runs``), ``log_dir`` (default: the run's own folder
+    ``./sg_logs/<run>-<time>/``, which also gets the guard's ``events.jsonl``; a given one is used as is),
     ``stall_after`` (seconds without a step before a ``stall`` event; ``guardtower.heartbeat``), ``on_halt(error)``
     (called on the training thread right before ``GradientSpikeError`` is raised).
 
