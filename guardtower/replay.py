@@ -17,11 +17,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from guardtower._argparse import ArgumentParser
+from guardtower._progress import Progress
 from guardtower.errors import GuardtowerError
 from guardtower.events import Event
 from guardtower.spool import Spool, SpoolEntry
 
 __all__ = ["main", "REPLAYERS", "Replayer"]
+
+#: spools at least this long show progress
+_PROGRESS_FROM = 100
 
 Replayer = Callable[[argparse.Namespace], Callable[[Event], None]]
 
@@ -125,6 +129,8 @@ def _replay_file(spool: Spool, pending: list[SpoolEntry], args: argparse.Namespa
         by_sink.setdefault(entry.sink, []).append(entry)
     sent = 0
     usage_error = False
+    # a large spool takes a while: a progress line (tqdm when installed) with the count and the time left
+    progress = Progress(len(pending), f"guardtower replay {spool.path.name}: sent", len(pending) >= _PROGRESS_FROM)
     for sink, entries in by_sink.items():
         kind, _, name = sink.partition(":")
         factory = REPLAYERS.get(kind)
@@ -151,4 +157,6 @@ def _replay_file(spool: Spool, pending: list[SpoolEntry], args: argparse.Namespa
                 break
             spool.ack(entry.event.event_id)
             sent += 1
+            progress.update()
+    progress.close()
     return sent, len(pending) - sent, usage_error

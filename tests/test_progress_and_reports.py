@@ -139,3 +139,22 @@ def test_the_close_warning_counts_every_event_left_undelivered(tmp_path: Path,
     totals = [r.getMessage() for r in caplog.records if "in all" in r.getMessage()]
     assert len(totals) == 1 and "6 event(s) not delivered in all" in totals[0] and "6 in its spool" in totals[0]
     assert "guardtower replay" in totals[0]
+
+
+def test_replay_of_a_large_spool_shows_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import guardtower._progress as progress_module
+    import guardtower.replay as replay
+    from guardtower.events import SpikeEvent
+    from guardtower.spool import Spool
+
+    spool = Spool(tmp_path / "webhook.jsonl")
+    spool.append_many([SpikeEvent(step=i, layer="h.0") for i in range(150)], "undelivered", "webhook:alerts")
+    delivered: list[int] = []
+    monkeypatch.setitem(replay.REPLAYERS, "webhook", lambda args: lambda event: delivered.append(event.step))
+    ticks = iter(range(0, 100_000))  # one second per reading of the clock
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: float(next(ticks)))
+    assert replay.main([str(tmp_path / "webhook.jsonl")]) == 0
+    assert len(delivered) == 150
+    err = capsys.readouterr().err
+    assert "guardtower replay webhook.jsonl: sent 5/150" in err and "left" in err and "150/150" in err
