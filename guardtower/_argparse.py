@@ -15,3 +15,10 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+    def format_help(self) -> str:
+        # module docstrings (used as descriptions) quote names in reST ``double backticks``; plain text here
+        return super().format_help().replace("``", "")
+
+    def format_usage(self) -> str:
+        return super().format_usage().replace("``", "")

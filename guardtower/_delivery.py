@@ -831,9 +831,13 @@ class Delivery:
 
     def report(self) -> None:
         stats = self.stats()
-        if stats["dropped"] or stats["failed"]:
-            logger.warning("guardtower sink %r: %d event(s) dropped %s, %d failed, %d in its spool",
-                           self.name, stats["dropped"], stats["dropped_reasons"], stats["failed"], stats["spooled"])
+        if stats["dropped"] or stats["failed"] or stats["spooled"]:  # the totals: a batch's warning saw only its own
+            spool = self._spool()
+            logger.warning("guardtower sink %r: %d event(s) not delivered in all: %d dropped %s, %d failed, %d in its "
+                           "spool%s", self.name, stats["dropped"] + stats["failed"] + stats["spooled"], stats["dropped"],
+                           stats["dropped_reasons"], stats["failed"], stats["spooled"],
+                           f" ({spool.path}: `guardtower replay` re-sends them)" if spool is not None and stats["spooled"]
+                           else "")
 
     def stats(self) -> dict[str, Any]:
         """delivered + spooled + dropped + failed + pending = published."""

@@ -131,6 +131,8 @@ def _draw_overview(ax: Any, log: RunLog, incidents: list[Incident]) -> None:
     steps = "" if log.last_step is None else f"{log.last_step} steps, "
     ax.set_title(f"gradient norms over the run ({steps}{len(incidents)} incident(s))")
     _finish(ax, log_scale=bool(xs or busiest))
+    if log.last_step is not None:  # the run goes on past its last summary point: the axis shows every step
+        ax.set_xlim(min([0, *log.global_norms]) - 0.5, max([log.last_step, *log.global_norms]) + 0.5)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from guardtower.events import Event
 
-__all__ = ["what", "title", "num"]
+__all__ = ["what", "title", "num", "kind"]
 
 
 def what(event: Event) -> str:
@@ -30,6 +30,13 @@ def what(event: Event) -> str:
         return f"NaN/Inf {get('where') or 'value'}"
     if event.kind == "stall":
         return "training resumed" if get("resolved") else "training stalled"
+    return event.kind
+
+
+def kind(event: Event) -> str:
+    """The kind people are shown: a rejected step with NaN/Inf gradients is ``nonfinite``, not ``spike``."""
+    if event.kind == "spike" and getattr(event, "reason", "") == "nonfinite":
+        return "nonfinite"
     return event.kind
 
 

@@ -73,6 +73,7 @@ def _dispatch(args_list: list[str]) -> int:
     ev.add_argument("--kind", action="append", metavar="KIND",
                     help=f"only these kinds (repeatable): {', '.join(sorted(EVENT_TYPES))}")
     ev.add_argument("--min-severity", default="INFO", help=f"the lowest severity shown: {ACCEPTED_SEVERITIES}")
+    ev.add_argument("--list", action="store_true", help="list the run folders under a log root, newest last")
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
 
@@ -80,7 +81,7 @@ def _dispatch(args_list: list[str]) -> int:
     if args.command == "catalog":
         return _catalog(as_json=args.json)
     if args.command == "events":
-        return _events(args.path, kinds=args.kind, min_severity=args.min_severity)
+        return _events(args.path, kinds=args.kind, min_severity=args.min_severity, listing=args.list)
     parser.print_help()
     return 0
 
@@ -99,7 +100,7 @@ def _catalog(*, as_json: bool) -> int:
     return 0
 
 
-def _events(path: str, *, kinds: list[str] | None, min_severity: str) -> int:
+def _events(path: str, *, kinds: list[str] | None, min_severity: str, listing: bool = False) -> int:
     """Exit status: 0 printed, 2 bad usage or unreadable input (also after printing, when lines were skipped)."""
     from guardtower._eventlog import describe_malformed, read_event_log
     from guardtower.events import EVENT_TYPES
@@ -114,6 +115,14 @@ def _events(path: str, *, kinds: list[str] | None, min_severity: str) -> int:
     root = Path(path)
     if not root.exists():
         raise ConfigError("path", f"no such file or directory: {path!r}", "pass a log_dir or an events.jsonl path")
+    from guardtower._runs import pick_run
+
+    root, note = pick_run(root, listing=listing)
+    if listing:
+        print(note)
+        return 0
+    if note:
+        print(note, file=sys.stderr)
     log = read_event_log(root)
     if not log.files:
         problem = f" ({describe_malformed(log.malformed)})" if log.malformed else ""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from guardtower._argparse import ArgumentParser
+from guardtower._progress import Progress
 
 __all__ = ["main"]
 
@@ -109,56 +110,6 @@ class Faults:
                 handle.remove()
 
 
-# ----------------------------------------------------------------------------------------------- progress
-class _Bar:
-    """A tqdm bar when tqdm is installed, else a plain ``\\r`` bar; ``write`` prints above it."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.enabled, self.n = total, label, enabled, 0
-        self._tqdm: Any = None
-        self._postfix = ""
-        self._tty = sys.stdout.isatty()
-        if enabled and self._tty:
-            try:
-                from tqdm import tqdm
-
-                self._tqdm = tqdm(total=total, desc=label, file=sys.stdout, ncols=90, leave=True)
-            except ImportError:
-                pass
-
-    def update(self, postfix: str) -> None:
-        self.n += 1
-        self._postfix = postfix
-        if not self.enabled:
-            return
-        if self._tqdm is not None:
-            self._tqdm.set_postfix_str(postfix, refresh=False)
-            self._tqdm.update(1)
-            return
-        if not self._tty:  # a log file: one line per 10% instead of carriage returns
-            if self.n == self.total or self.n % max(1, self.total // 10) == 0:
-                print(f"{self.label} {self.n}/{self.total} {postfix}", flush=True)
-            return
-        width = 30
-        done = int(width * self.n / self.total)
-        sys.stdout.write(f"\r{self.label} [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} {postfix}   ")
-        sys.stdout.flush()
-
-    def write(self, text: str) -> None:
-        if self._tqdm is not None:
-            self._tqdm.write(text, file=sys.stdout)
-        else:
-            sys.stdout.write(("\r" + " " * 100 + "\r" if self.enabled and self._tty else "") + text + "\n")
-            sys.stdout.flush()
-
-    def close(self) -> None:
-        if self._tqdm is not None:
-            self._tqdm.close()
-        elif self.enabled and self._tty:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-
-
 # -------------------------------------------------------------------------------------------------- runs
 @dataclass
 class RunResult:
@@ -167,9 +118,9 @@ class RunResult:
 
 
 def _train(model: Any, optimizer: Any, corpus: Corpus, faults: Faults, *, label: str, progress: bool,
-           guarded: bool, on_step: Callable[[_Bar], None] | None = None) -> RunResult:
+           guarded: bool, on_step: Callable[[Progress], None] | None = None) -> RunResult:
     result = RunResult()
-    bar = _Bar(len(corpus.batches), label, progress)
+    bar = Progress(len(corpus.batches), label, progress, stream=sys.stdout)
     start = time.perf_counter()
     model.train()
     try:
@@ -418,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         guarded = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model, **guard_kwargs)
         shown = 0
 
-        def show_incidents(bar: _Bar) -> None:
+        def show_incidents(bar: Progress) -> None:
             nonlocal shown
             events = live.events
             for event in events[shown:]:
@@ -430,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              guarded=True, on_step=show_incidents)
         guarded.close()
         bus.flush(10)
-        show_incidents(_Bar(0, "", False))
+        show_incidents(Progress(0, "", False, stream=sys.stdout))
         print(f"guard: {guarded.total_spikes} spike(s), {guarded.total_skips} skip(s), "
               f"{guarded.total_rollbacks} rollback(s) in {guarded_run.seconds:.1f}s")
 

@@ -44,10 +44,11 @@ _FLOAT_TAG = "$float"
 
 
 def default_run_name() -> str:
-    """The run name events carry when the producer was given none: ``GUARDTOWER_RUN`` or ``"default"``."""
-    import os
+    """The run name events carry when the producer was given none: ``GUARDTOWER_RUN``, else the active
+    tracker run's name (MLflow, W&B), else ``"default"`` (``guardtower._runs``)."""
+    from guardtower._runs import run_name
 
-    return os.environ.get("GUARDTOWER_RUN", "default")
+    return run_name()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +165,9 @@ class SpikeEvent(Event):
     loss: float | None = None
     lr: float | None = None
     top_layers: tuple[tuple[str, float, float], ...] = ()  # (name, norm, ratio)
+    # the tensors' ratios (top_layers, and ``ratio`` when ``layer`` is a tensor) compare each tensor's share
+    # of the gradient with its usual share (the auto detector), not its norm with a baseline norm
+    share_ratios: bool = False
     nonfinite_layers: tuple[str, ...] = ()
     report_path: str | None = None
     # the steps before and including this one: global grad norm and the trigger layer's norm

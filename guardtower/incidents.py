@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from guardtower._argparse import ArgumentParser
+from guardtower._runs import pick_run
 from guardtower._eventlog import Malformed, describe_malformed, read_event_log
 from guardtower.errors import ConfigError, MissingDependencyError
 from guardtower.events import (
@@ -95,7 +97,11 @@ def load_run_log(path: str | os.PathLike[str]) -> RunLog:
     found = list(events.events)
     if root.is_dir():
         for file in sorted(root.rglob("*.json")):
-            event = _spike_report_event(file)
+            try:
+                event = _spike_report_event(file)
+            except ValueError as exc:  # a spike report cut short or damaged: said, never silently dropped
+                log.malformed.append(Malformed(file, 1, f"damaged spike report ({exc})"))
+                continue
             if event is not None:
                 log.files.append(file)
                 found.append(event)
@@ -103,11 +109,21 @@ def load_run_log(path: str | os.PathLike[str]) -> RunLog:
     return log
 
 
+_REPORT_NAME = re.compile(r"spike_step\d+-rank\d+-[0-9a-f]+\.json")
+
+
 def _spike_report_event(file: Path) -> SpikeEvent | None:
-    """The spike described by a guard spike report (``guardtower.spike-report/1``), else None."""
+    """The spike described by a guard spike report (``guardtower.spike-report/1``), else None (another
+    program's JSON). ``ValueError`` for a file named or marked as a report that does not parse (truncated)."""
     try:
-        data = _decode(json.loads(file.read_text(encoding="utf-8")))
+        text = file.read_text(encoding="utf-8")
     except (OSError, ValueError):
+        return None
+    try:
+        data = _decode(json.loads(text))
+    except ValueError as exc:
+        if _REPORT_NAME.fullmatch(file.name) or _REPORT_PREFIX in text[:200]:
+            raise ValueError(f"not valid JSON: {exc}") from None
         return None
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith(_REPORT_PREFIX):
         return None
@@ -262,14 +278,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="OUT.png",
                         help="draw the whole run's gradient norms with a panel per incident (or burst) below")
     parser.add_argument("--json", action="store_true", help="print the incidents as JSON lines")
+    parser.add_argument("--list", action="store_true", help="list the run folders under a log root, newest last")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    chosen, note = pick_run(Path(args.path), listing=args.list)
+    if args.list:
+        print(note)
+        return 0
+    if note:
+        print(note, file=sys.stderr)
 
     try:
-        log = load_run_log(args.path)
+        log = load_run_log(chosen)
     except ConfigError as exc:
         print(f"guardtower report: {exc}", file=sys.stderr)
         return 2
-    path = Path(args.path)
+    path = chosen
     if not log.files:
         problem = f" ({describe_malformed(log.malformed)})" if log.malformed else ""
         print(f"guardtower report: no guardtower event or spike report in {path}{problem}", file=sys.stderr)

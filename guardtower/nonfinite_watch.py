@@ -270,7 +270,7 @@ class Monitor:
         if repeat and not raising:
             return
         event = NonFiniteEvent(module=blame.module, where="forward", input_nonfinite=blame.input_nonfinite,
-                               step=blame.step, severity=Severity.ERROR if raising else Severity.WARN)
+                               step=blame.step, severity=Severity.ERROR)  # non-finite is a failure
         self.last = event
         bus = self._bus
         message = _message(blame)

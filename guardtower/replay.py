@@ -22,11 +22,15 @@ from typing import Callable, Sequence
 from guardtower._argparse import ArgumentParser
 from guardtower._delivery import is_refusal
 from guardtower.alerts._secret import redact
+from guardtower._progress import Progress
 from guardtower.errors import GuardtowerError
 from guardtower.events import Event
 from guardtower.spool import Spool, SpoolEntry
 
 __all__ = ["main", "REPLAYERS", "Replayer"]
+
+#: spools at least this long show progress
+_PROGRESS_FROM = 100
 
 Replayer = Callable[[argparse.Namespace], Callable[[Event], None]]
 
@@ -141,6 +145,8 @@ def _replay_file(spool: Spool, pending: list[SpoolEntry],
     sent = 0
     refused = 0
     usage_error = False
+    # a large spool takes a while: a progress line (tqdm when installed) with the count and the time left
+    progress = Progress(len(pending), f"guardtower replay {spool.path.name}: sent", len(pending) >= _PROGRESS_FROM)
     for sink, entries in by_sink.items():
         kind, _, name = sink.partition(":")
         factory = REPLAYERS.get(kind)
@@ -173,4 +179,6 @@ def _replay_file(spool: Spool, pending: list[SpoolEntry],
                 break
             spool.ack(entry.event.event_id)
             sent += 1
+            progress.update()
+    progress.close()
     return sent, refused, len(pending) - sent - refused, usage_error

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -15,7 +16,7 @@ from guardtower._delivery import on_fork
 from guardtower._jsonl import append_fd, check_writable_dir, read_json_lines, write_whole
 from guardtower._dist import current_rank, world_size
 from guardtower._render import box
-from guardtower._wording import what
+from guardtower._wording import num, what
 from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
 from guardtower.events import Event, PreflightEvent, SpikeEvent, event_from_record
@@ -138,23 +139,45 @@ class ConsoleSink(BaseSink):
         stream.flush()
 
 
+def _spike_lines(event: SpikeEvent) -> list[str]:
+    """The spike box: every number says what it is (a share of the gradient is not a norm ratio; a NaN step
+    has no baseline to show)."""
+    tensor = event.layer not in ("global", "loss", "peer-rank")
+    share = event.share_ratios and tensor
+    limit = f"threshold {event.threshold:.4g}x"
+    lines = [f"step {event.step}  action: {event.action.upper()}  reason: {event.reason}",
+             f"trigger layer: {event.layer}" + (f"  (module {event.module})" if event.module else "")]
+    if event.reason == "nonfinite":
+        lines.append(f"gradient norm {num(event.norm)} (NaN/Inf: rejected whatever the baseline)")
+    elif event.layer == "loss":
+        lines.append(f"loss {event.ratio:.4g}x its baseline ({limit})")
+    elif share:
+        lines.append(f"gradient norm {event.norm:.4g}; its share of the gradient is {event.ratio:.4g}x its usual "
+                     f"share ({limit})")
+    else:
+        lines.append(f"gradient norm {event.norm:.4g}  baseline norm {event.baseline:.4g}  ratio {event.ratio:.4g}x "
+                     f"({limit})")
+    lines.append(f"global grad norm {num(event.global_norm)}" + ("" if event.loss is None else f"  loss {num(event.loss)}"))
+    if event.nonfinite_layers:
+        lines.append("non-finite: " + ", ".join(event.nonfinite_layers[:5]))
+    if event.top_layers:
+        lines.append("largest: grad norm, " + ("share of the gradient vs its usual share" if event.share_ratios
+                                               else "norm vs its baseline norm"))
+    for name, norm, ratio in event.top_layers[:5]:
+        if not math.isfinite(norm):
+            lines.append(f"  {name}: grad norm {num(norm)}")
+        else:
+            lines.append(f"  {name}: grad norm {norm:.4g}, " + (f"share {ratio:.4g}x usual" if event.share_ratios
+                                                                 else f"ratio {ratio:.4g}x"))
+    if event.report_path:
+        lines.append(f"report: {event.report_path}")
+    return lines
+
+
 def render_event(event: Event) -> str:
     """The human-readable form of an event."""
     if isinstance(event, SpikeEvent):
-        lines = [
-            f"step {event.step}  action: {event.action.upper()}  reason: {event.reason}",
-            f"trigger layer: {event.layer}" + (f"  (module {event.module})" if event.module else ""),
-            f"norm {event.norm:.4g}  baseline {event.baseline:.4g}  ratio {event.ratio:.4g}  "
-            f"threshold {event.threshold:.4g}",
-            f"global grad norm {event.global_norm:.4g}" + ("" if event.loss is None else f"  loss {event.loss:.4g}"),
-        ]
-        if event.nonfinite_layers:
-            lines.append("non-finite: " + ", ".join(event.nonfinite_layers[:5]))
-        for name, norm, ratio in event.top_layers[:5]:
-            lines.append(f"  {name}: norm {norm:.4g} ratio {ratio:.4g}")
-        if event.report_path:
-            lines.append(f"report: {event.report_path}")
-        return box(f"guardtower: {what(event)} [{event.run}]", lines)
+        return box(f"guardtower: {what(event)} [{event.run}]", _spike_lines(event))
     if isinstance(event, PreflightEvent):
         lines = [f"{event.errors} error(s), {event.warnings} warning(s), {event.infos} info(s)"]
         if event.error_ids:

@@ -248,7 +248,7 @@ def test_event_mode_publishes_to_sinks_with_the_pass_counter(gpt2: nn.Module) ->
     event = events[0]
     assert isinstance(event, NonFiniteEvent)
     assert (event.module, event.where, event.input_nonfinite, event.step) == ("lm_head", "forward", False, 2)
-    assert event.severity == Severity.WARN
+    assert event.severity == Severity.ERROR  # a non-finite value is a failure, whatever on_nonfinite says
     assert mon.last == event
     assert not bus.stats()["closed"]  # a bus passed in belongs to the caller
     bus.close()

@@ -89,16 +89,14 @@ ids = torch.randint(0, 64, (32, 16))
 train_loader = loader = torch.utils.data.DataLoader(
     [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids], batch_size=4)
 batch = next(iter(train_loader))
-scaler = None  # fp32 on CPU: no GradScaler
 base = optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 step_fn = lambda: model(**batch).loss
 """
 
 #: name -> (code, the names it hands to the block)
 SETUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "tiny-gpt2": (_TINY_GPT2, ("model", "train_loader", "loader", "batch", "scaler", "base", "optimizer",
-                               "scheduler", "step_fn")),
+    # a snippet defines what a reader must define (its scheduler, scaler): only the model and data are handed
+    "tiny-gpt2": (_TINY_GPT2, ("model", "train_loader", "loader", "batch", "base", "optimizer", "step_fn")),
     "tiny-llama": ("""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -155,8 +153,15 @@ exec(compile(open(snippet).read(), label, "exec"), {"__name__": "__main__", **ha
 
 
 def _env(tmp: Path) -> dict[str, str]:
+    env = _base_env(tmp)
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):  # a W&B snippet must say offline itself, as a reader needs it
+        env.pop(name, None)
+    return env
+
+
+def _base_env(tmp: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_SILENT": "true",
             "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "GUARDTOWER_SPOOL_DIR": str(tmp / "spool"),
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
 

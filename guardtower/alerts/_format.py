@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Union
 
-from guardtower._wording import num, title
+from guardtower._wording import kind, num, title
 from guardtower.alerts.grouping import Notification
 
 __all__ = ["RunUrl", "title", "headline", "facts", "text", "truncate", "run_url_for", "id_line"]
@@ -49,7 +49,7 @@ def headline(note: Notification) -> str:
 def facts(note: Notification) -> list[tuple[str, str]]:
     """(name, value) pairs: run, severity, steps, then the event's own fields that say something."""
     event = note.event
-    pairs = [("run", event.run), ("severity", event.severity.label), ("kind", event.kind)]
+    pairs = [("run", event.run), ("severity", event.severity.label), ("kind", kind(event))]
     if event.step is not None:
         pairs.append(("step", f"{event.step:,}"))
     if event.rank:

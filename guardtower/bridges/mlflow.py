@@ -44,6 +44,7 @@ from guardtower.events import (
     RollbackEvent,
     SkipEvent,
     SpikeEvent,
+    StartEvent,
     SummaryEvent,
 )
 from guardtower.spool import Spool, default_spool_dir
@@ -104,6 +105,8 @@ class MlflowWriter:
             tags[f"{p}.halted"] = incident_label(event)
         if event.kind in INCIDENT_KINDS:
             tags[f"{p}.last_incident"] = incident_label(event)
+        if tags or isinstance(event, StartEvent):  # the run name events and alerts carry, on the run itself
+            tags[f"{p}.run"] = event.run
         # The event's own timestamp makes a re-sent point identical, so MLflow stores it once.
         stamp = int(event.time * 1000)
         step = event.step if event.step is not None else 0

@@ -66,6 +66,7 @@ class TensorBoardBridge(BaseSink):
         self._owns_writer = writer is None
         self._lock = threading.Lock()
         self._spikes = 0
+        self._last_step: dict[str, int] = {}
         self.counts = {"delivered": 0, "failed": 0}
 
     @property
@@ -123,7 +124,10 @@ class TensorBoardBridge(BaseSink):
     def _write(self, event: Event) -> None:
         step = event.step if event.step is not None else 0
         for key, value in self._scalars(event).items():
-            if value is not None and math.isfinite(value):
+            # one point per tag and step: a spike and its step's summary both carry the spike count, and a
+            # chart with two points at one step zig-zags
+            if value is not None and math.isfinite(value) and self._last_step.get(key) != step:
+                self._last_step[key] = step
                 self.writer.add_scalar(f"{self.prefix}/{key}", float(value), step, walltime=event.time)
         text = _text(event)
         if text:

@@ -79,6 +79,9 @@ class Detector(ABC):
     may_be_nonfinite: frozenset[str] = frozenset()
     name: str = "detector"
     threshold: float = 10.0
+    #: a tensor's ratio compares its share of the gradient (norm over the others' norm) with its usual share,
+    #: not its norm with a baseline norm (the console box and alerts name it so)
+    share_ratios: bool = False
     judges_nonfinite: bool = False
     absent_loss: float = math.nan
     _per_tensor: dict[str, float] = {}
@@ -353,6 +356,7 @@ class AutoDetector(Detector):
 
     name = "auto"
     may_be_nonfinite = frozenset({"ring"})  # NaN/Inf marks a slot that did not trip
+    share_ratios = True
     judges_nonfinite = True
     absent_loss = 0.0
     _LEVEL_ALPHA = 0.1  # the level follows trends within ~10 accepted steps; the spread uses ema_alpha

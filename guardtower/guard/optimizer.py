@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from guardtower._jsonl import check_creatable_dir
+from guardtower._runs import DEFAULT_ROOT, run_folder, run_name
 from guardtower._dist import current_rank, is_distributed, world_size
 from guardtower import _validate
 from guardtower._validate import flag
@@ -97,7 +98,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``clip`` (``"global"``: one factor for all gradients, or ``"per_tensor"``, for ``nan_action="clip"``),
     ``max_consecutive_skips``/``escalate_to`` (a run that keeps failing stops or rolls back instead of
     skipping forever), ``rollback_every``/``keep`` (snapshot period and count), ``on_rollback(from_step,
-    to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run``,
+    to_step)`` (e.g. to skip the offending data), ``process_group`` (for the decision all-reduce), ``run`` (the
+    name events, alerts, tracker tags and the log folder share; default ``GUARDTOWER_RUN``, else the active
+    MLflow/W&B run's name, else ``default``: ``guardtower._runs``), ``log_dir`` (default: the run's own folder
+    ``./sg_logs/<run>-<time>/``, which also gets the guard's ``events.jsonl``; a given one is used as is),
     ``stall_after`` (seconds without a step before a ``stall`` event; ``guardtower.heartbeat``), ``on_halt(error)``
     (called on the training thread right before ``GradientSpikeError`` is raised), ``watch`` (``True``: the
     loop watch of ``guardtower.guard.watch`` for the first 2,000 steps; ``Watch(...)`` to tune it; ``False``).
@@ -114,7 +118,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         spike_threshold: float = 10.0,
         nan_action: str = "skip",
         log_every: int = 50,
-        log_dir: str | os.PathLike[str] = "./sg_logs",
+        log_dir: str | os.PathLike[str] | None = None,
         ema_alpha: float = 0.01,
         warmup_steps: int = 10,
         verbose: bool = True,
@@ -163,8 +167,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         params = [p for g in base_optimizer.param_groups for p in g["params"]]
         names = self._param_names(base_optimizer, model)
         _check_params(params, names)
-        log_path = _validate.path("log_dir", log_dir)
-        assert log_path is not None
+        given = _validate.path("log_dir", log_dir, allow_none=True)
+        run = run_name(run)
+        # no log_dir: this run's own folder under ./sg_logs, so runs never mix; a given log_dir is used as is
+        log_path = run_folder(DEFAULT_ROOT, run) if given is None else given
         check_creatable_dir(log_path, "log_dir")
         user_sinks = check_bus_args(bus, sinks)
 
@@ -186,12 +192,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.clip = clip
         self.log_every = log_every
         self.log_dir = log_path.resolve()
+        self._own_folder = log_dir is None  # the run's own folder: the guard keeps its event log there too
         self.verbose = verbose
         self.on_rollback = on_rollback
         self.on_halt = on_halt
         self.process_group = process_group
-        self.run = run
-        self._run_kw: dict[str, Any] = {} if run is None else {"run": run}
+        self.run = run  # resolved: run=, GUARDTOWER_RUN, or the active tracker run's name (guardtower._runs)
+        self._run_kw: dict[str, Any] = {"run": run}
         self.detector = found_detector
         self._names = names
         self._params = params
@@ -246,6 +253,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.bus.add_sink(sink)
         self._report_sink = SpikeReportSink(self.log_dir)
         self.bus.add_sink(self._report_sink)
+        if self._own_folder:  # so `guardtower report sg_logs` finds this run, clean or not, as the latest
+            from guardtower.sinks import JsonlSink
+
+            self.bus.add_sink(JsonlSink(self.log_dir / "events.jsonl"))
         if self.verbose:
             from guardtower.sinks import ConsoleSink
 
@@ -674,11 +685,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         rank = current_rank()
         report_path = self._last_report = str(self.log_dir / report_filename(record.step, rank))
         module = layer.rsplit(".", 1)[0] if "." in layer else ""
+        # a NaN/Inf step is a failure wherever it shows (console, events, alerts, trackers); a finite spike a warning
+        severity = Severity.ERROR if reason == "nonfinite" else Severity.WARN
         self._publish(SpikeEvent(
             **self._run_kw,
-            step=record.step, severity=Severity.WARN, layer=layer, module=module, reason=reason, norm=norm,
+            step=record.step, severity=severity, layer=layer, module=module, reason=reason, norm=norm,
             baseline=baseline, ratio=ratio, threshold=self.detector.threshold, global_norm=head.global_norm,
-            action=action, loss=loss, lr=record.lr, top_layers=top,
+            action=action, loss=loss, lr=record.lr, top_layers=top, share_ratios=self.detector.share_ratios,
             nonfinite_layers=tuple(names[i] for i in nonfinite), report_path=report_path,
             history_steps=steps, history_global_norms=global_hist, history_layer_norms=layer_hist,
         ))
@@ -686,7 +699,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._total_clips += 1
         elif action == "skip":
             self._total_skips += 1
-            self._publish(SkipEvent(**self._run_kw, step=record.step, severity=Severity.WARN, layer=layer,
+            self._publish(SkipEvent(**self._run_kw, step=record.step, severity=severity, layer=layer,
                                     reason=reason, total_skips=self._total_skips,
                                     consecutive_skips=self.consecutive_rejections))
         elif action == "rollback":
@@ -699,6 +712,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                        + (f" after {self.consecutive_rejections} rejected steps in a row" if escalated else ""))
             self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, ratio=ratio, message=message))
+            self._summary(record.step, head.global_norm, loss, record.lr)  # the run's last record: it ends here
             self.bus.flush(_RAISE_FLUSH_S)
             error = GradientSpikeError(record.step, layer, ratio, message)
             if self.heartbeat is not None:  # training is stopping: its silence is not a stall
@@ -733,6 +747,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def flush(self, timeout: float | None = None) -> bool:
         """Hand every pending step record to the bus (waits for the device) and flush the bus."""
         self._drain(block=True)
+        return self.bus.flush(timeout)
+
+    def finish(self, timeout: float | None = 10.0) -> bool:
+        """End of training, guard kept: publish what is pending and a final ``summary`` (unless the last step
+        had one), then flush. The integrations call it when training ends or raises; ``close()`` does it too."""
+        if self._closed:
+            return True
+        self._drain(block=True)
+        if self._started and self._last_summary != self._step_count:  # not twice for the same step
+            last = self._history[-1][1] if self._history else math.nan
+            self._summary(self._step_count, last, None, self._lr())
         return self.bus.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:

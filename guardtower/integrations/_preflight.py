@@ -36,13 +36,15 @@ class PreflightCallbackBase:
         self.fail_mlflow_run = flag("fail_mlflow_run", fail_mlflow_run)
         self._bus, self._owns_bus = resolve_bus(bus, sinks)
         self.report: Report | None = None
+        #: the run name the audit's events carry (set from the trainer when training starts)
+        self.run: str | None = None
 
     def _audit(self, model: nn.Module, step_fn: Callable[[], Any], **kwargs: Any) -> Report | None:
         """``audit(model, step_fn, **kwargs)`` on this callback's bus and checks; None if the audit itself broke."""
         from guardtower.preflight import audit
 
         try:
-            report = audit(model, step_fn, checks=self.checks, bus=self._bus, **kwargs)
+            report = audit(model, step_fn, checks=self.checks, bus=self._bus, run=self.run, **kwargs)
         except ConfigError:
             raise
         except Exception:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import nn
 
+from guardtower._runs import run_name
 from guardtower._validate import flag, no_unknown_kwargs
 from guardtower.bus import EventBus, Sink, check_bus_args
 from guardtower.errors import ConfigError, MissingDependencyError, PreflightFailed
@@ -91,6 +92,7 @@ class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
         self._lr_scheduler = lr_scheduler
         planned = getattr(state, "max_steps", None)
         self._total_steps = planned if isinstance(planned, int) and planned > 0 else None
+        self.run = run_name(None, trainer=getattr(args, "run_name", None))
         if optimizer is not None and train_dataloader is not None and not _needs_real_step(args):
             batch = _first_batch(train_dataloader, model)
             if batch is not None:
@@ -277,7 +279,9 @@ class StabilityGuardCallback(TrainerCallback):
         if isinstance(inner, GuardedOptimizer):  # a second train() call: keep the guard and its baselines
             self.guard = inner
         else:
-            self.guard = GuardedOptimizer(inner, model, **self.guard_kwargs, sinks=self._sinks, bus=self._bus)
+            kwargs = dict(self.guard_kwargs)
+            kwargs.setdefault("run", run_name(None, trainer=getattr(args, "run_name", None)))
+            self.guard = GuardedOptimizer(inner, model, **kwargs, sinks=self._sinks, bus=self._bus)
             _swap_inner_optimizer(holder, self.guard)
         # the loop watch judges the Trainer's own cadence: its scheduler, accumulation and planned length
         scheduler = kwargs.get("lr_scheduler")
@@ -330,7 +334,7 @@ class StabilityGuardCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.guard is not None:
-            self.guard.flush(10.0)
+            self.guard.finish(10.0)  # the final summary: the log says how many steps the run took
             if self.guard.heartbeat is not None:  # the guard outlives train(); a finished run is not a stalled one
                 self.guard.heartbeat.pause()
         self._remove_loss_hook()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
+from guardtower._runs import run_name
 from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, GradientSpikeError, MissingDependencyError, PreflightFailed
@@ -77,6 +78,7 @@ class GuardtowerPreflight(PreflightCallbackBase, Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pending = True
+        self.run = run_name(None, trainer=logger_run_name(trainer))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -115,10 +117,10 @@ def _schedule(trainer: pl.Trainer) -> dict[str, Any]:
     """The per-step LR scheduler the Trainer steps and the planned optimizer steps, for the audit to walk; a
     per-epoch schedule is left out (the audit walks schedules per optimizer step)."""
     configs = [c for c in getattr(trainer, "lr_scheduler_configs", []) if c.interval == "step" and c.frequency == 1]
-    total = trainer.estimated_stepping_batches
-    if not configs or not isinstance(total, (int, float)) or not math.isfinite(total) or total < 1:
+    total = _planned_steps(trainer)
+    if not configs or total is None:
         return {}
-    return {"lr_scheduler": configs[0].scheduler, "total_steps": int(total)}
+    return {"lr_scheduler": configs[0].scheduler, "total_steps": total}
 
 
 class GuardtowerGuard(Callback):
@@ -164,18 +166,23 @@ class GuardtowerGuard(Callback):
         self.guards: list[GuardedOptimizer] = []
         self._clip_handles: list[Any] = []
         self._saved_clip: tuple[Any, Any] | None = None
+        self._counters_bridged = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from guardtower.guard import GuardedOptimizer
 
+        kwargs = dict(self.guard_kwargs)
+        kwargs.setdefault("run", run_name(None, trainer=logger_run_name(trainer)))
         self.guards = [opt if isinstance(opt, GuardedOptimizer)
-                       else GuardedOptimizer(opt, pl_module, **self.guard_kwargs, bus=self._bus)
+                       else GuardedOptimizer(opt, pl_module, **kwargs, bus=self._bus)
                        for opt in trainer.strategy.optimizers]
         trainer.strategy.optimizers = list(self.guards)  # also rebuilds the LightningOptimizer wrappers
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         for guard in self.guards:  # the loop watch judges the Trainer's own cadence
             guard.declare_loop(schedulers=schedulers, accumulation=int(trainer.accumulate_grad_batches),
                                total_steps=_planned_steps(trainer))
+        # a TensorBoardBridge on the logger's own writer writes these tags at the guard's steps: not twice
+        self._counters_bridged = _bridged_writer(self._bus, trainer)
         clip_val = trainer.gradient_clip_val
         if self.clip_in_guard and clip_val:
             algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
@@ -192,7 +199,7 @@ class GuardtowerGuard(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.log_counters and self.guards:
+        if self.log_counters and self.guards and not self._counters_bridged:
             pl_module.log_dict(self.counters(), on_step=True, on_epoch=False, batch_size=1)
 
     def counters(self) -> dict[str, float]:
@@ -235,6 +242,40 @@ def _planned_steps(trainer: pl.Trainer) -> int | None:
     except Exception:  # noqa: BLE001 - a loader without a length: the watch does without
         return None
     return int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps > 0 else None
+
+
+def logger_run_name(trainer: pl.Trainer) -> str | None:
+    """The run name of the Trainer's first logger: W&B's and MLflow's run name, else ``<name>-<version>``
+    (TensorBoard, CSV: ``lightning_logs-version_0``); None without a logger."""
+    found = trainer.logger
+    if found is None:
+        return None
+    try:
+        for attr in ("_run_name", "run_name"):
+            value = getattr(found, attr, None)
+            if isinstance(value, str) and value:
+                return value
+        experiment_name = getattr(getattr(found, "_experiment", None), "name", None)
+        if isinstance(experiment_name, str) and experiment_name and type(found).__name__ == "WandbLogger":
+            return experiment_name
+        name, version = found.name, found.version
+    except Exception:  # a logger that cannot say its name is not worth failing a run for
+        return None
+    if not name:
+        return None
+    if version is None:
+        return str(name)
+    return f"{name}-version_{version}" if isinstance(version, int) else f"{name}-{version}"
+
+
+def _bridged_writer(bus: EventBus, trainer: pl.Trainer) -> bool:
+    """A ``TensorBoardBridge`` on ``bus`` writes to a logger's own ``SummaryWriter`` (``logger.experiment``)."""
+    writers = {id(getattr(sink, "_writer", None)) for sink in bus.sinks if type(sink).__name__ == "TensorBoardBridge"}
+    for found in trainer.loggers:
+        experiment = getattr(found, "_experiment", None)
+        if experiment is not None and id(experiment) in writers:
+            return True
+    return False
 
 
 def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from guardtower._dist import current_rank
+from guardtower._progress import Progress
 from guardtower.preflight._registry import AuditContext
 from guardtower.preflight._schedule import LOOKAHEAD_STEPS, walk_schedule
 from guardtower.preflight._step import extract_loss
@@ -33,7 +35,7 @@ def at_peak_lr(ctx: AuditContext) -> list[float]:
     return [float(g["lr"]) for g in opt.param_groups]
 
 
-def overfit_losses(ctx: AuditContext, step_fn: Callable[[], Any], steps: int) -> list[float]:
+def overfit_losses(ctx: AuditContext, step_fn: Callable[[], Any], steps: int, *, verbose: bool = True) -> list[float]:
     """The loss before each of ``steps`` optimizer steps on the same batch, plus the loss after the last one.
 
     Stops early (shorter list) when the loss goes non-finite or the step stops producing a differentiable
@@ -45,6 +47,18 @@ def overfit_losses(ctx: AuditContext, step_fn: Callable[[], Any], steps: int) ->
     raw = unhooked_step(opt)
     trainable = [p for p in ctx.params.values() if p.requires_grad]
     losses: list[float] = []
+    progress = Progress(steps, "guardtower audit: overfitting one batch, step", verbose and current_rank() == 0)
+    try:
+        _run(opt, raw, trainable, step_fn, steps, losses, progress)
+    finally:
+        progress.close()
+    for p in trainable:
+        p.grad = None
+    return losses
+
+
+def _run(opt: Any, raw: Any, trainable: list[Any], step_fn: Callable[[], Any], steps: int, losses: list[float],
+         progress: Progress) -> None:
     for i in range(steps + 1):
         for p in trainable:
             p.grad = None
@@ -58,6 +72,4 @@ def overfit_losses(ctx: AuditContext, step_fn: Callable[[], Any], steps: int) ->
             break
         (loss if loss.numel() == 1 else loss.float().mean()).backward()
         raw(opt)
-    for p in trainable:
-        p.grad = None
-    return losses
+        progress.update(f"loss {value:.4g}")

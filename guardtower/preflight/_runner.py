@@ -30,6 +30,8 @@ from guardtower.preflight._util import base_optimizer, unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
+from guardtower._runs import run_name
+from guardtower._validate import flag
 from guardtower.events import FindingEvent, PreflightEvent
 from guardtower.report import Finding, Report
 from guardtower.severity import Severity
@@ -105,6 +107,8 @@ def audit(
     total_steps: int | None = None,
     sinks: Iterable[Sink] | None = None,
     bus: EventBus | None = None,
+    run: str | None = None,
+    verbose: bool = True,
 ) -> Report:
     """Run one instrumented training step and report the silent bugs it reveals.
 
@@ -114,9 +118,11 @@ def audit(
     also when ``step_fn`` or a check raises. ``lr_scheduler`` (optional) is looked ahead to catch a schedule
     that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
     one batch, at the schedule's peak lr, and checks that its loss falls (LOSS-009); everything is restored
-    afterwards as well. ``total_steps`` (optional) is the planned number of optimizer steps: the schedule is
+    afterwards as well, and a progress line (tqdm when installed) shows the step and the time left unless
+    ``verbose=False``. ``total_steps`` (optional) is the planned number of optimizer steps: the schedule is
     walked over the whole run at the cadence ``step_fn`` steps it. Without ``lr_scheduler=``, a scheduler
-    attached to ``optimizer`` is found and walked the same way.
+    attached to ``optimizer`` is found and walked the same way. ``run`` names the run in the events (default:
+    ``GUARDTOWER_RUN`` or the active tracker run's name).
     """
     _validate_model(model)
     if not callable(step_fn):
@@ -138,6 +144,9 @@ def audit(
         raise ConfigError("total_steps", f"expected the planned number of optimizer steps (a whole number >= 1), "
                           f"got {total_steps!r}", "pass e.g. total_steps=len(loader) * epochs // accumulation, "
                           "or leave it out")
+    if run is not None and not isinstance(run, str):
+        raise ConfigError("run", f"expected a str, got {type(run).__name__}", "pass a run name or None")
+    verbose = flag("verbose", verbose)
     if steps and optimizer is None:
         raise ConfigError("steps", "overfitting one batch needs the optimizer",
                           "pass optimizer= together with steps=")
@@ -149,8 +158,9 @@ def audit(
         with torch.compiler.set_stance("force_eager"):
             if lr_scheduler is None and optimizer is not None:
                 lr_scheduler = find_scheduler(base_optimizer(optimizer))
-            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, total_steps, specs)
-        _publish(event_bus, report)
+            report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, total_steps, specs,
+                            verbose)
+        _publish(event_bus, report, run_name(run))
     finally:
         if owned:
             deadline = time.monotonic() + FLUSH_TIMEOUT_S
@@ -160,7 +170,8 @@ def audit(
 
 
 def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs: Any, scaler: Any,
-           lr_scheduler: Any, steps: int, total_steps: int | None, specs: list[CheckSpec]) -> Report:
+           lr_scheduler: Any, steps: int, total_steps: int | None, specs: list[CheckSpec],
+           verbose: bool = True) -> Report:
     ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
                        lr_scheduler=lr_scheduler, total_steps=total_steps)
     report = Report(checks_run=[s.name for s in specs])
@@ -208,8 +219,12 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             state.restore_values()
         if ("input_independence" in needs and inputs is not None and isinstance(trace.loss, torch.Tensor)
                 and trace.error is None and given_inputs_unused(inputs, trace.calls)):
+            # a Lightning training_step calls the module's submodules, never the module itself: say that, not
+            # that the batch did not reach the model
+            why = ("no tensor of inputs= reached the model" if trace.calls else
+                   "the model itself was never called (the step calls its submodules)")
             report.notes.append("step_fn ran once more, without gradients and with inputs= perturbed (then put back): "
-                                "no tensor of inputs= reached the model, so the audit checked whether the loss reads them")
+                                f"{why}, so the audit checked whether the loss reads them")
             with state.isolated_optimizers():
                 trace.given_inputs_ignored = confirm_given_inputs_ignored(counted_step, inputs, trace.loss,
                                                                           state.restore_rng)
@@ -231,7 +246,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                                     "real optimizer steps (then every value is put back)")
                 with state.isolated_optimizers():
                     trace.overfit_lrs = at_peak_lr(ctx)
-                    trace.overfit_losses = overfit_losses(ctx, counted_step, steps)
+                    trace.overfit_losses = overfit_losses(ctx, counted_step, steps, verbose=verbose)
                 state.restore_values()
         # checks judge the model as the user handed it over, not as the step left it
         for spec in specs:
@@ -264,12 +279,13 @@ def _run_check(spec: CheckSpec, ctx: AuditContext) -> list[Finding]:
         )]
 
 
-def _publish(bus: EventBus, report: Report) -> None:
+def _publish(bus: EventBus, report: Report, run: str) -> None:
     for f in report.findings:
-        bus.publish(FindingEvent(severity=f.severity, check=f.check, catalog_id=f.catalog_id, message=f.message,
+        bus.publish(FindingEvent(run=run, severity=f.severity, check=f.check, catalog_id=f.catalog_id, message=f.message,
                                  details=f.to_dict()["details"]))
     worst = max((f.severity for f in report.findings), default=Severity.INFO)
     bus.publish(PreflightEvent(
+        run=run,
         severity=worst,
         status=report.status,
         errors=len(report.errors),
