@@ -600,3 +600,23 @@ def test_replay_quarantines_a_bad_spool_line_at_the_head_and_sends_the_rest(serv
     assert "sent 10, refused 1" in replay.stdout and "remaining 0" in replay.stdout
     assert [s for s, _ in _history(server.url, run_id, f"{P}.grad_norm")] == list(range(1, 11))
     assert [e.event.event_id for e in spool.refused()] == [bad["event_id"]]
+
+
+@pytest.mark.slow
+def test_loop_watch_findings_become_a_watch_tag_with_every_id(tracking: str, tmp_path: Path) -> None:
+    import mlflow
+
+    from guardtower.bridges import MLflowBridge
+    from guardtower.events import FindingEvent
+    from guardtower.severity import Severity
+
+    findings = [FindingEvent(severity=Severity.WARN, check="watch", catalog_id=cid, message="seen by the watch",
+                             details={}) for cid in ("OPT-011", "DRIFT-001", "OPT-011")]
+    audit_finding = FindingEvent(severity=Severity.WARN, check="supervision", catalog_id="DATA-005",
+                                 message="from the pre-flight", details={})
+    with mlflow.start_run() as run:
+        bridge = MLflowBridge(spool_path=tmp_path / "spool.jsonl")
+        _publish_and_flush(bridge, [*findings, audit_finding])
+    tags = _client(tracking).get_run(run.info.run_id).data.tags
+    assert tags[f"{P}.watch"] == "WARN"
+    assert tags[f"{P}.watch.ids"] == "OPT-011,DRIFT-001"

@@ -39,6 +39,7 @@ from guardtower.bus import BaseSink
 from guardtower.errors import ConfigError
 from guardtower.events import (
     Event,
+    FindingEvent,
     HaltEvent,
     PreflightEvent,
     RollbackEvent,
@@ -67,6 +68,7 @@ class MlflowWriter:
         self.request_retries = request_retries
         self.artifacts = artifacts
         self._client: Any = None
+        self._watch_ids: dict[str, None] = {}  # the loop watch's ids so far, in order: one tag lists them all
 
     def send(self, event: Event) -> None:
         """Deliver ``event``; raises whatever MLflow raises (see ``is_permanent``)."""
@@ -101,6 +103,9 @@ class MlflowWriter:
             tags = {f"{p}.preflight": event.status,
                     f"{p}.preflight.errors": ",".join(dict.fromkeys(event.error_ids)),
                     f"{p}.preflight.warnings": ",".join(dict.fromkeys(event.warning_ids))}
+        elif isinstance(event, FindingEvent) and event.check == "watch":
+            self._watch_ids[event.catalog_id] = None
+            tags = {f"{p}.watch": event.severity.label, f"{p}.watch.ids": ",".join(self._watch_ids)}
         if isinstance(event, HaltEvent):
             tags[f"{p}.halted"] = incident_label(event)
         if event.kind in INCIDENT_KINDS:

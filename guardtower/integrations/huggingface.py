@@ -279,9 +279,9 @@ class StabilityGuardCallback(TrainerCallback):
         if isinstance(inner, GuardedOptimizer):  # a second train() call: keep the guard and its baselines
             self.guard = inner
         else:
-            kwargs = dict(self.guard_kwargs)
-            kwargs.setdefault("run", run_name(None, trainer=getattr(args, "run_name", None)))
-            self.guard = GuardedOptimizer(inner, model, **kwargs, sinks=self._sinks, bus=self._bus)
+            guard_args = dict(self.guard_kwargs)
+            guard_args.setdefault("run", run_name(None, trainer=getattr(args, "run_name", None)))
+            self.guard = GuardedOptimizer(inner, model, **guard_args, sinks=self._sinks, bus=self._bus)
             _swap_inner_optimizer(holder, self.guard)
         # the loop watch judges the Trainer's own cadence: its scheduler, accumulation and planned length
         scheduler = kwargs.get("lr_scheduler")
