@@ -37,6 +37,8 @@ class BlindCase:
     """True when the bug is present in this setup (True for the bug, False for the twin)"""
     known_miss: str = ""
     """why the audit does not catch it, when it does not (filled in after the blind measurement)"""
+    known_alarm: tuple[str, ...] = ()
+    """catalog ids the fixed twin is known to get at WARN or above: false alarms written down, not hidden"""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The blind batches (tests/_blind_batch1.py, tests/_blind_batch2.py): real silent-bug reports reproduced by
 someone who did not write the checks. Every reproduction proves its bug without the audit, every fixed twin
 gets no WARN or FAIL, and every case is caught at WARN or above except the misses written down in the case
-(``known_miss``), which the docs list. The figures come from ``python bench/blind.py --batch N``."""
+(``known_miss``), and every twin is quiet except the false alarms written down (``known_alarm``). The figures come from ``python bench/blind.py --batch N``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from tests._blind import BlindCase, load, outcome
 
 pytestmark = pytest.mark.slow
 
-CASES = [case for batch in (1, 2) for case in load(batch)]
+CASES = [case for batch in (1, 2, 3) for case in load(batch)]
 
 
 def test_each_batch_holds_fifteen_reports_with_unique_keys() -> None:
-    for batch in (1, 2):
+    for batch in (1, 2, 3):
         assert len(load(batch)) == 15
     assert len({c.key for c in CASES}) == len(CASES)
 
@@ -25,7 +25,10 @@ def test_the_bug_is_real_its_twin_is_quiet_and_it_is_caught(case: BlindCase) -> 
     result = outcome(case)
     assert not result.error, result.error
     assert result.proven, "the reproduction does not show the bug"
-    assert not result.twin_loud, "\n".join(result.twin_loud)
+    unexpected = [line for line in result.twin_loud if line.split()[1].rstrip(":") not in case.known_alarm]
+    assert not unexpected, "\n".join(unexpected)
+    for cid in case.known_alarm:  # a false alarm written down must still be there: fixed ones leave the list
+        assert any(line.split()[1].rstrip(":") == cid for line in result.twin_loud), f"{cid} fixed: drop it"
     if case.known_miss:
         assert not result.caught, f"caught by {result.caught_by}: drop known_miss"
     else:
