@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from guardtower.spool import Spool  # noqa: E402
+from tests._alerts_helpers import read_http_request  # noqa: E402
 
 RUN_ID = "0123456789abcdef"
 FAULTS = ["ok", "down", "hung", "slow", "500", "429", "garbage", "disconnect", "trickle", "huge", "400"]
@@ -80,17 +81,9 @@ class Destination:
         conn.settimeout(60)
         try:
             while not self._stop.is_set():
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, _, body = data.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length")), 0)
-                while len(body) < length:
-                    body += conn.recv(65536)
+                body = read_http_request(conn)
+                if body is None:
+                    return
                 fault = self.fault
                 if fault == "hung":
                     self._stop.wait(120)

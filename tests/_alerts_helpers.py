@@ -266,3 +266,20 @@ def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 
         "close_s": close_s,
         "bus": bus.stats()["sinks"][sink.name],
     }
+
+
+def read_http_request(conn: socket.socket) -> bytes | None:
+    """One HTTP/1.1 request's body from a raw socket (headers read up to the blank line, then Content-Length
+    bytes); None when the peer closed first. For the loopback servers that fail on purpose."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length")), 0)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return body

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import pytest
 
+from _alerts_helpers import read_http_request
+
 from guardtower.bus import EventBus
 from guardtower.events import SpikeEvent
 from guardtower.spool import Spool
@@ -69,17 +71,9 @@ class FaultServer:
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(15)
         try:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length")), 0)
-            while len(body) < length:
-                body += conn.recv(65536)
+            body = read_http_request(conn)
+            if body is None:
+                return
             self.requests += 1
             if self.fault == "hung":
                 self._stop.wait(30)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from _alerts_helpers import Reply, ScriptedServer
+from _alerts_helpers import Reply, ScriptedServer, read_http_request
 from guardtower.alerts import RetryPolicy, WebhookAlert
 from guardtower.bus import EventBus
 from guardtower.errors import ConfigError
@@ -63,18 +63,10 @@ class RawServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             while not self._stop.is_set():
-                data = b""
                 conn.settimeout(30)
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, _, body = data.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length")), 0)
-                while len(body) < length:
-                    body += conn.recv(65536)
+                body = read_http_request(conn)
+                if body is None:
+                    return
                 self.requests += 1
                 if self.mode == "hang":
                     self._stop.wait(120)
