@@ -89,7 +89,7 @@ def test_healthy_loop_raises_nothing_and_publishes_no_finding(tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------------------- optimizer continuity
-def test_new_optimizer_each_epoch_is_opt_008(tmp_path: Path) -> None:
+def test_new_optimizer_each_epoch_is_opt_009(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     holder: dict[str, Any] = {"opt": guard}
@@ -140,7 +140,7 @@ def test_one_optimizer_kept_is_clean_and_sgd_rebuilt_loses_nothing(tmp_path: Pat
     guard.close()
 
 
-def test_state_emptied_is_opt_009(tmp_path: Path) -> None:
+def test_state_emptied_is_opt_010(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
 
@@ -151,7 +151,7 @@ def test_state_emptied_is_opt_009(tmp_path: Path) -> None:
     assert train(model, guard, each_epoch=reset) == ["OPT-010"]
 
 
-def test_step_count_backwards_is_opt_009_and_a_guard_rollback_is_not(tmp_path: Path) -> None:
+def test_step_count_backwards_is_opt_010_and_a_guard_rollback_is_not(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     early: dict[str, Any] = {}
@@ -175,7 +175,7 @@ def adjust_learning_rate(opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def test_adjust_learning_rate_collapsing_groups_is_opt_010(tmp_path: Path) -> None:
+def test_adjust_learning_rate_collapsing_groups_is_opt_011(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     assert train(model, guard, each_epoch=lambda e: adjust_learning_rate(opt, 1e-2 * 0.5 ** e) if e else None) \
@@ -193,7 +193,7 @@ def test_per_group_decay_keeps_ratios_and_is_clean(tmp_path: Path) -> None:
     assert train(model, guard, each_epoch=decay) == []
 
 
-def test_lr_written_outside_the_scheduler_is_opt_011(tmp_path: Path) -> None:
+def test_lr_written_outside_the_scheduler_is_opt_012(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -213,7 +213,7 @@ def test_lr_through_the_scheduler_is_clean(tmp_path: Path) -> None:
     assert train(model, guard, each_step=lambda i: sched.step()) == []
 
 
-def test_lr_decayed_to_zero_is_opt_012_and_warmup_from_zero_is_not(tmp_path: Path) -> None:
+def test_lr_decayed_to_zero_is_opt_013_and_warmup_from_zero_is_not(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.01)  # stepped per batch: lr -> 0
@@ -225,7 +225,7 @@ def test_lr_decayed_to_zero_is_opt_012_and_warmup_from_zero_is_not(tmp_path: Pat
 
 
 # ---------------------------------------------------------------------------------- scheduler cadence
-def test_onecycle_stepped_per_epoch_is_loop_004(tmp_path: Path) -> None:
+def test_onecycle_stepped_per_epoch_is_loop_006(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-3, 1e-2], epochs=6, steps_per_epoch=5)
@@ -246,7 +246,7 @@ def test_planned_end_judges_a_cosine_sized_in_steps(tmp_path: Path) -> None:
     assert train(model, guard, epochs=6, each_epoch=lambda e: sched.step() if e else None) == ["LOOP-006"]
 
 
-def test_scheduler_stepped_per_batch_and_per_epoch_is_loop_005(tmp_path: Path) -> None:
+def test_scheduler_stepped_per_batch_and_per_epoch_is_loop_007(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s) ** 0.1)
@@ -255,7 +255,7 @@ def test_scheduler_stepped_per_batch_and_per_epoch_is_loop_005(tmp_path: Path) -
 
 
 # ---------------------------------------------------------------------------------- what must not move
-def test_model_train_waking_a_frozen_batchnorm_is_mode_002_and_drift_002(tmp_path: Path) -> None:
+def test_model_train_waking_a_frozen_batchnorm_is_mode_005_and_drift_002(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
 
@@ -298,7 +298,7 @@ def test_frozen_params_unchanged_and_eval_teacher_are_clean(tmp_path: Path) -> N
     assert train(model, guard, epochs=4) == []
 
 
-def test_model_left_in_eval_after_validation_is_mode_003(tmp_path: Path) -> None:
+def test_model_left_in_eval_after_validation_is_mode_006(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path)
 
@@ -327,7 +327,7 @@ def test_gradients_never_cleared_is_loop_003(tmp_path: Path) -> None:
     assert train(model, guard, zero=False) == ["LOOP-003"]
 
 
-def test_zero_grad_inside_the_accumulation_window_is_loop_006(tmp_path: Path) -> None:
+def test_zero_grad_inside_the_accumulation_window_is_loop_008(tmp_path: Path) -> None:
     model, opt = make()
     guard = guard_for(opt, model, tmp_path, accumulation=4)
     assert train(model, guard, micro=4, zero=False, zero_in_window=True) == ["LOOP-008"]

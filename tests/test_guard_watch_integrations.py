@@ -45,7 +45,7 @@ class _HalveLr:
         self.callback = Cb()
 
 
-def test_hf_lr_written_behind_the_trainers_scheduler_is_opt_011(tmp_path: Path) -> None:
+def test_hf_lr_written_behind_the_trainers_scheduler_is_opt_012(tmp_path: Path) -> None:
     assert _hf_run(tmp_path, [_HalveLr().callback], max_steps=12, lr_scheduler_type="linear") == ["OPT-012"]
 
 
@@ -79,7 +79,7 @@ def _lightning_run(tmp_path: Path, interval: str) -> list[str]:
     return ids
 
 
-def test_lightning_onecycle_with_interval_epoch_is_loop_004(tmp_path: Path) -> None:
+def test_lightning_onecycle_with_interval_epoch_is_loop_006(tmp_path: Path) -> None:
     assert _lightning_run(tmp_path, "epoch") == ["LOOP-006"]
 
 

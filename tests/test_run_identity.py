@@ -28,7 +28,11 @@ def test_a_guard_takes_the_active_mlflow_runs_name_and_tags_it(tmp_path: Path,
 
     monkeypatch.delenv("GUARDTOWER_RUN", raising=False)
     monkeypatch.chdir(tmp_path)
+    previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # an experiment of this store: another test's active experiment id means nothing here
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None, raising=False)
+    mlflow.set_experiment("run-identity")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     with mlflow.start_run(run_name="sweep-3") as active:
@@ -40,6 +44,7 @@ def test_a_guard_takes_the_active_mlflow_runs_name_and_tags_it(tmp_path: Path,
     assert guard.run == "sweep-3" and {e.run for e in events} == {"sweep-3"}
     assert guard.log_dir.parent == (tmp_path / "sg_logs").resolve() and guard.log_dir.name.startswith("sweep-3-")
     tags = mlflow.MlflowClient().get_run(active.info.run_id).data.tags
+    mlflow.set_tracking_uri(previous)  # later tests use the shared tracking server
     assert tags["guardtower.run"] == "sweep-3"
 
 

@@ -29,8 +29,14 @@ def supervision_hook(call: int, output: torch.Tensor, records: list[Supervision]
     """A gradient hook for ``output`` that appends what the gradient says to ``records``."""
     values = output.detach()
 
-    def hook(grad: torch.Tensor) -> None:
-        records.append(_reduce(call, values, grad.detach()))
+    def hook(grad: torch.Tensor | None) -> None:
+        # a measurement must never fail the step it measures: a gradient it cannot read is simply not recorded
+        if grad is None:
+            return
+        try:
+            records.append(_reduce(call, values, grad.detach()))
+        except Exception:  # noqa: BLE001 - e.g. an output whose gradient has another layout
+            return
 
     return hook
 
