@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from guardtower.preflight._trace import Supervision
 
@@ -42,7 +41,7 @@ def supervision_hook(call: int, output: torch.Tensor, records: list[Supervision]
 
 
 def _reduce(call: int, output: torch.Tensor, grad: torch.Tensor) -> Supervision:
-    g = grad.float()
+    g = grad if grad.dtype == torch.float32 else grad.float()
     if g.dim() < 2 or g.shape[-1] < 2:
         return Supervision(call, g.abs().reshape(g.shape[:1] + (-1,)).sum(-1).cpu() if g.dim() else g.abs().cpu(),
                            None, None, 0)
@@ -59,8 +58,9 @@ def _reduce(call: int, output: torch.Tensor, grad: torch.Tensor) -> Supervision:
         w = torch.where(supervised, -g_y / (1 - p).clamp_min(1e-12), torch.zeros_like(g_y))
         # a position the loss pulls towards one class has g = w * (p - onehot(y)), w > 0; one it pushes away
         # from its label (the rejected side of a preference loss) does not, and has no target of its own
-        pulled = probs.sub_(F.one_hot(target, g.shape[-1]).to(probs.dtype)).mul_(w.unsqueeze(-1)).sub_(g)
-        pulled = (pulled.norm(dim=-1) <= _PULL_TOLERANCE * g.norm(dim=-1)) & (w > 0)
+        # w * (p - onehot(y)) - g, in place: no one-hot tensor of the logits' size
+        residual = probs.mul_(w.unsqueeze(-1)).sub_(g).scatter_add_(-1, target.unsqueeze(-1), -w.unsqueeze(-1))
+        pulled = (residual.norm(dim=-1) <= _PULL_TOLERANCE * g.norm(dim=-1)) & (w > 0)
         target = torch.where(pulled | ~supervised, target, torch.full_like(target, -1))
         weight = w.cpu() if bool(pulled[supervised].all()) else None
     return Supervision(call, magnitude.cpu(), target.cpu(), weight, int(g.shape[-1]))
