@@ -4,13 +4,31 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 VOCAB = 97
+
+#: what a trigger or clean case builds: the model, its step and the audit() keyword arguments
+Case = tuple[nn.Module, Callable[[], Any], dict[str, Any]]
+
+
+def case_registry() -> tuple[dict[str, Callable[[bool], Case]], Callable[[str], Callable[[Callable[[bool], Case]], Callable[[bool], Case]]]]:
+    """A fresh ``CASES`` dict and the ``@case(key)`` decorator that fills it (key: catalog id, optionally
+    ``ID/variant``); each test module keeps its own registry."""
+    cases: dict[str, Callable[[bool], Case]] = {}
+
+    def case(key: str) -> Callable[[Callable[[bool], Case]], Callable[[bool], Case]]:
+        def register(fn: Callable[[bool], Case]) -> Callable[[bool], Case]:
+            cases[key] = fn
+            return fn
+
+        return register
+
+    return cases, case
 
 
 def quiet_transformers() -> None:

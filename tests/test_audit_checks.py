@@ -14,18 +14,9 @@ from guardtower.preflight import audit
 from guardtower.failure_modes import _CORE
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import SmallCNN, VOCAB, gpt2, mlp, regression_batch, token_batch
+from tests._audit_core_helpers import SmallCNN, VOCAB, Case, case_registry, gpt2, mlp, regression_batch, token_batch
 
-Case = tuple[nn.Module, Callable[[], Any], dict[str, Any]]
-CASES: dict[str, Callable[[bool], Case]] = {}
-
-
-def case(key: str) -> Callable[[Callable[[bool], Case]], Callable[[bool], Case]]:
-    def register(fn: Callable[[bool], Case]) -> Callable[[bool], Case]:
-        CASES[key] = fn
-        return fn
-
-    return register
+CASES, case = case_registry()
 
 
 def _classifier(bug_softmax: bool = False) -> nn.Sequential:

@@ -16,18 +16,9 @@ from guardtower.failure_modes import _STEP
 from guardtower.preflight import audit
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import gpt2, mlp, token_batch
+from tests._audit_core_helpers import Case, case_registry, gpt2, mlp, token_batch
 
-Case = tuple[nn.Module, Callable[[], Any], dict[str, Any]]
-CASES: dict[str, Callable[[bool], Case]] = {}
-
-
-def case(key: str) -> Callable[[Callable[[bool], Case]], Callable[[bool], Case]]:
-    def register(fn: Callable[[bool], Case]) -> Callable[[bool], Case]:
-        CASES[key] = fn
-        return fn
-
-    return register
+CASES, case = case_registry()
 
 
 def _data(n: int = 16, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
