@@ -18,7 +18,6 @@ what was expected and what was observed.
 
 from __future__ import annotations
 
-import gc
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from guardtower._readback import Fence, host_copy
+from guardtower._schedulers import schedulers_of
 from guardtower.errors import ConfigError, LoopInvariantError
 from guardtower.events import FindingEvent
 from guardtower.severity import Severity
@@ -667,16 +667,11 @@ def _norms(tensors: list[Tensor]) -> tuple[Tensor, list[int]]:
 def _discover(optimizer: torch.optim.Optimizer, holder: Any) -> list[Any]:
     """The LR schedulers built on this optimizer (or on the guard around it): one referrer scan, at start
     (it walks the heap, ~0.1-0.5 s in a large process, so only when a scheduler has marked the groups)."""
-    from torch.optim.lr_scheduler import LRScheduler
-
     if not any("initial_lr" in g for g in optimizer.param_groups):  # every LRScheduler sets it: none was built
         return []
-    targets = [optimizer] + ([holder] if holder is not None else [])
-    found = []
-    for target in targets:
-        for ref in gc.get_referrers(target):
-            if isinstance(ref, LRScheduler) and ref not in found:
-                found.append(ref)
+    found: list[Any] = []
+    for target in [optimizer] + ([holder] if holder is not None else []):
+        found += [s for s in schedulers_of(target) if all(s is not f for f in found)]
     return found
 
 

@@ -5,12 +5,13 @@ when the caller did not pass one."""
 from __future__ import annotations
 
 import copy
-import gc
 import warnings
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+
+from guardtower._schedulers import schedulers_of
 
 __all__ = ["LOOKAHEAD_STEPS", "MAX_WALK", "Walk", "ScheduleState", "peak_lrs", "walk_schedule", "find_scheduler"]
 
@@ -101,24 +102,13 @@ def peak_lrs(scheduler: Any, optimizer: Any, steps: int = LOOKAHEAD_STEPS) -> li
 
 def find_scheduler(optimizer: Any) -> Any:
     """The LR scheduler object whose ``.optimizer`` is ``optimizer`` (a scheduler attached to it but not passed
-    to the audit), or None. Found through the objects that refer to the optimizer, not by scanning the heap."""
+    to the audit), or None."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return None
     if not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return None  # torch's LR schedulers mark the step of an optimizer they drive; none was built for this one
-    for ref in gc.get_referrers(optimizer):
-        if _drives(ref, optimizer):  # an object whose attributes live inline (no separate __dict__)
-            return ref
-        if isinstance(ref, dict) and ref.get("optimizer") is optimizer:
-            owner = next((o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref), None)
-            if owner is not None and _drives(owner, optimizer):
-                return owner
-    return None
-
-
-def _drives(obj: Any, optimizer: Any) -> bool:
-    return (not isinstance(obj, dict) and getattr(obj, "optimizer", None) is optimizer
-            and callable(getattr(obj, "get_last_lr", None)) and callable(getattr(obj, "state_dict", None)))
+    found = schedulers_of(optimizer)
+    return found[0] if found else None
 
 
 def _lr(group: dict[str, Any]) -> float:
