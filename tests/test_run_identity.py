@@ -107,6 +107,62 @@ def test_hf_callbacks_name_the_run_and_finish_its_log_without_close(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_hf_guard_finishes_its_log_when_training_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF has no exception callback: a step that raises still leaves the summary of the last step taken."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    from guardtower.integrations.huggingface import StabilityGuardCallback
+    from tests._hf_helpers import TokenDataset, tiny_gpt2, training_args
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_gpt2()
+    forwards = []
+
+    def fail_on_the_seventh(module: torch.nn.Module, args: object) -> None:
+        forwards.append(1)
+        if len(forwards) == 7:
+            raise RuntimeError("data worker died")
+
+    model.register_forward_pre_hook(fail_on_the_seventh)
+    guard = StabilityGuardCallback(verbose=False, log_every=50)
+    trainer = Trainer(model=model, args=training_args(tmp_path / "out", max_steps=12, run_name="crash-1"),
+                      train_dataset=TokenDataset(), callbacks=[guard])
+    with pytest.raises(RuntimeError, match="data worker died"):
+        trainer.train()
+    assert guard.guard is not None and not guard.guard._closed  # no close(): the callback finished the log itself
+    events = list(read_events(guard.guard.log_dir / "events.jsonl"))
+    assert [(e.kind, e.step) for e in events if e.kind == "summary"][-1] == ("summary", 6)
+    assert "training_step" not in vars(trainer)  # the wrapper is gone once the run is over
+    guard.close()
+
+
+def test_a_guard_left_open_by_a_crash_writes_its_final_summary_at_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from guardtower.guard import GuardedOptimizer\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "guard = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, verbose=False, log_every=50)\n"
+        "for _ in range(5):\n"
+        "    model(torch.randn(8, 4)).pow(2).mean().backward()\n"
+        "    guard.step()\n"
+        "    guard.zero_grad()\n"
+        "raise SystemExit('loader crashed')\n"
+    )
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "GUARDTOWER_RUN": "crashed",
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "loader crashed" in done.stderr
+    (folder,) = (tmp_path / "sg_logs").iterdir()
+    assert [(e.kind, e.step) for e in read_events(folder / "events.jsonl")] == [("start", 0), ("summary", 5)]
+
+
+@pytest.mark.slow
 def test_lightning_run_is_named_by_its_logger_with_one_step_numbering_in_tensorboard(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("lightning")

@@ -15,9 +15,11 @@ bus's worker threads.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import math
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -249,6 +251,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _start(self) -> None:
         """The first step: attach the sinks and the console box, and publish the ``start`` event."""
         self._started = True
+        _unfinished.add(self)  # a run that dies on an exception still gets its final summary at exit
         for sink in self._user_sinks:
             self.bus.add_sink(sink)
         self._report_sink = SpikeReportSink(self.log_dir)
@@ -754,11 +757,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         had one), then flush. The integrations call it when training ends or raises; ``close()`` does it too."""
         if self._closed:
             return True
+        self._final_summary()
+        return self.bus.flush(timeout)
+
+    def _final_summary(self) -> None:
+        """Publish what is pending and a ``summary`` of the last step, unless that step already had one."""
         self._drain(block=True)
         if self._started and self._last_summary != self._step_count:  # not twice for the same step
             last = self._history[-1][1] if self._history else math.nan
             self._summary(self._step_count, last, None, self._lr())
-        return self.bus.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Publish what is pending and a final ``summary`` (unless the last step had one), close the bus if the
@@ -773,10 +780,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         try:
             if self.watch is not None:
                 self.watch.close()
-            self._drain(block=True)
-            if self._started and self._last_summary != self._step_count:  # not twice for the same step
-                last = self._history[-1][1] if self._history else math.nan
-                self._summary(self._step_count, last, None, self._lr())
+            self._final_summary()
         finally:
             self._closed = True
             if self._owns_bus:
@@ -809,3 +813,23 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise ConfigError("model", "none of the model's parameters is in the optimizer",
                               "pass the model whose parameters the optimizer updates (or model=None)")
         return names
+
+
+_unfinished: "weakref.WeakSet[GuardedOptimizer]" = weakref.WeakSet()
+
+
+def _summarise_at_exit() -> None:
+    """At interpreter exit (after an exception too), give every open guard its final summary.
+
+    Registered after the bus's own exit flush (``guardtower.bus`` is imported first), so it runs before it:
+    the summaries published here are still delivered.
+    """
+    for guard in list(_unfinished):
+        if not guard._closed:
+            try:
+                guard._final_summary()
+            except Exception:  # noqa: BLE001 - exit must not fail on a guard that cannot finish
+                pass
+
+
+atexit.register(_summarise_at_exit)

@@ -21,7 +21,7 @@ import logging
 import sys
 import types
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -49,6 +49,8 @@ logger = logging.getLogger("guardtower.integrations.huggingface")
 
 #: how far up the stack the first forward looks for the Trainer's DDP/FSDP wrapper
 _MAX_FRAMES = 40
+#: how long the final summary at the end of training (or on an exception) may take to reach the sinks
+_FINISH_TIMEOUT_S = 10.0
 
 
 class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
@@ -170,6 +172,20 @@ def _first_batch(dataloader: Any, model: nn.Module) -> Any:
     return {k: move(v) for k, v in batch.items()} if isinstance(batch, Mapping) else [move(v) for v in batch]
 
 
+def _caller_self(matches: Callable[[Any], bool]) -> Any:
+    """The nearest ``self`` up the call stack that ``matches``, else None: callbacks are not handed the Trainer
+    or its DDP/FSDP wrapper, but both are on the stack that calls them."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if matches(candidate):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 def _calling_wrapper(module: nn.Module) -> nn.Module:
     """The DDP/FSDP/DeepSpeed wrapper whose forward is calling ``module`` right now, else ``module`` itself.
 
@@ -177,15 +193,16 @@ def _calling_wrapper(module: nn.Module) -> nn.Module:
     distributed checks see the real setup (no false "model not wrapped", and DDP's unused-parameter hang is
     caught); the wrapper is found on the call stack of this very forward, where it holds ``.module``.
     """
-    frame: types.FrameType | None = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, nn.Module) and candidate is not module and getattr(candidate, "module", None) is module:
-            return candidate
-        frame = frame.f_back
-    return module
+    wrapper = _caller_self(lambda c: isinstance(c, nn.Module) and c is not module
+                           and getattr(c, "module", None) is module)
+    return module if wrapper is None else wrapper
+
+
+def _running_trainer() -> Any:
+    """The ``Trainer`` whose ``train()`` is calling this callback."""
+    from transformers import Trainer
+
+    return _caller_self(lambda c: isinstance(c, Trainer))
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -264,6 +281,7 @@ class StabilityGuardCallback(TrainerCallback):
         self._loss_count = 0
         self._saved_max_grad_norm: float | None = None
         self._args: TrainingArguments | None = None
+        self._trainer: Any = None  # the Trainer whose training_step finishes the guard on an exception
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -289,6 +307,7 @@ class StabilityGuardCallback(TrainerCallback):
                                 accumulation=int(args.gradient_accumulation_steps), total_steps=state.max_steps)
         self._holder = holder
         self._args = args
+        self._finish_on_exception(_running_trainer())
         if model is not None and self._loss_handle is None:
             self._loss_handle = model.register_forward_hook(self._record_loss)
         if self.clip_in_guard and args.max_grad_norm and args.max_grad_norm > 0 and not _trainer_shards(args):
@@ -296,6 +315,32 @@ class StabilityGuardCallback(TrainerCallback):
             args.max_grad_norm = 0.0
             self._clip_handle = self.guard.base_optimizer.register_step_pre_hook(
                 deferred_clipper(self.guard.base_optimizer, self._saved_max_grad_norm))
+
+    def _finish_on_exception(self, trainer: Any) -> None:
+        """Wrap this run's ``trainer.training_step`` so that an exception out of a step (HF has no exception
+        callback) still publishes the guard's final summary before it propagates; undone then or at the end of training.
+        """
+        if trainer is None or self._trainer is not None:
+            return
+        step = trainer.training_step
+        guard = self.guard
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return step(*args, **kwargs)
+            except BaseException:
+                self._unwrap_training_step()
+                if guard is not None:
+                    guard.finish(_FINISH_TIMEOUT_S)
+                raise
+
+        trainer.training_step = training_step
+        self._trainer = trainer
+
+    def _unwrap_training_step(self) -> None:
+        if self._trainer is not None:
+            vars(self._trainer).pop("training_step", None)
+            self._trainer = None
 
     def _record_loss(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook: add a training forward's loss (a device tensor) to this accumulation window's sum."""
@@ -334,16 +379,18 @@ class StabilityGuardCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.guard is not None:
-            self.guard.finish(10.0)  # the final summary: the log says how many steps the run took
+            self.guard.finish(_FINISH_TIMEOUT_S)  # the final summary: the log says how many steps the run took
             if self.guard.heartbeat is not None:  # the guard outlives train(); a finished run is not a stalled one
                 self.guard.heartbeat.pause()
         self._remove_loss_hook()
         self._restore_clipping()
+        self._unwrap_training_step()
 
     def close(self) -> None:
         """Restore the Trainer's optimizer and clipping, close the guard (and the bus it made)."""
         self._remove_loss_hook()
         self._restore_clipping()
+        self._unwrap_training_step()
         if self.guard is not None and self._holder is not None and self._holder.optimizer is self.guard:
             _swap_inner_optimizer(self._holder, self.guard.base_optimizer)
         if self.guard is not None:
