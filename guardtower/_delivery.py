@@ -224,7 +224,7 @@ def send_with_retry(export: Callable[[Batch], None], batch: Batch, policy: Retry
                     clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> int:
     """``export(batch)`` under ``policy``; returns the attempts it took, re-raises the last error.
 
-    ``throttle`` (``reserve()``/``pause(s)``) paces every attempt to one destination; every wait is a
+    ``throttle`` (``reserve()``/``sent()``/``pause(s)``) paces every attempt to one destination; every wait is a
     wait on ``stop``, so closing interrupts it.
     """
     def attempt() -> None:
@@ -239,6 +239,9 @@ def send_with_retry(export: Callable[[Batch], None], batch: Batch, policy: Retry
             if exc.pause and exc.retry_after is not None and throttle is not None:
                 throttle.pause(exc.retry_after)
             raise
+        finally:
+            if throttle is not None:
+                throttle.sent()
 
     if policy is None:
         attempt()

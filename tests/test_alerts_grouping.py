@@ -185,6 +185,14 @@ def test_throttle_spaces_messages_and_429_pauses(clock: Clock) -> None:
     assert throttle.paused_for() == pytest.approx(30.0)
 
 
+def test_throttle_counts_the_interval_from_the_end_of_a_slow_send(clock: Clock) -> None:
+    throttle = Throttle(1.0, clock=clock)
+    assert throttle.reserve() == 0.0
+    clock.advance(0.7)  # the request took 0.7 s to go out: the receiver saw it at about t=0.7
+    throttle.sent()
+    assert throttle.reserve() == pytest.approx(1.0)  # the next one leaves at t=1.7, not at the booked t=1.0
+
+
 def test_parse_retry_after_seconds_date_and_cap() -> None:
     assert parse_retry_after("1", cap=60) == 1.0
     assert parse_retry_after("120", cap=60) == 60.0

@@ -81,6 +81,7 @@ def test_console_script_is_installed_as_guardtower_module() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a whole-package check from a cold cache: minutes on a loaded 2-core host
 def test_the_package_is_mypy_clean() -> None:
     from mypy import api
 

@@ -65,14 +65,15 @@ class PagerDutyAlert(AlertSink):
         details.update(status=note.status, count=note.count, total=note.total, first_step=note.first_step,
                        last_step=note.last_step, superseded=dict(note.superseded), event_id=note.message_id,
                        event_ids=note.event_ids[:_MAX_IDS], event_ids_total=len(note.events))
+        shown_kind = _format.kind(event)  # a NaN/Inf step is "nonfinite", as in the text
         payload: dict[str, Any] = {
             "summary": _format.truncate(f"[{note.run}] " + _format.headline(note), MAX_SUMMARY),
             "source": self.source,
-            "severity": pagerduty_severity(note.kind, note.severity),
+            "severity": pagerduty_severity(shown_kind, note.severity),
             "timestamp": datetime.datetime.fromtimestamp(event.time, datetime.timezone.utc).isoformat(),
-            "component": label or note.kind,
+            "component": label or shown_kind,
             "group": note.run,
-            "class": note.kind,
+            "class": shown_kind,
             "custom_details": details,
         }
         message: dict[str, Any] = {**base, "event_action": "trigger", "payload": payload, "client": "guardtower"}

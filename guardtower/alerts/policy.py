@@ -48,7 +48,7 @@ class Throttle:
     """At most one message per ``interval`` seconds to one destination, and the pause a 429 imposes.
 
     ``reserve()`` books the next free slot and returns how long to wait for it, so several threads (or
-    sinks) sharing a destination queue up instead of bursting.
+    sinks) sharing a destination queue up instead of bursting; ``sent()`` moves it behind the end of a send.
     """
 
     def __init__(self, interval: float = 0.0, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -66,6 +66,12 @@ class Throttle:
             slot = max(now, self._next_free, self._paused_until)
             self._next_free = slot + self.interval
             return slot - now
+
+    def sent(self) -> None:
+        """An attempt just ended: the next slot is at least ``interval`` from now, so the destination sees the
+        spacing even when a request took long to arrive (a slow network, a loaded host)."""
+        with self._lock:
+            self._next_free = max(self._next_free, self._clock() + self.interval)
 
     def pause(self, seconds: float) -> None:
         """Hold every send to this destination for ``seconds`` from now (a 429's Retry-After)."""

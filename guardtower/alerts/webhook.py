@@ -48,7 +48,7 @@ class WebhookAlert(AlertSink):
             "status": note.status,
             "title": _format.title(note.event),
             "text": _format.headline(note),
-            "kind": note.kind,
+            "kind": _format.kind(note.event),  # a NaN/Inf step is "nonfinite" here as in the text
             "run": note.run,
             "severity": note.severity.label,
             "fingerprint": note.fingerprint,
