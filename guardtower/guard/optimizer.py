@@ -208,7 +208,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._loss_buf = torch.zeros((), device=self._device)  # a loss given as a Python number
         self._zero = torch.zeros((), device=self._device)
         self._one = torch.ones((), device=self._device)
-        self._meter = GradMeter(self._device, process_group)
+        self._meter = GradMeter(self._device)
         self.detector.resize(len(params), self._device)
         self._buffers = BufferGuard(model) if model is not None else None
         self._records = RecordQueue()
