@@ -89,9 +89,9 @@ class GradMeter:
             if g is None:
                 continue
             if self._dtensor is not None and isinstance(g, self._dtensor):
-                groups = self._groups_of(g)
-                if groups:
-                    sharded.setdefault(groups, []).append(i)
+                over = self._groups_of(g)
+                if over:
+                    sharded.setdefault(over, []).append(i)
                 g = g.to_local()
             if g.is_sparse:  # rare (sparse embeddings): measured and scaled on its own
                 self._sparse.append((g, i))
@@ -117,7 +117,7 @@ class GradMeter:
         if norms.dtype != torch.float32:
             norms = norms.to(torch.float32)
         if sharded:
-            norms = self._reduce_shards(norms, tuple((groups, tuple(at)) for groups, at in sharded.items()))
+            norms = self._reduce_shards(norms, tuple((over, tuple(at)) for over, at in sharded.items()))
         return norms
 
     def _groups_of(self, grad: Any) -> tuple[Any, ...]:
