@@ -60,7 +60,8 @@ def test_accelerate_grad_scaler_overflow_is_not_a_spike_on_any_rank(ranks: list[
 
 def test_guard_around_accelerate_skips_micro_steps_and_unscales(tmp_path: Path) -> None:
     """``GuardedOptimizer(accelerator.prepare(opt))``: micro-steps pass through unjudged, and a GradScaler's
-    overflow is the scaler's (its scale halves), not a NaN spike of still-scaled gradients."""
+    overflow is the scaler's (its scale halves), not a NaN spike of still-scaled gradients; gradients that
+    ``accelerator.clip_grad_norm_`` already unscaled are not unscaled twice."""
     import accelerate
 
     torch.manual_seed(0)
@@ -74,6 +75,8 @@ def test_guard_around_accelerate_skips_micro_steps_and_unscales(tmp_path: Path) 
         with accelerator.accumulate(model):
             loss = ((model(torch.randn(8, 8, generator=gen)) - torch.randn(8, 1, generator=gen)) ** 2).mean()
             accelerator.backward(loss * (1e38 if micro == 15 else 1.0))  # overflows optimizer step 8
+            if accelerator.sync_gradients and micro % 4 == 1:  # unscales first: the guard must not unscale again
+                accelerator.clip_grad_norm_(model.parameters(), 1e9)
             guard.step()
             guard.zero_grad()
     assert guard.step_count == 12 and guard.total_overflows == 1 and guard.total_spikes == 0
