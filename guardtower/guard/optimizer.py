@@ -554,7 +554,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             reject, skip = reject & clean, skip & clean
         if self._distributed() and scaler_found_inf is None:
             reject, skip, scale = self._agree(reject, skip, grad_spike, scale, clipping)
-        elif self._distributed():  # one rank's overflow (a NaN after the gradient all-reduce) stops every rank
+        elif self._distributed():  # one rank's overflow (a NaN after the gradient all-reduce) stops every rank:
+            # it rides on the decision's all-reduce as a held update that no rank rejected
             reject, held, scale = self._agree(reject, skip | (overflow > 0), grad_spike, scale, clipping)
             skip = held & reject
             overflow = torch.maximum(overflow, (held & ~reject).to(torch.float32))
