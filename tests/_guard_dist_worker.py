@@ -1,7 +1,8 @@
 """One rank of the 2-process gloo tests for GuardedOptimizer (run as a script by tests/test_guard_dist.py).
 
-Usage: python tests/_guard_dist_worker.py {ddp|ddp_clip|fsdp2} RANK WORLD INIT_FILE OUT_DIR
-Writes OUT_DIR/rank{RANK}.pt with the skip steps, spike layers, counters and final parameters.
+Usage: python tests/_guard_dist_worker.py {ddp|ddp_clip|fsdp2|hsdp} RANK WORLD INIT_FILE OUT_DIR
+Writes OUT_DIR/rank{RANK}.pt with the skip steps, spike layers, counters and final parameters. ``hsdp`` needs
+4 ranks: a (replicate 2) x (shard 2) mesh.
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ def local_grad(p: torch.Tensor) -> torch.Tensor:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
+def unsharded_norm(wrapped: nn.Module, world: int, step: int) -> float:
+    """The global gradient norm of this step computed by one process on an unsharded copy: the mean loss over
+    every rank's batch (what DDP's and FSDP's averaged gradients are the gradient of)."""
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+               for n, p in wrapped.named_parameters()}
+    plain = make_model()
+    plain.load_state_dict({n.removeprefix("module."): w for n, w in weights.items()})
+    loss = sum(((plain(x) - y) ** 2).mean() for x, y in (batch(r, step) for r in range(world))) / world
+    loss.backward()
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in plain.parameters()])))
+
+
 def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -48,12 +61,15 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
         base = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, fused=True)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        shape = (2, world // 2) if mode == "hsdp" else (world,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        wrapped = fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
         base = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     sink = InMemorySink()
     guard = GuardedOptimizer(base, wrapped, log_dir=out / "logs", verbose=False, sinks=[sink], log_every=10,
@@ -72,8 +88,7 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
         if step == 42 and rank == 0:
             local_grad(params[0]).fill_(float("nan"))
         if (step + 1) % 10 == 0:
-            full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
-            reference_norms[step + 1] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full])))
+            reference_norms[step + 1] = unsharded_norm(wrapped, world, step)
         guard.step(loss=loss)
     guard.close()
     final = {}

@@ -1,4 +1,4 @@
-"""Identical guard decisions on every rank: real torch.distributed with gloo and 2 processes (DDP and FSDP2)."""
+"""Identical guard decisions on every rank: real torch.distributed with gloo, 2 processes (DDP, FSDP2) and 4 (HSDP)."""
 
 from __future__ import annotations
 
@@ -67,12 +67,25 @@ def test_ddp_clip_scales_a_shared_spike_alike_and_skips_a_rank_local_one(tmp_pat
     assert all(torch.isfinite(v).all() for v in r0["params"].values())
 
 
+def assert_sharded_run(results: list[dict[str, Any]]) -> None:
+    """Same decisions and weights on every rank; the measured global norm is the unsharded one."""
+    first = results[0]
+    for result in results:
+        assert result["skips"] == [21, 36, 43]
+        assert result["counters"] == first["counters"] == (50, 3, 3, 0)
+        assert result["summary_norms"].keys() == result["reference_norms"].keys() == {10, 20, 30, 40, 50}
+        for step, norm in result["summary_norms"].items():  # vs one process's norm of the unsharded gradient
+            assert norm == pytest.approx(result["reference_norms"][step], rel=1e-4)
+        assert all(torch.equal(first["params"][k], result["params"][k]) for k in first["params"])
+    assert all(torch.isfinite(v).all() for v in first["params"].values())
+
+
 @pytest.mark.slow
 def test_fsdp2_ranks_measure_full_norms_and_skip_together(tmp_path: Path) -> None:
-    r0, r1 = run_world("fsdp2", tmp_path)
-    assert r0["skips"] == r1["skips"] == [21, 36, 43]
-    for result in (r0, r1):
-        for step, norm in result["summary_norms"].items():
-            assert norm == pytest.approx(result["reference_norms"][step], rel=1e-4)
-    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
-    assert all(torch.isfinite(v).all() for v in r0["params"].values())
+    assert_sharded_run(run_world("fsdp2", tmp_path))
+
+
+@pytest.mark.slow
+def test_hsdp_sums_shards_over_the_shard_dimension_only(tmp_path: Path) -> None:
+    """4 ranks, a (replicate 2) x (shard 2) mesh: a sum over all 4 ranks would report each norm x sqrt(2)."""
+    assert_sharded_run(run_world("hsdp", tmp_path, world=4))

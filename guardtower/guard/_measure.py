@@ -31,16 +31,19 @@ class GradMeter:
     A parameter without a gradient measures 0. Half-precision gradients are accumulated in float32;
     float64 and complex ones are measured in their own precision (a complex norm is the norm of the
     magnitudes) and then cast. Gradients that are FSDP2 shards (DTensors with a ``Shard`` placement) are
-    measured locally and their squares summed across ``process_group``, so every rank sees the full norms.
+    measured locally and their squares summed over the mesh dimensions they are sharded on, and only those:
+    under HSDP (``Replicate`` x ``Shard``) a sum over every rank would count each shard once per replica.
+    Every rank then sees the full norms.
     """
 
-    def __init__(self, device: torch.device, process_group: Any = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.process_group = process_group
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         self._dtensor = _dtensor_type()
-        self._mask_key: tuple[int, ...] = ()
-        self._mask: Tensor | None = None
+        # (mesh id, placements) -> the process groups of the sharded mesh dimensions
+        self._shard_groups: dict[tuple[int, tuple[Any, ...]], tuple[Any, ...]] = {}
+        self._mask_key: tuple[tuple[tuple[Any, ...], tuple[int, ...]], ...] = ()
+        self._masks: list[tuple[tuple[Any, ...], Tensor]] = []
         # the gradients of the last ``norms`` call, grouped, for ``scale``: (tensors, positions, device)
         self._groups: list[tuple[list[Tensor], list[int], torch.device]] = []
         self._sparse: list[tuple[Tensor, int]] = []
@@ -80,14 +83,15 @@ class GradMeter:
     def _norms_general(self, params: list[Tensor], all_grads: list[Tensor | None]) -> Tensor:
         grads: list[Tensor] = []
         positions: list[int] = []
-        sharded: list[int] = []
+        sharded: dict[tuple[Any, ...], list[int]] = {}
         self._sparse = []
         for i, g in enumerate(all_grads):
             if g is None:
                 continue
             if self._dtensor is not None and isinstance(g, self._dtensor):
-                if any(placement.is_shard() for placement in g.placements):
-                    sharded.append(i)
+                over = self._groups_of(g)
+                if over:
+                    sharded.setdefault(over, []).append(i)
                 g = g.to_local()
             if g.is_sparse:  # rare (sparse embeddings): measured and scaled on its own
                 self._sparse.append((g, i))
@@ -113,8 +117,18 @@ class GradMeter:
         if norms.dtype != torch.float32:
             norms = norms.to(torch.float32)
         if sharded:
-            norms = self._reduce_shards(norms, tuple(sharded))
+            norms = self._reduce_shards(norms, tuple((over, tuple(at)) for over, at in sharded.items()))
         return norms
+
+    def _groups_of(self, grad: Any) -> tuple[Any, ...]:
+        """The process groups of the mesh dimensions ``grad`` is sharded on (empty for a replicated DTensor)."""
+        mesh, placements = grad.device_mesh, tuple(grad.placements)
+        key = (id(mesh), placements)
+        groups = self._shard_groups.get(key)
+        if groups is None:
+            groups = self._shard_groups[key] = tuple(
+                mesh.get_group(dim) for dim, placement in enumerate(placements) if placement.is_shard())
+        return groups
 
     @staticmethod
     def _group_norms(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
@@ -144,16 +158,23 @@ class GradMeter:
             index = self._index[at] = torch.tensor(at, dtype=torch.long, device=device)
         return index
 
-    def _reduce_shards(self, norms: Tensor, sharded: tuple[int, ...]) -> Tensor:
+    def _reduce_shards(self, norms: Tensor, layout: tuple[tuple[tuple[Any, ...], tuple[int, ...]], ...]) -> Tensor:
+        """Sum the squared norms of each set of shards over its groups; one all-reduce per group (one for FSDP2)."""
         import torch.distributed as dist
 
-        if self._mask is None or self._mask_key != sharded or self._mask.shape[0] != norms.shape[0]:
-            # built once per layout (one small host-to-device copy), not per step
-            mask = torch.zeros(norms.shape[0], dtype=torch.bool)
-            mask[list(sharded)] = True
-            self._mask = mask.to(self.device)
-            self._mask_key = sharded
+        if layout != self._mask_key or any(mask.shape[0] != norms.shape[0] for _, mask in self._masks):
+            # built once per layout (one small host-to-device copy per set), not per step
+            self._masks = []
+            for groups, at in layout:
+                mask = torch.zeros(norms.shape[0], dtype=torch.bool)
+                mask[list(at)] = True
+                self._masks.append((groups, mask.to(self.device)))
+            self._mask_key = layout
         squares = norms * norms
-        partial = torch.where(self._mask, squares, torch.zeros_like(squares))
-        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.process_group)
-        return torch.sqrt(torch.where(self._mask, partial, squares))
+        summed = squares
+        for groups, mask in self._masks:
+            partial = torch.where(mask, squares, torch.zeros_like(squares))
+            for group in groups:  # a 2-D sharding (FSDP x TP) sums over both dimensions
+                dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+            summed = torch.where(mask, partial, summed)
+        return torch.sqrt(summed)

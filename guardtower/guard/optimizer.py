@@ -34,6 +34,7 @@ from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, adopt_log_dir, check_bus_args
 from guardtower.errors import ConfigError, GradientSpikeError
 from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, StartEvent, SummaryEvent
+from guardtower.guard._accelerate import AcceleratedBase
 from guardtower.guard._buffers import BufferGuard
 from guardtower.guard._checks import check_base_state as _check_base_state
 from guardtower.guard._checks import check_guard_state as _check_guard_state
@@ -178,6 +179,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         # --- the Optimizer machinery, without Optimizer.__init__ (which would copy the param groups) ---
         self._base = base_optimizer
+        self._accelerated = AcceleratedBase.of(base_optimizer)  # a guard around accelerator.prepare(opt)
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
@@ -210,7 +212,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._loss_buf = torch.zeros((), device=self._device)  # a loss given as a Python number
         self._zero = torch.zeros((), device=self._device)
         self._one = torch.ones((), device=self._device)
-        self._meter = GradMeter(self._device, process_group)
+        self._meter = GradMeter(self._device)
         self.detector.resize(len(params), self._device)
         self._buffers = BufferGuard(model) if model is not None else None
         self._records = RecordQueue()
@@ -461,7 +463,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         into spike reports and summaries; a tensor stays on the device. With a closure, the closure's loss
         is used and returned.
         """
-        if self._closed:
+        if self._closed or (self._accelerated is not None and not self._accelerated.steps):
+            # closed, or an accumulation micro-step that Accelerate's wrapper does not step: nothing to judge
             return self._base.step(closure) if closure is not None else self._base.step()
         if loss is None:
             loss = self._pending_loss
@@ -487,6 +490,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         scaler_found_inf: Tensor | None = getattr(self, "found_inf", None)
+        if self._accelerated is not None:  # Accelerate's wrapper holds the GradScaler: unscale before measuring
+            scaler_found_inf = self._accelerated.unscale(self._device)
         with torch.no_grad():
             skip, found_inf = self._judge(step, loss, grad_scale, scaler_found_inf)
 
@@ -497,6 +502,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 self._drain(block=True)  # publishes this step's events; rolls back or raises
                 if self._report_sink is not None and self._last_report is not None:
                     self._report_sink.wait_written(self._last_report, _REPORT_WAIT_S)  # on disk on return
+                if self._accelerated is not None:
+                    self._accelerated.skipped()
             else:
                 out = self._base_step(found_inf, grad_scale, base_closure)
         else:
@@ -548,8 +555,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
             overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(())
             clean = overflow == 0
             reject, skip = reject & clean, skip & clean
-        if self._distributed():
+        if self._distributed() and scaler_found_inf is None:
             reject, skip, scale = self._agree(reject, skip, grad_spike, scale, clipping)
+        elif self._distributed():  # one rank's overflow (a NaN after the gradient all-reduce) stops every rank:
+            # it rides on the decision's all-reduce as a held update that no rank rejected
+            reject, held, scale = self._agree(reject, skip | (overflow > 0), grad_spike, scale, clipping)
+            skip = held & reject
+            overflow = torch.maximum(overflow, (held & ~reject).to(torch.float32))
         unfolded = reject if scaler_found_inf is None else reject | (overflow > 0)  # kept out of the baselines
         detector.update(norms, global_norm, loss_t, unfolded)
         if self._buffers:
@@ -561,7 +573,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
                               scale.amin() if scale.dim() else scale])  # stack promotes the flags to float32
         body = torch.cat([norms, *verdict.report])
         self._records.push(step, header, body, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
-        found_inf = skip.to(torch.float32) if scaler_found_inf is None else skip + overflow
+        found_inf = skip.to(torch.float32) if scaler_found_inf is None else (skip | (overflow > 0)).to(torch.float32)
+        if self._accelerated is not None:
+            self._accelerated.agree(overflow)
         return skip, found_inf
 
     def _loss_tensor(self, loss: Any) -> tuple[float | None, Tensor]:
