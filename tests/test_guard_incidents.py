@@ -150,3 +150,24 @@ def test_bad_incident_arguments_raise_config_errors_naming_them(tmp_path: Path) 
     with pytest.raises(ConfigError, match="state_dict"):
         guard.load_state_dict(state)
     guard.close()
+
+
+def test_lightning_names_the_rejected_batch_and_triage_recomputes_it(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _lightning_helpers import TinyModule, lightning_trainer
+
+    from guardtower.integrations.lightning import GuardtowerGuard
+
+    module = TinyModule()
+    module.x[16 * 3 + 2, 0] = float("inf")  # batch 3 of the first epoch holds an Inf sample
+    sink = InMemorySink()
+    callback = GuardtowerGuard(log_dir=tmp_path / "logs", verbose=False, sinks=[sink], triage=True)
+    lightning_trainer(tmp_path, max_steps=6, callbacks=[callback]).fit(module)
+    event, = [e for e in sink.events if isinstance(e, SpikeEvent)]
+    assert event.batch == {"step": 4, "epoch": 0, "index": 3, "fingerprint": event.batch["fingerprint"]}
+    assert event.triage == "deterministic"  # Lightning's closure ran again and reproduced it
+    assert Quarantine.read(tmp_path / "logs").positions() == {(0, 3)}
+    callback.close()
