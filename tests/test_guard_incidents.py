@@ -171,3 +171,12 @@ def test_lightning_names_the_rejected_batch_and_triage_recomputes_it(tmp_path: P
     assert event.triage == "deterministic"  # Lightning's closure ran again and reproduced it
     assert Quarantine.read(tmp_path / "logs").positions() == {(0, 3)}
     callback.close()
+
+
+def test_the_hf_callback_refuses_triage_it_cannot_recompute() -> None:
+    pytest.importorskip("transformers")
+    from guardtower.integrations.huggingface import StabilityGuardCallback
+
+    with pytest.raises(ConfigError, match="triage"):
+        StabilityGuardCallback(triage=True)
+    StabilityGuardCallback(triage=False).close()
