@@ -174,6 +174,16 @@ class SpikeEvent(Event):
     history_steps: tuple[int, ...] = ()
     history_global_norms: tuple[float, ...] = ()
     history_layer_norms: tuple[float, ...] = ()
+    # which ranks' local gradients (or loss) tripped, read from the decision's all-reduce only for an incident:
+    # (rank, "nonfinite" | "spike", local global grad norm, local loss); all_ranks: every rank's values
+    ranks: tuple[int, ...] = ()
+    rank_values: tuple[tuple[int, str, float, float | None], ...] = ()
+    all_ranks: tuple[dict[str, Any], ...] = ()
+    # the batch: step, and epoch/index, sample indices or a content fingerprint (guardtower.guard.quarantine)
+    batch: dict[str, Any] | None = None
+    # triage=True: "transient" (the recompute was clean) or "deterministic", and the ranks that reproduced it
+    triage: str | None = None
+    triage_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +197,8 @@ class SkipEvent(Event):
     reason: str = "spike"
     total_skips: int = 0
     consecutive_skips: int = 0
+    ranks: tuple[int, ...] = ()  # the ranks whose local values tripped (see SpikeEvent)
+    batch: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

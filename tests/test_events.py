@@ -50,6 +50,10 @@ def _strategy_for(annotation: str) -> st.SearchStrategy[Any]:
         "tuple[tuple[str, float, float], ...]": st.lists(st.tuples(_text, _floats, _floats), max_size=4).map(tuple),
         "dict[str, Any]": st.dictionaries(_text, _json_value, max_size=4),
         "dict[str, float]": st.dictionaries(_text, _floats, max_size=4),
+        "dict[str, Any] | None": st.none() | st.dictionaries(_text, _json_value, max_size=4),
+        "tuple[dict[str, Any], ...]": st.lists(st.dictionaries(_text, _json_leaf, max_size=4), max_size=3).map(tuple),
+        "tuple[tuple[int, str, float, float | None], ...]": st.lists(
+            st.tuples(st.integers(0, 2**31), _text, _floats, st.none() | _floats), max_size=4).map(tuple),
     }
     return table[annotation]
 

@@ -49,6 +49,7 @@ class StepRecord:
     lr: float | None
     loss: float | None  # a loss given as a Python number
     loss_on_device: bool  # the loss slot of ``head`` holds the loss tensor's value
+    tail: int = 0  # the body's last ``tail`` values: every rank's slots (``guardtower.guard._ranks``)
 
     def header(self) -> Header:
         return Header(*self.head.tolist())
@@ -71,7 +72,7 @@ class RecordQueue:
         self._next = 0
 
     def push(self, step: int, head: Tensor, body: Tensor, n: int, lr: float | None, loss: float | None,
-             loss_on_device: bool) -> None:
+             loss_on_device: bool, tail: int = 0) -> None:
         """Queue a step's record: on the CPU the tensors as they are, else host copies fenced together."""
         fence = None
         device = head.device
@@ -82,7 +83,7 @@ class RecordQueue:
             head, body = host_copy(head, old_head), host_copy(body, old_body)
             self._ring[slot] = (head, body)
             fence = Fence(device)
-        self._pending.append(StepRecord(step, head, body, fence, n, lr, loss, loss_on_device))
+        self._pending.append(StepRecord(step, head, body, fence, n, lr, loss, loss_on_device, tail))
 
     def ready(self, block: bool = False, wait_for_old: bool = True) -> Iterator[StepRecord]:
         """Pop the records that can be read now, oldest first.

@@ -42,11 +42,14 @@ from guardtower.guard._checks import check_params as _check_params
 from guardtower.guard._checks import check_process_group as _check_process_group
 from guardtower.guard._checks import decision_device as _decision_device
 from guardtower.guard._measure import GradMeter
+from guardtower.guard._ranks import RankSlots, RankValue, named_ranks, read_ranks, report_ranks
 from guardtower.guard._records import Header, RecordQueue, StepRecord
 from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, device_skip, supports_device_skip
 from guardtower.guard.detector import Detector, Explanation, make_detector
+from guardtower.guard.quarantine import BatchRef, Quarantine, batch_identity, batch_ref, check_entries, make_entry, write_entry
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
+from guardtower.guard.triage import Outcome, RngState, capture_rng, retriage
 from guardtower.guard.watch import LoopWatch, Watch, read_intent, resolve_watch
 from guardtower.heartbeat import Heartbeat, check_stall_after
 from guardtower.severity import Severity
@@ -107,7 +110,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``./sg_logs/<run>-<time>/``, which also gets the guard's ``events.jsonl``; a given one is used as is),
     ``stall_after`` (seconds without a step before a ``stall`` event; ``guardtower.heartbeat``), ``on_halt(error)``
     (called on the training thread right before ``GradientSpikeError`` is raised), ``watch`` (``True``: the
-    loop watch of ``guardtower.guard.watch`` for the first 2,000 steps; ``Watch(...)`` to tune it; ``False``).
+    loop watch of ``guardtower.guard.watch`` for the first 2,000 steps; ``Watch(...)`` to tune it; ``False``),
+    ``triage`` (``True``: recompute a rejected ``step(closure)`` once with the RNG restored and label it
+    ``transient`` or ``deterministic``; ``guardtower.guard.triage``). Each rejected step's batch (see
+    ``observe_batch``) goes to ``quarantine-rank{rank}.jsonl`` in ``log_dir`` (``guardtower.guard.quarantine``).
 
     Constructing validates and creates nothing: the bus's sinks, the console box, the stall watchdog and the
     ``log_dir`` (created with the first spike report) come with the first ``step()``.
@@ -140,6 +146,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         stall_after: float | None = None,
         on_halt: Callable[[GradientSpikeError], Any] | None = None,
         watch: bool | Watch = True,
+        triage: bool = False,
     ) -> None:
         # --- validate everything before touching anything ---
         if not isinstance(base_optimizer, torch.optim.Optimizer):
@@ -167,6 +174,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if on_halt is not None and not callable(on_halt):
             raise ConfigError("on_halt", "must be callable(error)", "pass a function or None")
         watch_options = resolve_watch(watch)
+        triage = flag("triage", triage)
         params = [p for g in base_optimizer.param_groups for p in g["params"]]
         names = self._param_names(base_optimizer, model)
         _check_params(params, names)
@@ -213,11 +221,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._zero = torch.zeros((), device=self._device)
         self._one = torch.ones((), device=self._device)
         self._meter = GradMeter(self._device)
+        self._slots: RankSlots | None = None  # per-rank slots of the decision's all-reduce (which rank)
         self.detector.resize(len(params), self._device)
         self._buffers = BufferGuard(model) if model is not None else None
         self._records = RecordQueue()
         self._history: collections.deque[tuple[int, float, Tensor]] = collections.deque(maxlen=_HISTORY)
-        self._host_decides = not self._step_supports_amp_scaling or policy.nan_action in ("raise", "rollback")
+        # triage too: the host recomputes a rejected step before the next one
+        self._host_decides = (not self._step_supports_amp_scaling or policy.nan_action in ("raise", "rollback")
+                              or triage)
+        self.triage = triage
+        self._triaged: dict[int, Outcome] = {}  # step -> its triage, until the step's incident is reported
+        self._pending_batch: BatchRef | None = None
+        self._batches: dict[int, BatchRef] = {}  # step -> the batch it stepped on, until its record is read
+        self._quarantine: list[dict[str, Any]] = []  # this run's rejected batches (and those restored)
         self._snapshots = (SnapshotStore(model, base_optimizer, rollback_every, keep)
                            if policy.may_rollback else None)
         if self._snapshots is not None:
@@ -409,6 +425,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             "total_clips": self._total_clips,
             "consecutive_rejections": self.consecutive_rejections,
             "detector": self.detector.state_dict(),
+            "quarantine": [dict(entry) for entry in self._quarantine],
         }
         return state
 
@@ -426,6 +443,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         counters: dict[str, int] = {}
         if guard is not None:
             counters = _check_guard_state(guard, self.detector)
+            quarantine = check_entries(guard.get("quarantine", []))
         self._drain(block=True)
         try:
             self._base.load_state_dict(state)
@@ -442,6 +460,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._total_overflows = counters["total_overflows"]
             self._total_clips = counters["total_clips"]
             self.consecutive_rejections = counters["consecutive_rejections"]
+            self._quarantine = quarantine
         self._history.clear()
         if self._snapshots is not None:
             self._snapshots.clear()
@@ -456,6 +475,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
         callback does). Kept as a device tensor; used, then forgotten, by the next ``step()``."""
         self._pending_loss = loss
 
+    def observe_batch(self, batch: Any = None, *, index: int | None = None, epoch: int | None = None,
+                      indices: Any = None) -> None:
+        """Say which batch the next ``step()`` steps on: its position ``index`` in the ``epoch`` (what a resumed
+        run replays the quarantine by), its sample ``indices`` when the sampler exposes them, and the batch
+        itself (hashed into a fingerprint only if the step is rejected and no indices were given). Nothing is
+        read or copied now; the batch is referenced until the step's record is read."""
+        self._pending_batch = batch_ref(batch, index, epoch, indices)
+
+    @property
+    def quarantine(self) -> Quarantine:
+        """The rejected batches of this run (and those restored by ``load_state_dict``), for replay."""
+        return Quarantine(self._quarantine)
+
     def step(self, closure: Callable[[], Any] | None = None, loss: Any = None) -> Any:
         """Judge the gradients (and the loss), then update, clip, skip, roll back or raise.
 
@@ -466,6 +498,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._closed or (self._accelerated is not None and not self._accelerated.steps):
             # closed, or an accumulation micro-step that Accelerate's wrapper does not step: nothing to judge
             return self._base.step(closure) if closure is not None else self._base.step()
+        rng: RngState | None = None
+        if self.triage:
+            if closure is None:
+                raise ConfigError("closure", "triage=True recomputes a rejected step, so step() needs the closure "
+                                  "that computes the loss and the gradients",
+                                  "call guard.step(closure) (the closure zeroes the gradients, runs forward and "
+                                  "backward, returns the loss), or construct the guard with triage=False")
+            rng = capture_rng()
         if loss is None:
             loss = self._pending_loss
         self._pending_loss = None
@@ -482,6 +522,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._drain(block=False)
         self._step_count += 1
         step = self._step_count
+        if self._pending_batch is not None:
+            self._batches[step] = self._pending_batch
+            self._pending_batch = None
         if self._snapshots is not None and not self._snapshots.snapshots:  # e.g. after load_state_dict
             self._snapshots.take(step - 1)
         watch = self.watch if self.watch is not None and self.watch.active else None
@@ -499,6 +542,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._host_decides:
             # the one host sync of non-fused optimizers / raise / rollback (skip == reject unless clipping)
             if bool(skip):
+                if rng is not None and closure is not None:
+                    self._triaged[step] = retriage(closure, rng, self._base.zero_grad, self._reproduces,
+                                                   self.process_group, self._distributed(), current_rank())
                 self._drain(block=True)  # publishes this step's events; rolls back or raises
                 if self._report_sink is not None and self._last_report is not None:
                     self._report_sink.wait_written(self._last_report, _REPORT_WAIT_S)  # on disk on return
@@ -515,6 +561,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if watch is not None:
             watch.after_step(step)  # device values only on its sample steps, read back asynchronously
         return result if closure is not None else out
+
+    def _reproduces(self, loss: Any) -> Tensor:
+        """bool 0-d: the gradients now in ``.grad`` (a triage recompute) would be rejected against the same
+        baselines. Judging does not fold anything in: only ``update()`` changes the detector."""
+        norms = self._meter.norms(self._params)
+        global_norm = torch.linalg.vector_norm(norms)
+        _, loss_t = self._loss_tensor(loss)
+        bad = (global_norm * 0.0) != 0.0
+        if loss_t is not self._absent_loss:
+            bad = bad | ((loss_t * 0.0) != 0.0)
+        return self.detector.judge(norms, global_norm, loss_t).spike | bad
 
     def _base_step(self, found_inf: Tensor, grad_scale: Tensor | None, closure: Callable[[], Any] | None) -> Any:
         if self._step_supports_amp_scaling:
@@ -555,13 +612,18 @@ class GuardedOptimizer(torch.optim.Optimizer):
             overflow = scaler_found_inf.to(device, torch.float32, non_blocking=True).reshape(())
             clean = overflow == 0
             reject, skip = reject & clean, skip & clean
-        if self._distributed() and scaler_found_inf is None:
-            reject, skip, scale = self._agree(reject, skip, grad_spike, scale, clipping)
-        elif self._distributed():  # one rank's overflow (a NaN after the gradient all-reduce) stops every rank:
-            # it rides on the decision's all-reduce as a held update that no rank rejected
-            reject, held, scale = self._agree(reject, skip | (overflow > 0), grad_spike, scale, clipping)
-            skip = held & reject
-            overflow = torch.maximum(overflow, (held & ~reject).to(torch.float32))
+        detail: list[Tensor] = []
+        if self._distributed():
+            has_loss = loss_t is not self._absent_loss
+            if scaler_found_inf is None:
+                reject, skip, scale, detail = self._agree(reject, skip, grad_spike, scale, clipping, global_norm,
+                                                          loss_t, has_loss)
+            else:  # one rank's overflow (a NaN after the gradient all-reduce) stops every rank:
+                # it rides on the decision's all-reduce as a held update that no rank rejected
+                reject, held, scale, detail = self._agree(reject, skip | (overflow > 0), grad_spike, scale, clipping,
+                                                          global_norm, loss_t, has_loss)
+                skip = held & reject
+                overflow = torch.maximum(overflow, (held & ~reject).to(torch.float32))
         unfolded = reject if scaler_found_inf is None else reject | (overflow > 0)  # kept out of the baselines
         detector.update(norms, global_norm, loss_t, unfolded)
         if self._buffers:
@@ -571,8 +633,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         header = torch.stack([reject, skip, verdict.absorbed, overflow, global_norm, loss_t,
                               scale.amin() if scale.dim() else scale])  # stack promotes the flags to float32
-        body = torch.cat([norms, *verdict.report])
-        self._records.push(step, header, body, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor))
+        body = torch.cat([norms, *verdict.report, *detail])  # detail: every rank's slot, read for incidents only
+        self._records.push(step, header, body, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor),
+                           tail=detail[0].shape[0] if detail else 0)
         found_inf = skip.to(torch.float32) if scaler_found_inf is None else (skip | (overflow > 0)).to(torch.float32)
         if self._accelerated is not None:
             self._accelerated.agree(overflow)
@@ -591,26 +654,39 @@ class GuardedOptimizer(torch.optim.Optimizer):
             return float(loss), self._loss_buf.fill_(float(loss))
         return None, self._absent_loss
 
-    def _agree(self, reject: Tensor, skip: Tensor, grad_spike: Tensor, scale: Tensor,
-               clipping: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _agree(self, reject: Tensor, skip: Tensor, grad_spike: Tensor, scale: Tensor, clipping: bool,
+               global_norm: Tensor, loss: Tensor, loss_given: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
         """One all-reduce: every rank rejects, skips and clips (by the smallest factor) together.
 
         ``reject`` and ``skip`` are combined (set on any rank); the detector's own marks stay this rank's.
         A clip needs the same gradients on every rank; when only some ranks' gradients tripped (a rank-local
-        corruption), the step is skipped everywhere instead.
+        corruption), the step is skipped everywhere instead. The same reduce carries every rank's local
+        verdict, grad norm and loss in per-rank slots (``guardtower.guard._ranks``), returned as the detail.
         """
         import torch.distributed as dist
 
-        parts = [torch.stack([reject, skip])]
+        slots = self._rank_slots()
+        parts = [torch.stack([reject, skip]).to(torch.float32),
+                 *slots.parts(reject, global_norm, loss, loss_given)]
         if clipping:
-            parts += [torch.stack([grad_spike, ~grad_spike]), -scale.reshape(-1)]
-        packed = torch.cat(parts).to(torch.float32)
+            parts += [torch.stack([grad_spike, ~grad_spike]).to(torch.float32), -scale.reshape(-1)]
+        packed = torch.cat(parts)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
         reject, skip = packed[0] > 0, packed[1] > 0
+        end = 2 + slots.size
         if clipping:
-            skip = skip | ((packed[2] > 0) & (packed[3] > 0))  # some ranks tripped, others did not: skip
-            scale = (-packed[4:]).reshape(scale.shape)
-        return reject, skip, scale
+            skip = skip | ((packed[end] > 0) & (packed[end + 1] > 0))  # some ranks tripped, others did not: skip
+            scale = (-packed[end + 2:]).reshape(scale.shape)
+        return reject, skip, scale, [packed[2:end]]
+
+    def _rank_slots(self) -> RankSlots:
+        """This rank's slots in the decision's all-reduce, made at the first distributed step."""
+        if self._slots is None:
+            import torch.distributed as dist
+
+            group = self.process_group
+            self._slots = RankSlots(dist.get_rank(group), dist.get_world_size(group), self._device)
+        return self._slots
 
     def _distributed(self) -> bool:
         return self.process_group is not None or (is_distributed() and world_size() > 1)
@@ -628,12 +704,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _handle(self, record: StepRecord) -> None:
         head = record.header()
+        ref = self._batches.pop(record.step, None)
         loss = record.loss if record.loss is not None else (head.loss if record.loss_on_device else None)
         self._history.append((record.step, head.global_norm, record.body))
         if head.overflow:
             self._total_overflows += 1
         elif head.reject:
-            self._incident(record, head, loss)
+            self._incident(record, head, loss, ref)
         else:
             self.consecutive_rejections = 0
             if head.absorbed:
@@ -645,7 +722,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """The step's per-tensor norms and the detector's reading of its verdict (host work, on demand)."""
         n = record.n
         norms = record.body[:n].tolist()
-        return norms, self.detector.explain(record.body[n:], norms)
+        return norms, self.detector.explain(record.body[n:record.body.shape[0] - record.tail], norms)
 
     def _summary(self, step: int, grad_norm: float, loss: float | None, lr: float | None,
                  record: StepRecord | None = None) -> None:
@@ -662,7 +739,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             total_skips=self._total_skips, total_rollbacks=self._total_rollbacks, metrics=metrics,
         ))
 
-    def _incident(self, record: StepRecord, head: Header, loss: float | None) -> None:
+    def _incident(self, record: StepRecord, head: Header, loss: float | None, ref: BatchRef | None) -> None:
         n = record.n
         norms, seen = self._explain(record)
         ratios, baselines = seen.ratios, seen.baselines
@@ -700,6 +777,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.consecutive_rejections = 0
             action = "clip"
         rank = current_rank()
+        loss_given = record.loss is not None or record.loss_on_device
+        every_rank = read_ranks(record.body[-record.tail:].tolist(), loss_given) if record.tail else []
+        named = named_ranks(every_rank) if every_rank else [
+            RankValue(rank, True, reason == "nonfinite", head.global_norm, loss)]
+        ranks = tuple(v.rank for v in named)
+        rank_values = tuple((v.rank, "nonfinite" if v.nonfinite else "spike", v.grad_norm, v.loss) for v in named)
+        batch = batch_identity(ref, record.step)
+        outcome = self._triaged.pop(record.step, None)
+        triage = outcome.label if outcome is not None else None
         report_path = self._last_report = str(self.log_dir / report_filename(record.step, rank))
         module = layer.rsplit(".", 1)[0] if "." in layer else ""
         # a NaN/Inf step is a failure wherever it shows (console, events, alerts, trackers); a finite spike a warning
@@ -711,14 +797,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
             action=action, loss=loss, lr=record.lr, top_layers=top, share_ratios=self.detector.share_ratios,
             nonfinite_layers=tuple(names[i] for i in nonfinite), report_path=report_path,
             history_steps=steps, history_global_norms=global_hist, history_layer_norms=layer_hist,
+            ranks=ranks, rank_values=rank_values, all_ranks=tuple(report_ranks(every_rank)), batch=batch,
+            triage=triage, triage_ranks=outcome.ranks if outcome is not None else (),
         ))
+        if action != "clip":  # a clipped step was applied: its batch trained, nothing to leave out
+            self._remember(make_entry(run=self.run, rank=rank, step=record.step, reason=reason, action=action,
+                                      ranks=ranks, batch=batch, triage=triage), outcome)
         if action == "clip":
             self._total_clips += 1
         elif action == "skip":
             self._total_skips += 1
             self._publish(SkipEvent(**self._run_kw, step=record.step, severity=severity, layer=layer,
                                     reason=reason, total_skips=self._total_skips,
-                                    consecutive_skips=self.consecutive_rejections))
+                                    consecutive_skips=self.consecutive_rejections, ranks=ranks, batch=batch))
         elif action == "rollback":
             self._rollback(record.step, layer, reason)
         else:
@@ -737,6 +828,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if self.on_halt is not None:  # e.g. an integration marks the tracker run failed
                 self.on_halt(error)
             raise error
+
+    def _remember(self, entry: dict[str, Any], outcome: Outcome | None) -> None:
+        """Quarantine a rejected step's batch: in the guard's state and, one whole line, in this rank's file."""
+        if outcome is not None:
+            entry["triage_s"] = round(outcome.seconds, 6)
+            entry["triage_ranks"] = list(outcome.ranks)
+        self._quarantine.append(entry)
+        try:
+            write_entry(self.log_dir, entry)
+        except OSError as exc:  # telemetry never crashes training: the entry stays in state_dict()
+            import warnings
+
+            warnings.warn(f"guardtower: could not write the quarantine entry of step {entry['step']}: {exc}",
+                          RuntimeWarning, stacklevel=2)
 
     def _rollback(self, from_step: int, layer: str, reason: str) -> None:
         store = self._snapshots
@@ -807,6 +912,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 self._snapshots.clear()
             self._records.clear()
             self._history.clear()
+            self._batches.clear()
+            self._triaged.clear()
 
     # ------------------------------------------------------------------ names
     @staticmethod

@@ -21,7 +21,12 @@ Report format (``"format": "guardtower.spike-report/1"``)::
       "loss": float | null, "lr": float | null,
       "top_layers": [{"layer": str, "norm": float, "ratio": float}, ...],   # up to 10, largest ratio first
       "nonfinite_layers": [str, ...],
-      "history": {"steps": [int], "global_norm": [float], "trigger_norm": [float]}   # last 32 judged steps
+      "history": {"steps": [int], "global_norm": [float], "trigger_norm": [float]},  # last 32 judged steps
+      "ranks": [int, ...],       # the ranks whose local gradients (or loss) tripped
+      "rank_values": [{"rank": int, "tripped": bool, "nonfinite": bool, "grad_norm": float,
+                       "loss": float | null}, ...],   # every rank (up to 256), under torch.distributed
+      "batch": {"step": int, "epoch": int, "index": int, "indices": [int], "fingerprint": str} | null,
+      "triage": "transient" | "deterministic" | null, "triage_ranks": [int, ...]
     }
 
 The trigger layer is the parameter name (``"global"`` when only the global norm tripped). Non-finite numbers
@@ -75,6 +80,11 @@ def build_report(event: SpikeEvent) -> dict[str, Any]:
         "nonfinite_layers": list(event.nonfinite_layers),
         "history": {"steps": list(event.history_steps), "global_norm": list(event.history_global_norms),
                     "trigger_norm": list(event.history_layer_norms)},
+        "ranks": list(event.ranks),
+        "rank_values": [dict(v) for v in event.all_ranks],
+        "batch": event.batch,
+        "triage": event.triage,
+        "triage_ranks": list(event.triage_ranks),
     }
     encoded: dict[str, Any] = _encode(report)
     return encoded

@@ -260,6 +260,9 @@ class StabilityGuardCallback(TrainerCallback):
             raise ConfigError("clip_in_guard", f"expected True or False, got {clip_in_guard!r}",
                               "pass clip_in_guard=False to keep the Trainer's own clipping")
         flag("fail_mlflow_run", fail_mlflow_run)
+        if guard_kwargs.get("triage") is True:  # it would fail at the first step instead
+            raise ConfigError("triage", "the Trainer steps the optimizer without a closure, so a rejected step "
+                              "cannot be recomputed", "drop triage=True (Lightning and step(closure) loops support it)")
         no_unknown_kwargs("StabilityGuardCallback", guard_kwargs,
                           [name for name in inspect.signature(GuardedOptimizer).parameters if name not in ("base_optimizer", "model")])
         user_sinks = check_bus_args(bus, sinks)

@@ -129,7 +129,9 @@ class GuardtowerGuard(Callback):
     Takes the ``GuardedOptimizer`` arguments (validated now, not at the first step). ``.guards`` holds one
     guard per optimizer of the strategy. The counters are logged every training batch as
     ``guardtower/spikes``, ``guardtower/skipped_steps`` and ``guardtower/rollbacks`` (``log_counters=False``
-    turns that off). ``clip_in_guard=False`` leaves Lightning's gradient clipping before the guard. A halt
+    turns that off). Each batch's epoch and index reach the guard (``observe_batch``), so a rejected step's
+    batch is named and quarantined; Lightning's closure lets ``triage=True`` recompute a rejected step.
+    ``clip_in_guard=False`` leaves Lightning's gradient clipping before the guard. A halt
     (``nan_action="raise"``) sets the MLflow runs FAILED unless ``fail_mlflow_run=False``.
     """
 
@@ -196,6 +198,13 @@ class GuardtowerGuard(Callback):
         if len(self.guards) == 1 and optimizer is self.guards[0]:
             # the guard numbers its steps from step_count; this update is the Trainer's global_step + 1
             self.guards[0].step_count = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # the batch's identity, by reference: read only if its step is rejected (its epoch and batch index,
+        # else a fingerprint), and into the quarantine then
+        for guard in self.guards:
+            guard.observe_batch(batch, index=batch_idx, epoch=trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

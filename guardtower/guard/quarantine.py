@@ -1,0 +1,197 @@
+"""Which batch, remembered: the identity of each rejected step's batch, kept in a per-rank quarantine file.
+
+A loop tells the guard what it is about to step on with ``guard.observe_batch(batch, index=i, epoch=e)``
+(or ``indices=`` when its sampler exposes them). Nothing is computed then: the batch is only referenced
+until its step's record is read. When the step is rejected, its identity — the sample indices, else the
+loop's batch index, else a content fingerprint of the batch's tensors — goes into the SpikeEvent and into
+``quarantine-rank{rank}.jsonl`` in the run folder, one whole line per rejected step (``_jsonl.write_whole``).
+
+On resume, ``Quarantine.read(log_dir)`` (every rank's file) or the guard's restored state gives the batches
+to leave out; ``Quarantine.skip(loader, epoch=e)`` yields ``(index, batch)`` for every other batch, so every
+rank skips the same positions (the decision that rejected them was agreed by all ranks). Incidents triaged
+``transient`` are recorded but never replayed: their batch was fine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, TypeVar
+
+import torch
+from torch import Tensor
+
+from guardtower._jsonl import read_json_lines, write_whole
+from guardtower.errors import ConfigError
+from guardtower.events import _encode
+
+__all__ = ["QUARANTINE_FORMAT", "BatchRef", "Quarantine", "batch_ref", "batch_identity", "fingerprint",
+           "quarantine_filename", "make_entry", "write_entry", "check_entries"]
+
+QUARANTINE_FORMAT = "guardtower.quarantine/1"
+_MAX_INDICES = 4096  # sample indices kept per entry; a larger batch keeps its fingerprint too
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """What ``observe_batch`` was given, by reference (nothing read or copied until the step is rejected)."""
+
+    batch: Any = None
+    index: int | None = None
+    epoch: int | None = None
+    indices: Any = None
+
+
+def _optional_int(argument: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(argument, f"must be a non-negative int or None, got {value!r}",
+                          f"pass the loop's {argument} (e.g. from enumerate(loader))")
+    return value
+
+
+def batch_ref(batch: Any, index: Any, epoch: Any, indices: Any) -> BatchRef:
+    """Validate ``observe_batch``'s arguments cheaply (types only: a tensor of indices stays on its device)."""
+    index = _optional_int("index", index)
+    epoch = _optional_int("epoch", epoch)
+    if indices is not None and not isinstance(indices, (Tensor, list, tuple, range)):
+        raise ConfigError("indices", f"expected a tensor or a sequence of sample indices, got {type(indices).__name__}",
+                          "pass the batch's sample indices (e.g. the list a batch sampler yielded) or None")
+    return BatchRef(batch, index, epoch, indices)
+
+
+def _tensors(value: Any, out: list[tuple[str, Tensor]], where: str = "", depth: int = 0) -> None:
+    """The tensors inside a batch (tensors, mappings such as HF's BatchEncoding, lists, tuples), with paths."""
+    if depth > 8:
+        return
+    if isinstance(value, Tensor):
+        out.append((where, value))
+    elif isinstance(value, Mapping) or (hasattr(value, "items") and hasattr(value, "keys")):
+        for key in sorted(value.keys(), key=str):
+            _tensors(value[key], out, f"{where}.{key}", depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _tensors(item, out, f"{where}[{i}]", depth + 1)
+
+
+def fingerprint(batch: Any) -> str | None:
+    """A content hash of the batch's tensors (dtype, shape and bytes); None when it holds no tensor.
+
+    Computed only for a rejected step: it copies the tensors to the host.
+    """
+    found: list[tuple[str, Tensor]] = []
+    _tensors(batch, found)
+    if not found:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for where, tensor in found:
+        t = tensor.detach()
+        if t.is_sparse or t.layout != torch.strided:
+            t = t.to_dense()
+        t = t.cpu().contiguous().reshape(-1)
+        digest.update(f"{where}:{t.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "blake2b:" + digest.hexdigest()
+
+
+def batch_identity(ref: BatchRef | None, step: int) -> dict[str, Any]:
+    """The identity of a rejected step's batch: ``step`` always; ``epoch``/``index`` when the loop said them;
+    ``indices`` when known, else ``fingerprint`` (when the batch was given)."""
+    identity: dict[str, Any] = {"step": step}
+    if ref is None:
+        return identity
+    if ref.epoch is not None:
+        identity["epoch"] = ref.epoch
+    if ref.index is not None:
+        identity["index"] = ref.index
+    if ref.indices is not None:
+        values = ref.indices.reshape(-1).tolist() if isinstance(ref.indices, Tensor) else list(ref.indices)
+        identity["indices"] = [int(v) for v in values[:_MAX_INDICES]]
+    if ref.batch is not None and ("indices" not in identity or len(identity["indices"]) == _MAX_INDICES):
+        found = fingerprint(ref.batch)
+        if found is not None:
+            identity["fingerprint"] = found
+    return identity
+
+
+def quarantine_filename(rank: int) -> str:
+    return f"quarantine-rank{rank}.jsonl"
+
+
+def write_entry(log_dir: Path, entry: Mapping[str, Any]) -> None:
+    """Append one entry (a whole strict-JSON line, or nothing) to this rank's quarantine file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(_encode(dict(entry)), allow_nan=False, separators=(",", ":")) + "\n"
+    write_whole(log_dir / quarantine_filename(int(entry["rank"])), line.encode())
+
+
+def make_entry(*, run: str, rank: int, step: int, reason: str, action: str, ranks: Iterable[int],
+               batch: Mapping[str, Any], triage: str | None) -> dict[str, Any]:
+    return {"format": QUARANTINE_FORMAT, "run": run, "rank": rank, "step": step, "time": time.time(),
+            "reason": reason, "action": action, "ranks": list(ranks), "batch": dict(batch), "triage": triage}
+
+
+def check_entries(entries: Any, argument: str = "state_dict") -> list[dict[str, Any]]:
+    """Validate quarantine entries (from a state dict or a file) before anything uses them."""
+    fix = "load a state dict saved by GuardedOptimizer.state_dict(), or pass Quarantine.read(log_dir)"
+    if not isinstance(entries, (list, tuple)):
+        raise ConfigError(argument, f"the quarantine must be a list of entries, got {type(entries).__name__}", fix)
+    out = []
+    for entry in entries:
+        batch = entry.get("batch") if isinstance(entry, Mapping) else None
+        if not isinstance(batch, Mapping) or not isinstance(entry.get("step"), int):
+            raise ConfigError(argument, f"quarantine entry {entry!r} has no 'step' and 'batch'", fix)
+        out.append(dict(entry))
+    return out
+
+
+class Quarantine:
+    """Rejected batches to leave out on resume: ``(epoch, index)`` positions, agreed by every rank.
+
+    Only entries with a batch ``index`` can be replayed (a loop that passed ``index=`` to ``observe_batch``,
+    or the callbacks); entries triaged ``transient`` are kept for the record and never replayed.
+    """
+
+    def __init__(self, entries: Iterable[Mapping[str, Any]] = ()) -> None:
+        self.entries: list[dict[str, Any]] = check_entries(list(entries), "entries")
+        self._positions = frozenset(
+            (e["batch"].get("epoch"), e["batch"]["index"]) for e in self.entries
+            if isinstance(e["batch"].get("index"), int) and e.get("triage") != "transient")
+
+    @classmethod
+    def read(cls, log_dir: str | os.PathLike[str]) -> "Quarantine":
+        """Every rank's quarantine file in ``log_dir`` (an absent folder or file is an empty quarantine)."""
+        folder = Path(log_dir)
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError("log_dir", f"{str(folder)!r} is not a directory", "pass the run's log folder")
+        entries: list[dict[str, Any]] = []
+        for path in sorted(folder.glob("quarantine-rank*.jsonl")) if folder.is_dir() else []:
+            entries += [e for e in read_json_lines(path) if isinstance(e, dict) and isinstance(e.get("batch"), dict)
+                        and isinstance(e.get("step"), int)]
+        return cls(entries)
+
+    def positions(self) -> frozenset[tuple[int | None, int]]:
+        """The ``(epoch, index)`` of every batch to leave out (epoch None: the loop gave none)."""
+        return self._positions
+
+    def contains(self, index: int, epoch: int | None = None) -> bool:
+        return (epoch, index) in self._positions
+
+    def skip(self, batches: Iterable[T], *, epoch: int | None = None, start: int = 0) -> Iterator[tuple[int, T]]:
+        """``(index, batch)`` for every batch of ``batches`` not quarantined, numbered from ``start``
+        (the position the loop resumes at, when it skipped the batches already trained on itself)."""
+        for index, batch in enumerate(batches, start):
+            if not self.contains(index, epoch):
+                yield index, batch
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:
+        return f"Quarantine({len(self.entries)} entries, {len(self._positions)} batches to skip)"

@@ -1,0 +1,182 @@
+"""Incidents in one process: the rank and batch an incident names, the quarantine and its replay, triage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from guardtower.errors import ConfigError
+from guardtower.events import SkipEvent, SpikeEvent
+from guardtower.guard import GuardedOptimizer, read_report
+from guardtower.guard.quarantine import Quarantine, fingerprint
+from guardtower.testing import InMemorySink
+
+
+def make(tmp_path: Path, **kwargs: object) -> tuple[nn.Module, GuardedOptimizer, InMemorySink]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    sink = InMemorySink()
+    guard = GuardedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), net, log_dir=tmp_path, verbose=False,
+                             sinks=[sink], **kwargs)
+    return net, guard, sink
+
+
+def batch(step: int, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+    if bad:
+        x[0, 0] = float("inf")
+    return x, y
+
+
+def spikes(sink: InMemorySink) -> dict[int, SpikeEvent]:
+    return {e.step: e for e in sink.events if isinstance(e, SpikeEvent)}
+
+
+def test_a_rejected_step_names_its_rank_and_batch_and_is_quarantined(tmp_path: Path) -> None:
+    net, guard, sink = make(tmp_path)
+    for step in range(1, 8):
+        x, y = batch(step, bad=step == 5)
+        guard.zero_grad()
+        loss = ((net(x) - y) ** 2).mean()
+        loss.backward()
+        guard.observe_batch((x, y), index=step - 1, epoch=2)
+        guard.step(loss=loss)
+    event = spikes(sink)[5]
+    assert event.ranks == (0,) and event.rank_values[0][:2] == (0, "nonfinite")
+    assert event.batch == {"step": 5, "epoch": 2, "index": 4, "fingerprint": fingerprint(batch(5, bad=True))}
+    skip = next(e for e in sink.events if isinstance(e, SkipEvent))
+    assert skip.ranks == (0,) and skip.batch == event.batch
+    assert read_report(event.report_path)["batch"] == event.batch
+    lines = (tmp_path / "quarantine-rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["batch"]["index"] for line in lines] == [4]
+    assert guard.quarantine.positions() == {(2, 4)}
+    assert Quarantine.read(tmp_path).positions() == {(2, 4)}
+    # the quarantine rides in the guard's state and comes back with it
+    _, resumed, _ = make(tmp_path / "resumed")
+    resumed.load_state_dict(guard.state_dict())
+    assert resumed.quarantine.positions() == {(2, 4)}
+    assert [i for i, _ in resumed.quarantine.skip("abcdef", epoch=2)] == [0, 1, 2, 3, 5]
+    assert [i for i, _ in resumed.quarantine.skip("abcdef", epoch=1)] == [0, 1, 2, 3, 4, 5]
+    assert [i for i, _ in resumed.quarantine.skip("cdef", epoch=2, start=2)] == [2, 3, 5]
+    guard.close()
+    resumed.close()
+
+
+def test_the_fingerprint_is_of_the_content_and_indices_replace_it(tmp_path: Path) -> None:
+    x = torch.arange(6.0)
+    assert fingerprint({"a": x}) == fingerprint({"a": x.clone()}) != fingerprint({"a": x + 1})
+    assert fingerprint({"a": x}) != fingerprint({"b": x}) and fingerprint("text") is None
+    net, guard, sink = make(tmp_path)
+    x, y = batch(1, bad=True)
+    ((net(x) - y) ** 2).mean().backward()
+    guard.observe_batch((x, y), indices=torch.tensor([7, 3, 9]))
+    guard.step()
+    assert spikes(sink)[1].batch == {"step": 1, "indices": [7, 3, 9]}
+    guard.close()
+
+
+def closure_for(net: nn.Module, guard: GuardedOptimizer, x: torch.Tensor, y: torch.Tensor,
+                corrupt_first: bool, calls: list[int]) -> Callable[[], torch.Tensor]:
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        guard.zero_grad()
+        loss = ((nn.functional.dropout(net(x), 0.2) - y) ** 2).mean()
+        loss.backward()
+        if corrupt_first and len(calls) == 1:
+            next(net.parameters()).grad.mul_(float("nan"))
+        return loss
+
+    return closure
+
+
+def test_triage_labels_a_one_off_fault_transient_and_a_bad_batch_deterministic(tmp_path: Path) -> None:
+    net, guard, sink = make(tmp_path, triage=True)
+    per_step: dict[int, int] = {}
+    for step in range(1, 12):
+        x, y = batch(step, bad=step == 8)
+        calls: list[int] = []
+        guard.observe_batch(x, index=step - 1)
+        guard.step(closure_for(net, guard, x, y, step == 4, calls))
+        per_step[step] = len(calls)
+    found = spikes(sink)
+    assert sorted(found) == [4, 8]
+    assert (found[4].triage, found[4].ranks, found[4].triage_ranks) == ("transient", (0,), ())
+    assert (found[8].triage, found[8].triage_ranks) == ("deterministic", (0,))
+    assert per_step == {s: 2 if s in (4, 8) else 1 for s in per_step}  # one recompute per incident, none else
+    assert guard.quarantine.positions() == {(None, 7)}  # a transient incident's batch is not replayed
+    assert guard.total_skips == 2 and all(torch.isfinite(p).all() for p in net.parameters())
+    guard.close()
+
+
+def test_triage_restores_the_rng_so_dropout_recomputes_alike(tmp_path: Path) -> None:
+    net, guard, sink = make(tmp_path, triage=True, warmup_steps=0)
+    x, y = batch(1)
+    losses: list[float] = []
+
+    def closure() -> torch.Tensor:
+        guard.zero_grad()
+        loss = ((nn.functional.dropout(net(x), 0.5) - y) ** 2).mean()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if len(losses) == 1:
+            next(net.parameters()).grad.fill_(float("inf"))
+        return loss
+
+    guard.step(closure)
+    assert len(losses) == 2 and losses[0] == losses[1]  # same dropout mask: the RNG was restored
+    assert spikes(sink)[1].triage == "transient"
+    guard.close()
+
+
+def test_bad_incident_arguments_raise_config_errors_naming_them(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="triage"):
+        make(tmp_path, triage="yes")
+    net, guard, _ = make(tmp_path, triage=True)
+    ((net(torch.ones(2, 4))) ** 2).mean().backward()
+    with pytest.raises(ConfigError, match="closure"):
+        guard.step()
+    assert guard.step_count == 0  # nothing changed
+    for kwargs, name in (({"index": -1}, "index"), ({"epoch": 1.5}, "epoch"), ({"indices": 3}, "indices")):
+        with pytest.raises(ConfigError, match=name):
+            guard.observe_batch(None, **kwargs)  # type: ignore[arg-type]
+    state = guard.state_dict()
+    state["guardtower"]["quarantine"] = [{"step": "x"}]
+    with pytest.raises(ConfigError, match="state_dict"):
+        guard.load_state_dict(state)
+    guard.close()
+
+
+def test_lightning_names_the_rejected_batch_and_triage_recomputes_it(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _lightning_helpers import TinyModule, lightning_trainer
+
+    from guardtower.integrations.lightning import GuardtowerGuard
+
+    module = TinyModule()
+    module.x[16 * 3 + 2, 0] = float("inf")  # batch 3 of the first epoch holds an Inf sample
+    sink = InMemorySink()
+    callback = GuardtowerGuard(log_dir=tmp_path / "logs", verbose=False, sinks=[sink], triage=True)
+    lightning_trainer(tmp_path, max_steps=6, callbacks=[callback]).fit(module)
+    event, = [e for e in sink.events if isinstance(e, SpikeEvent)]
+    assert event.batch == {"step": 4, "epoch": 0, "index": 3, "fingerprint": event.batch["fingerprint"]}
+    assert event.triage == "deterministic"  # Lightning's closure ran again and reproduced it
+    assert Quarantine.read(tmp_path / "logs").positions() == {(0, 3)}
+    callback.close()
+
+
+def test_the_hf_callback_refuses_triage_it_cannot_recompute() -> None:
+    pytest.importorskip("transformers")
+    from guardtower.integrations.huggingface import StabilityGuardCallback
+
+    with pytest.raises(ConfigError, match="triage"):
+        StabilityGuardCallback(triage=True)
+    StabilityGuardCallback(triage=False).close()

@@ -1,0 +1,94 @@
+"""Incidents at scale with real processes (gloo, 127.0.0.1): which rank, which batch (killed and resumed), triage."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist_launch import launch
+
+WORKER = Path(__file__).with_name("_incident_dist_worker.py")
+
+
+def run(scenario: str, out: Path, world: int, *, killed: bool = False) -> list[dict[str, Any]]:
+    results = launch([str(WORKER), scenario, str(out)], world, timeout=300,
+                     env={"OMP_NUM_THREADS": "1", "GUARDTOWER_RUN": f"incident-{scenario}"})
+    for rank, (code, log) in enumerate(results):
+        assert code == (-9 if killed else 0), f"rank {rank} exited {code}:\n{log[-4000:]}"
+    if killed:
+        return []
+    return [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def same_params(results: list[dict[str, Any]]) -> bool:
+    first = results[0]["params"]
+    return all(torch.equal(first[k], r["params"][k]) for r in results[1:] for k in first)
+
+
+@pytest.mark.slow
+def test_a_nan_on_rank_2_of_4_is_named_on_every_rank(tmp_path: Path) -> None:
+    results = run("ranks", tmp_path, 4)
+    assert all(r["skips"] == [12, 20] for r in results)  # the same decision everywhere
+    assert all(r["counters"] == (30, 2, 2) for r in results)
+    assert same_params(results)
+    for r in results:
+        local = r["spikes"][12]  # rank 2's own gradient went NaN after the all-reduce
+        assert local["ranks"] == (2,)
+        (rank, reason, norm, loss), = local["rank_values"]
+        assert (rank, reason) == (2, "nonfinite") and math.isinf(norm) and math.isfinite(loss)
+        spread = r["spikes"][20]  # rank 2's input was NaN: every rank's gradients are, only rank 2's loss is
+        assert spread["ranks"] == (2,)
+        assert spread["rank_values"][0][:2] == (2, "nonfinite") and math.isinf(spread["rank_values"][0][3])
+        report = spread["report"]
+        assert report["ranks"] == [2] and len(report["rank_values"]) == 4
+        healthy = [v for v in report["rank_values"] if v["rank"] != 2]
+        assert all(v["loss"] is not None and math.isfinite(v["loss"]) for v in healthy)
+        assert local["batch"] == {"step": 12, "index": 11, "fingerprint": local["batch"]["fingerprint"]}
+    # rank 2 alone names its own layer; the others see a peer rank's verdict
+    assert results[2]["spikes"][12]["layer"] == "0.weight" and results[0]["spikes"][12]["layer"] == "peer-rank"
+    # the per-step collective: [reject, skip] + 4 float32 slots per rank, in the one decision all-reduce
+    assert all(r["calls_per_step"] == 1 and r["bytes_per_step"] == (2 + 4 * 4) * 4 for r in results)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_past_its_quarantined_batches(tmp_path: Path) -> None:
+    run("first", tmp_path, 2, killed=True)  # checkpoint at position 8, incidents at 3 and 11, killed at 14
+    files = sorted(p.name for p in (tmp_path / "logs").glob("quarantine-rank*.jsonl"))
+    assert files == ["quarantine-rank0.jsonl", "quarantine-rank1.jsonl"]
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "quarantine-rank1.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["batch"]["index"], e["ranks"], e["reason"]) for e in lines] == [
+        (4, 3, [1], "nonfinite"), (12, 11, [1], "nonfinite")]
+    assert all(len(e["batch"]["indices"]) == 4 and "fingerprint" not in e["batch"] for e in lines)
+    assert 1 + 2 * 4 * 3 in lines[0]["batch"]["indices"]  # the sample that holds the Inf
+
+    r0, r1 = run("resume", tmp_path, 2)
+    for r in (r0, r1):
+        assert r["restored"] == [(0, 3)]  # the checkpoint's own quarantine
+        assert r["replay"] == [(0, 3), (0, 11)]  # every rank's file, also after the checkpoint
+        assert r["skipped"] == [11]  # exactly the quarantined batch after the resume point
+        assert r["trained"] == [p for p in range(8, 16) if p != 11]
+        assert r["spikes"] == {}  # the bad batch was never computed again
+        assert r["counters"][1:] == (1, 1)  # the counters carried over from the checkpoint
+    assert same_params([r0, r1])
+
+
+@pytest.mark.slow
+def test_triage_labels_transient_and_deterministic_incidents_on_two_ranks(tmp_path: Path) -> None:
+    results = run("triage", tmp_path, 2)
+    for r in results:
+        assert r["counters"] == (15, 2, 2)
+        assert r["calls"][5] == 2 and r["calls"][9] == 2 and r["calls"][1] == 1  # one recompute per incident
+        transient, deterministic = r["spikes"][5], r["spikes"][9]
+        assert (transient["triage"], transient["ranks"], transient["triage_ranks"]) == ("transient", (1,), ())
+        assert deterministic["triage"] == "deterministic" and deterministic["ranks"] == (1,)
+        assert deterministic["triage_ranks"] == (0, 1)  # the all-reduce spreads the reproduced NaN to both
+        assert deterministic["report"]["triage"] == "deterministic"
+        assert r["positions"] == [(None, 8)]  # only the deterministic batch is replayed
+        assert [(e["step"], e["triage"]) for e in r["entries"]] == [(5, "transient"), (9, "deterministic")]
+        assert all(e["triage_s"] >= 0 for e in r["entries"])
+    assert same_params(results)
