@@ -31,7 +31,8 @@ from guardtower import _validate
 from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, adopt_log_dir, check_bus_args
 from guardtower.errors import ConfigError, GradientSpikeError
-from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, StartEvent, SummaryEvent
+from guardtower.events import (Event, HaltEvent, LrBackoffEvent, RollbackEvent, SkipBudgetEvent, SkipEvent, SpikeEvent,
+                               StartEvent, SummaryEvent)
 from guardtower.guard._buffers import BufferGuard
 from guardtower.guard._checks import check_base_state as _check_base_state
 from guardtower.guard._checks import check_guard_state as _check_guard_state
@@ -40,7 +41,9 @@ from guardtower.guard._checks import check_process_group as _check_process_group
 from guardtower.guard._checks import decision_device as _decision_device
 from guardtower.guard._measure import GradMeter
 from guardtower.guard._records import Header, RecordQueue, StepRecord
-from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, device_skip, supports_device_skip
+from guardtower.guard.actions import (CLIP_MODES, ActionPolicy, LowerLR, RepeatTracker, clip_factor, device_skip,
+                                      resolve_on_repeat, scaled_lr, supports_device_skip)
+from guardtower.guard.budget import BudgetCounter, SkipBudget, resolve_skip_budget
 from guardtower.guard.detector import Detector, Explanation, make_detector
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
@@ -104,7 +107,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``./sg_logs/<run>-<time>/``, which also gets the guard's ``events.jsonl``; a given one is used as is),
     ``stall_after`` (seconds without a step before a ``stall`` event; ``guardtower.heartbeat``), ``on_halt(error)``
     (called on the training thread right before ``GradientSpikeError`` is raised), ``watch`` (``True``: the
-    loop watch of ``guardtower.guard.watch`` for the first 2,000 steps; ``Watch(...)`` to tune it; ``False``).
+    loop watch of ``guardtower.guard.watch`` for the first 2,000 steps; ``Watch(...)`` to tune it; ``False``),
+    ``skip_budget`` (``True``: one ``skip_budget`` WARN when more than 1% of the last 1,000 steps were rejected;
+    ``SkipBudget(share, window)`` to tune it; ``False``), ``on_repeat`` (what a rollback to the same snapshot as
+    the one before does: ``"rollback"`` again, ``"raise"``, or ``"lower_lr"``/``LowerLR(factor, floor)``: a
+    bounded learning-rate back-off, then a halt; ``guardtower.guard.actions``).
 
     Constructing validates and creates nothing: the bus's sinks, the console box, the stall watchdog and the
     ``log_dir`` (created with the first spike report) come with the first ``step()``.
@@ -137,6 +144,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         stall_after: float | None = None,
         on_halt: Callable[[GradientSpikeError], Any] | None = None,
         watch: bool | Watch = True,
+        skip_budget: bool | SkipBudget | None = True,
+        on_repeat: str | LowerLR = "rollback",
     ) -> None:
         # --- validate everything before touching anything ---
         if not isinstance(base_optimizer, torch.optim.Optimizer):
@@ -147,6 +156,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError("model", f"expected an nn.Module, got {type(model).__name__}", "pass the model or None")
         policy = ActionPolicy(nan_action, max_consecutive_skips, escalate_to)
+        repeat_action = resolve_on_repeat(on_repeat, policy)
+        budget = resolve_skip_budget(skip_budget)
         if clip not in CLIP_MODES:
             raise ConfigError("clip", f"unknown clip mode {clip!r}", f"pass one of {list(CLIP_MODES)}")
         found_detector = make_detector(detector, spike_threshold=spike_threshold, ema_alpha=ema_alpha,
@@ -226,6 +237,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._total_clips = 0
         self._total_level_shifts = 0  # slots re-baselined on a sustained level shift (a summary metric)
         self.consecutive_rejections = 0
+        self._budget = BudgetCounter(budget) if budget is not None else None
+        self._repeats = RepeatTracker(repeat_action)
         self._closed = False
         self._started = False
         self._pending_loss: Tensor | None = None
@@ -266,7 +279,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                     "log_dir": str(self.log_dir), "clip": self.clip,
                     "max_consecutive_skips": self.policy.max_consecutive_skips,
                     "escalate_to": self.policy.escalate_to, "device": str(self._device),
-                    "bn_buffers_protected": bool(self._buffers)}
+                    "bn_buffers_protected": bool(self._buffers),
+                    "skip_budget": None if self._budget is None else [self._budget.options.share,
+                                                                     self._budget.options.window],
+                    "on_repeat": str(self._repeats.on_repeat)}
         self._publish(StartEvent(
             **self._run_kw, step=self._step_count, optimizer=type(self._base).__name__, detector=self.detector.name,
             nan_action=self.policy.nan_action, spike_threshold=self.detector.threshold,
@@ -403,8 +419,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
             "total_overflows": self._total_overflows,
             "total_clips": self._total_clips,
             "consecutive_rejections": self.consecutive_rejections,
+            "total_level_shifts": self._total_level_shifts,
+            "world_size": world_size(),  # informative: a state loads under any world size (docs/guard.md)
             "detector": self.detector.state_dict(),
+            "on_repeat": self._repeats.state_dict(),
         }
+        if self._budget is not None:
+            state["guardtower"]["skip_budget"] = self._budget.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -421,6 +442,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         counters: dict[str, int] = {}
         if guard is not None:
             counters = _check_guard_state(guard, self.detector)
+            for key, part in (("skip_budget", self._budget), ("on_repeat", self._repeats)):
+                if part is not None and key in guard:
+                    part.check_state_dict(guard[key])
         self._drain(block=True)
         try:
             self._base.load_state_dict(state)
@@ -437,6 +461,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._total_overflows = counters["total_overflows"]
             self._total_clips = counters["total_clips"]
             self.consecutive_rejections = counters["consecutive_rejections"]
+            self._total_level_shifts = counters["total_level_shifts"]
+            if self._budget is not None and "skip_budget" in guard:
+                self._budget.load_state_dict(guard["skip_budget"])
+            if "on_repeat" in guard:
+                self._repeats.load_state_dict(guard["on_repeat"])
         self._history.clear()
         if self._snapshots is not None:
             self._snapshots.clear()
@@ -507,9 +536,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return result if closure is not None else out
 
     def _base_step(self, found_inf: Tensor, grad_scale: Tensor | None, closure: Callable[[], Any] | None) -> Any:
-        if self._step_supports_amp_scaling:
-            return device_skip(self._base, found_inf, grad_scale, closure)
-        return self._base.step(closure) if closure is not None else self._base.step()
+        with scaled_lr(self._base, self._repeats.scale):  # 1.0 unless on_repeat lowered the learning rate
+            if self._step_supports_amp_scaling:
+                return device_skip(self._base, found_inf, grad_scale, closure)
+            return self._base.step(closure) if closure is not None else self._base.step()
 
     def _judge(self, step: int, loss: Any, grad_scale: Tensor | None,
                scaler_found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -635,7 +665,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._last_summary = step
         metrics = {"overflow_steps": float(self._total_overflows), "clipped_steps": float(self._total_clips),
                    "consecutive_rejections": float(self.consecutive_rejections),
-                   "level_shifts": float(self._total_level_shifts)}
+                   "level_shifts": float(self._total_level_shifts), "lr_scale": self._repeats.scale}
         if record is not None:
             _, seen = self._explain(record)
             metrics.update({"global_baseline": seen.global_baseline, "global_ratio": seen.global_ratio,
@@ -702,14 +732,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._publish(SkipEvent(**self._run_kw, step=record.step, severity=severity, layer=layer,
                                     reason=reason, total_skips=self._total_skips,
                                     consecutive_skips=self.consecutive_rejections))
-        elif action == "rollback":
-            self._rollback(record.step, layer, reason)
-        else:
-            escalated = self.policy.nan_action != "raise"
-            what = ("NaN/Inf in the gradient" if reason == "nonfinite"
-                    else f"ratio {ratio:.3g}, threshold {self.detector.threshold:g}")
-            message = (f"gradient spike at step {record.step} in {layer} ({what})"
-                       + (f" after {self.consecutive_rejections} rejected steps in a row" if escalated else ""))
+        what = ("NaN/Inf in the gradient" if reason == "nonfinite"
+                else f"ratio {ratio:.3g}, threshold {self.detector.threshold:g}")
+        message = f"gradient spike at step {record.step} in {layer} ({what})"
+        if action == "rollback":
+            repeated = self._rollback(record.step, layer, reason)
+            if repeated is not None:
+                action = "raise"
+                message += f" after {repeated}"
+        elif action == "raise" and self.policy.nan_action != "raise":
+            message += f" after {self.consecutive_rejections} rejected steps in a row"
+        if action == "raise":
             self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, ratio=ratio, message=message))
             self._summary(record.step, head.global_norm, loss, record.lr)  # the run's last record: it ends here
@@ -720,13 +753,29 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if self.on_halt is not None:  # e.g. an integration marks the tracker run failed
                 self.on_halt(error)
             raise error
+        if self._budget is not None:
+            self._check_budget(record.step, action)
 
-    def _rollback(self, from_step: int, layer: str, reason: str) -> None:
+    def _check_budget(self, step: int, action: str) -> None:
+        """Count a rejected step; one ``skip_budget`` WARN when it takes the recent share over the budget."""
+        assert self._budget is not None
+        counts = self._budget.note(step, action)
+        if counts is None:
+            return
+        message = (f"{counts['rejected']} of the last {counts['steps']:,} steps were rejected "
+                   f"({counts['skipped']} skipped, {counts['clipped']} clipped, {counts['rolled_back']} rolled back); "
+                   f"the budget is {counts['share']:.3g} of {counts['window']:,} steps")
+        self._publish(SkipBudgetEvent(**self._run_kw, step=step, severity=Severity.WARN, message=message, **counts))
+
+    def _rollback(self, from_step: int, layer: str, reason: str) -> str | None:
+        """Restore the last clean snapshot. Returns why the run must halt instead of going on (``on_repeat``),
+        else None; the snapshot is restored either way, so a halted run holds clean weights."""
         store = self._snapshots
         assert store is not None, "rollback requested without a snapshot store"
         snap = store.latest_before(from_step) or (store.snapshots[0] if store.snapshots else None)
         if snap is None:
             raise GradientSpikeError(from_step, layer, math.nan, f"rollback at step {from_step}: no snapshot")
+        outcome = self._repeats.rollback(snap.step)
         store.restore(snap)
         if self._buffers is not None:
             self._buffers.refresh()
@@ -737,8 +786,24 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._publish(RollbackEvent(**self._run_kw, step=from_step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, from_step=from_step, to_step=snap.step,
                                     total_rollbacks=self._total_rollbacks))
+        repeats = self._repeats.repeats + 1
+        if outcome == "raise":
+            lowered = f", the learning rate already at {self._repeats.scale:.3g}x" if self._repeats.backoffs else ""
+            return f"{repeats} rollbacks in a row to the snapshot of step {snap.step}{lowered}"
+        if outcome == "lower_lr":
+            options = self._repeats.on_repeat
+            assert isinstance(options, LowerLR)
+            lr = self._lr()
+            scale = self._repeats.scale
+            self._publish(LrBackoffEvent(
+                **self._run_kw, step=from_step, severity=Severity.WARN, scale=scale, factor=options.factor,
+                floor=options.floor, backoffs=self._repeats.backoffs, to_step=snap.step, repeats=repeats,
+                lr=None if lr is None else lr * scale,
+                message=(f"{repeats} rollbacks in a row to the snapshot of step {snap.step}: learning rate lowered "
+                         f"to {scale:.3g}x the scheduled one (floor {options.floor:g}x)")))
         if self.on_rollback is not None:
             self.on_rollback(from_step, snap.step)
+        return None
 
     def _publish(self, event: Event) -> None:
         self.bus.publish(event)
