@@ -239,6 +239,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.consecutive_rejections = 0
         self._budget = BudgetCounter(budget) if budget is not None else None
         self._repeats = RepeatTracker(repeat_action)
+        self._rolled_back_at = -1  # the step of the last rollback
         self._closed = False
         self._started = False
         self._pending_loss: Tensor | None = None
@@ -527,7 +528,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 out = self._base_step(found_inf, grad_scale, base_closure)
         else:
             out = self._base_step(found_inf, grad_scale, base_closure)
-        if self._snapshots is not None and self._snapshots.due(step):
+        # a step that rolled back holds the snapshot it restored: not a new one (a repeat returns to the same)
+        if self._snapshots is not None and self._snapshots.due(step) and self._rolled_back_at != step:
             self._snapshots.take(step)
         if self.heartbeat is not None:
             self.heartbeat.beat(step)
@@ -776,6 +778,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if snap is None:
             raise GradientSpikeError(from_step, layer, math.nan, f"rollback at step {from_step}: no snapshot")
         outcome = self._repeats.rollback(snap.step)
+        self._rolled_back_at = from_step
         store.restore(snap)
         if self._buffers is not None:
             self._buffers.refresh()
