@@ -430,16 +430,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state dict from ``state_dict()``, or a plain base-optimizer one (guard state unchanged).
+        """Restore a state dict from ``state_dict()``, or a plain base-optimizer one (guard state unchanged), or
+        ``{"guardtower": state_dict()["guardtower"]}`` (the guard's state alone; the base optimizer's unchanged).
 
         Everything is checked first (``ConfigError`` naming what is wrong); on error nothing has changed.
+        A state saved under another world size loads (docs/guard.md says what carries over).
         """
         if not isinstance(state_dict, Mapping):
             raise ConfigError("state_dict", f"expected a dict, got {type(state_dict).__name__}",
                               "pass the dict returned by optimizer.state_dict()")
         state = dict(state_dict)
         guard = state.pop("guardtower", None)
-        _check_base_state(state, self._base)
+        guard_only = guard is not None and not state
+        if not guard_only:
+            _check_base_state(state, self._base)
         counters: dict[str, int] = {}
         if guard is not None:
             counters = _check_guard_state(guard, self.detector)
@@ -448,7 +452,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                     part.check_state_dict(guard[key])
         self._drain(block=True)
         try:
-            self._base.load_state_dict(state)
+            if not guard_only:
+                self._base.load_state_dict(state)
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise ConfigError("state_dict", f"the base optimizer refused it ({exc})",
                               "load a state dict saved from the same optimizer and parameter groups") from None
