@@ -75,8 +75,7 @@ def title(event: Event) -> str:
     if event.kind == "skip_budget":
         return f"Skip budget exceeded: {get('rejected')} of the last {get('steps'):,} steps rejected"
     if event.kind == "lr_backoff":
-        return (f"Learning rate lowered to {num(get('scale'))}x after rollback #{get('repeats') + 1} "
-                f"to step {get('to_step'):,}")
+        return f"Learning rate lowered to {num(get('scale'))}x after {get('repeats')} rollbacks to step {get('to_step'):,}"
     return event.kind
 
 
