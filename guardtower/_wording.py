@@ -30,6 +30,10 @@ def what(event: Event) -> str:
         return f"NaN/Inf {get('where') or 'value'}"
     if event.kind == "stall":
         return "training resumed" if get("resolved") else "training stalled"
+    if event.kind == "skip_budget":
+        return "skip budget exceeded"
+    if event.kind == "lr_backoff":
+        return "learning rate lowered"
     return event.kind
 
 
@@ -68,6 +72,10 @@ def title(event: Event) -> str:
         return f"{get('catalog_id')} {get('check')}: {get('message')}"
     if event.kind == "summary":
         return f"Step summary: grad norm {num(get('grad_norm'))}"
+    if event.kind == "skip_budget":
+        return f"Skip budget exceeded: {get('rejected')} of the last {get('steps'):,} steps rejected"
+    if event.kind == "lr_backoff":
+        return f"Learning rate lowered to {num(get('scale'))}x after {get('repeats')} rollbacks to step {get('to_step'):,}"
     return event.kind
 
 

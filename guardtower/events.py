@@ -33,6 +33,8 @@ __all__ = [
     "HaltEvent",
     "SummaryEvent",
     "StartEvent",
+    "SkipBudgetEvent",
+    "LrBackoffEvent",
     "EVENT_TYPES",
     "event_from_record",
     "to_json",
@@ -287,6 +289,45 @@ class StartEvent(Event):
     settings: dict[str, Any] = field(default_factory=dict)  # the other settings (strings and numbers)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SkipBudgetEvent(Event):
+    """More than ``share`` of the last ``window`` steps were rejected: a run that skips quietly (WARN).
+
+    ``rejected`` of the ``steps`` looked at (the window, or the steps so far when fewer), by action. Published
+    at most once per ``window`` steps while the run stays over budget.
+    """
+
+    kind: ClassVar[str] = "skip_budget"
+
+    rejected: int = 0
+    steps: int = 0
+    window: int = 0
+    share: float = 0.0
+    skipped: int = 0
+    clipped: int = 0
+    rolled_back: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrBackoffEvent(Event):
+    """A repeated rollback (to the snapshot of ``to_step`` again) lowered the learning rate (``on_repeat``).
+
+    ``scale``: the multiple of the scheduled learning rate now applied; ``lr``: the first group's, scaled.
+    """
+
+    kind: ClassVar[str] = "lr_backoff"
+
+    scale: float = 1.0
+    factor: float = 0.0
+    floor: float = 0.0
+    backoffs: int = 0
+    to_step: int = 0
+    repeats: int = 0
+    lr: float | None = None
+    message: str = ""
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -300,6 +341,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
         HaltEvent,
         SummaryEvent,
         StartEvent,
+        SkipBudgetEvent,
+        LrBackoffEvent,
     )
 }
 

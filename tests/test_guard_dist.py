@@ -15,13 +15,15 @@ WORKER = Path(__file__).with_name("_guard_dist_worker.py")
 TIMEOUT_S = 240
 
 
-def run_world(mode: str, tmp_path: Path, world: int = 2) -> list[dict[str, Any]]:
-    init_file = tmp_path / "init"
+def run_world(mode: str, tmp_path: Path, world: int = 2, worker: Path = WORKER,
+              result: str = "rank{rank}.pt") -> list[dict[str, Any]]:
+    """Run ``worker MODE RANK WORLD INIT_FILE OUT`` as ``world`` gloo ranks; each rank's ``result`` file."""
+    init_file = tmp_path / f"init-{mode}-{world}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GUARDTOWER_RUN": f"dist-{mode}"}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), mode, str(rank), str(world), str(init_file), str(tmp_path)],
+        subprocess.Popen([sys.executable, str(worker), mode, str(rank), str(world), str(init_file), str(tmp_path)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(world)
     ]
@@ -37,7 +39,7 @@ def run_world(mode: str, tmp_path: Path, world: int = 2) -> list[dict[str, Any]]
                 proc.wait(10)
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-4000:]
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+    return [torch.load(tmp_path / result.format(rank=rank), weights_only=False) for rank in range(world)]
 
 
 @pytest.mark.slow

@@ -272,3 +272,32 @@ def test_the_trainers_schedule_is_walked_over_its_max_steps(tmp_path: Path) -> N
     (finding,) = reports[50].by_id("SCHED-002")
     assert finding.details["planned_steps"] == 6
     assert not [f for f in reports[2] if f.catalog_id.startswith("SCHED-")]
+
+
+def test_a_run_resumed_from_a_checkpoint_decides_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Trainer checkpoints carry each rank's guard state (``guardtower-rank0.pt``): resumed at step 6 with
+    ``resume_from_checkpoint``, a fresh callback judges steps 7-12 against the saved baselines and counters."""
+
+    def run(out: Path, resume: str | None) -> tuple[list[Any], StabilityGuardCallback, dict[str, torch.Tensor]]:
+        model = tiny_gpt2(seed=1 if resume else 0)  # resumed: other weights, until the checkpoint loads
+        callback = StabilityGuardCallback(warmup_steps=2, log_dir=str(out / "sg"), verbose=False)
+        args = training_args(out, max_steps=12, save_strategy="steps", save_steps=6)
+        trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(),
+                          callbacks=[SpikeAt(model, 4), SpikeAt(model, 9), callback])
+        with capture_events() as events:
+            trainer.train(resume_from_checkpoint=resume)
+        return list(events), callback, snapshot(model)
+
+    full_events, full, full_weights = run(tmp_path, None)
+    assert (tmp_path / "checkpoint-6" / "guardtower-rank0.pt").is_file()
+    resumed_events, resumed, resumed_weights = run(tmp_path / "again", str(tmp_path / "checkpoint-6"))
+
+    def decisions(events: list[Any]) -> list[tuple[Any, ...]]:
+        return [(e.step, e.action, e.layer, repr(e.ratio)) for e in events if e.kind == "spike" and e.step > 6]
+
+    assert decisions(resumed_events) == decisions(full_events) and [d[0] for d in decisions(full_events)] == [9]
+    assert full.guard is not None and resumed.guard is not None
+    assert (resumed.guard.total_spikes, resumed.guard.total_skips) == (full.guard.total_spikes, 2)  # 4 and 9
+    a, b = full.guard.detector.state_dict()["state"], resumed.guard.detector.state_dict()["state"]
+    assert all(torch.equal(a[k].nan_to_num(1234.5), b[k].nan_to_num(1234.5)) for k in a)
+    assert _same(full_weights, resumed_weights)

@@ -35,8 +35,9 @@ from guardtower.alerts.policy import GroupPolicy, shared_throttle
 
 __all__ = ["AlertSink", "DEFAULT_KINDS"]
 
-#: what alerts by default: failed pre-flights, spikes, rollbacks, halts, stalls (only published with stall_after)
-DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt", "stall")
+#: what alerts by default: failed pre-flights, spikes, rollbacks, halts, stalls (only published with stall_after),
+#: an exceeded skip budget and a learning-rate back-off
+DEFAULT_KINDS = ("preflight", "spike", "rollback", "halt", "stall", "skip_budget", "lr_backoff")
 _PREFLIGHT_STATUS = {"PASS": Severity.INFO, "WARN": Severity.WARN, "FAIL": Severity.ERROR}
 #: keywords users reach for, and the argument they mean
 _ALIASES = {"webhook_url": "url", "webhook": "url", "endpoint": "url", "spool": "spool_path",
@@ -51,7 +52,8 @@ class AlertSink(BaseSink):
 
     - ``name``: the sink's name (default: its kind); the spool record's ``sink`` is ``"<kind>:<name>"``.
     - ``kinds``, ``min_severity``: which events alert. Defaults: failed pre-flights (a ``preflight``
-      event's status counts as its severity), every spike, rollback and halt.
+      event's status counts as its severity), every spike, rollback and halt, an exceeded skip budget and a
+      learning-rate back-off.
     - ``grouping``: a ``GroupPolicy`` (Alertmanager-style grouping by fingerprint) or None for one message
       per event.
     - ``rate_limit``: messages per second to one destination, shared by every sink posting there

@@ -13,7 +13,8 @@ from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeE
 __all__ = ["require", "check_prefix", "incident_label", "safe_error", "warn_once", "INCIDENT_KINDS"]
 
 #: event kinds that are incidents: they update ``last_incident`` and the incident totals
-INCIDENT_KINDS = frozenset({SpikeEvent.kind, SkipEvent.kind, RollbackEvent.kind, HaltEvent.kind, "nonfinite", "stall"})
+INCIDENT_KINDS = frozenset({SpikeEvent.kind, SkipEvent.kind, RollbackEvent.kind, HaltEvent.kind, "nonfinite", "stall",
+                            "skip_budget", "lr_backoff"})
 
 
 _warned: set[str] = set()

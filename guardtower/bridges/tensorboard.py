@@ -35,7 +35,8 @@ __all__ = ["TensorBoardBridge"]
 
 logger = logging.getLogger("guardtower.bridges.tensorboard")
 
-_TEXT_KINDS = frozenset({SpikeEvent.kind, RollbackEvent.kind, HaltEvent.kind, StallEvent.kind, "nonfinite"})
+_TEXT_KINDS = frozenset({SpikeEvent.kind, RollbackEvent.kind, HaltEvent.kind, StallEvent.kind, "nonfinite",
+                         "skip_budget", "lr_backoff"})
 
 
 class TensorBoardBridge(BaseSink):
@@ -181,4 +182,6 @@ def _text(event: Event) -> str:
     elif isinstance(event, StallEvent):
         parts.append(f"training resumed after {event.seconds:.4g} s without an optimizer step" if event.resolved
                      else f"no optimizer step for {event.seconds:.4g} s (stall_after {event.stall_after:g} s)")
+    elif event.kind in ("skip_budget", "lr_backoff"):
+        parts.append(str(getattr(event, "message", "")))
     return "  \n".join(parts)

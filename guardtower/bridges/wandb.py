@@ -36,7 +36,8 @@ __all__ = ["WandBBridge", "ALERT_KINDS", "alert_title"]
 logger = logging.getLogger("guardtower.bridges.wandb")
 
 #: the incident kinds that raise a W&B alert
-ALERT_KINDS = frozenset({PreflightEvent.kind, SpikeEvent.kind, RollbackEvent.kind, HaltEvent.kind, StallEvent.kind})
+ALERT_KINDS = frozenset({PreflightEvent.kind, SpikeEvent.kind, RollbackEvent.kind, HaltEvent.kind, StallEvent.kind,
+                         "skip_budget", "lr_backoff"})
 
 
 def alert_title(event: Event) -> str:

@@ -9,6 +9,8 @@ from guardtower.guard.detector import (
     Verdict,
     ZScoreDetector,
 )
+from guardtower.guard.actions import LowerLR
+from guardtower.guard.budget import SkipBudget
 from guardtower.guard.optimizer import GuardedOptimizer
 from guardtower.guard.reports import SpikeReportSink, read_report
 from guardtower.guard.watch import Watch
@@ -16,6 +18,8 @@ from guardtower.guard.watch import Watch
 __all__ = [
     "GuardedOptimizer",
     "Watch",
+    "SkipBudget",
+    "LowerLR",
     "Detector",
     "Verdict",
     "AutoDetector",

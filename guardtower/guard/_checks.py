@@ -13,7 +13,7 @@ from guardtower.guard.detector import Detector
 __all__ = ["check_params", "decision_device", "check_base_state", "check_guard_state"]
 
 _COUNTERS = ("step_count", "total_spikes", "total_skips", "total_rollbacks")
-_OPTIONAL_COUNTERS = ("total_overflows", "total_clips", "consecutive_rejections")
+_OPTIONAL_COUNTERS = ("total_overflows", "total_clips", "consecutive_rejections", "total_level_shifts")
 _FIX = "load a state dict saved by GuardedOptimizer.state_dict() for the same model, optimizer and detector"
 
 

@@ -33,7 +33,8 @@ from guardtower import _validate
 from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, adopt_log_dir, check_bus_args
 from guardtower.errors import ConfigError, GradientSpikeError
-from guardtower.events import Event, HaltEvent, RollbackEvent, SkipEvent, SpikeEvent, StartEvent, SummaryEvent
+from guardtower.events import (Event, HaltEvent, LrBackoffEvent, RollbackEvent, SkipBudgetEvent, SkipEvent, SpikeEvent,
+                               StartEvent, SummaryEvent)
 from guardtower.guard._accelerate import AcceleratedBase
 from guardtower.guard._buffers import BufferGuard
 from guardtower.guard._checks import check_base_state as _check_base_state
@@ -44,7 +45,9 @@ from guardtower.guard._checks import decision_device as _decision_device
 from guardtower.guard._measure import GradMeter
 from guardtower.guard._ranks import RankSlots, RankValue, named_ranks, read_ranks, report_ranks
 from guardtower.guard._records import Header, RecordQueue, StepRecord
-from guardtower.guard.actions import CLIP_MODES, ActionPolicy, clip_factor, device_skip, supports_device_skip
+from guardtower.guard.actions import (CLIP_MODES, ActionPolicy, LowerLR, RepeatTracker, clip_factor, device_skip,
+                                      resolve_on_repeat, scaled_lr, supports_device_skip)
+from guardtower.guard.budget import BudgetCounter, SkipBudget, resolve_skip_budget
 from guardtower.guard.detector import Detector, Explanation, make_detector
 from guardtower.guard.quarantine import BatchRef, Quarantine, batch_identity, batch_ref, check_entries, make_entry, write_entry
 from guardtower.guard.reports import SpikeReportSink, report_filename
@@ -113,7 +116,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
     loop watch of ``guardtower.guard.watch`` for the first 2,000 steps; ``Watch(...)`` to tune it; ``False``),
     ``triage`` (``True``: recompute a rejected ``step(closure)`` once with the RNG restored and label it
     ``transient`` or ``deterministic``; ``guardtower.guard.triage``). Each rejected step's batch (see
-    ``observe_batch``) goes to ``quarantine-rank{rank}.jsonl`` in ``log_dir`` (``guardtower.guard.quarantine``).
+    ``observe_batch``) goes to ``quarantine-rank{rank}.jsonl`` in ``log_dir`` (``guardtower.guard.quarantine``);
+    ``skip_budget`` (``True``: one ``skip_budget`` WARN when more than 1% of the last 1,000 steps were rejected;
+    ``SkipBudget(share, window)`` to tune it; ``False``), ``on_repeat`` (what a rollback to the same snapshot as
+    the one before does: ``"rollback"`` again, ``"raise"``, or ``"lower_lr"``/``LowerLR(factor, floor)``: a
+    bounded learning-rate back-off, then a halt; ``guardtower.guard.actions``).
 
     Constructing validates and creates nothing: the bus's sinks, the console box, the stall watchdog and the
     ``log_dir`` (created with the first spike report) come with the first ``step()``.
@@ -147,6 +154,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         on_halt: Callable[[GradientSpikeError], Any] | None = None,
         watch: bool | Watch = True,
         triage: bool = False,
+        skip_budget: bool | SkipBudget | None = True,
+        on_repeat: str | LowerLR = "rollback",
     ) -> None:
         # --- validate everything before touching anything ---
         if not isinstance(base_optimizer, torch.optim.Optimizer):
@@ -157,6 +166,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError("model", f"expected an nn.Module, got {type(model).__name__}", "pass the model or None")
         policy = ActionPolicy(nan_action, max_consecutive_skips, escalate_to)
+        repeat_action = resolve_on_repeat(on_repeat, policy)
+        budget = resolve_skip_budget(skip_budget)
         if clip not in CLIP_MODES:
             raise ConfigError("clip", f"unknown clip mode {clip!r}", f"pass one of {list(CLIP_MODES)}")
         found_detector = make_detector(detector, spike_threshold=spike_threshold, ema_alpha=ema_alpha,
@@ -246,6 +257,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._total_clips = 0
         self._total_level_shifts = 0  # slots re-baselined on a sustained level shift (a summary metric)
         self.consecutive_rejections = 0
+        self._budget = BudgetCounter(budget) if budget is not None else None
+        self._repeats = RepeatTracker(repeat_action)
+        self._rolled_back_at = -1  # the step of the last rollback
         self._closed = False
         self._started = False
         self._pending_loss: Tensor | None = None
@@ -287,7 +301,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                     "log_dir": str(self.log_dir), "clip": self.clip,
                     "max_consecutive_skips": self.policy.max_consecutive_skips,
                     "escalate_to": self.policy.escalate_to, "device": str(self._device),
-                    "bn_buffers_protected": bool(self._buffers)}
+                    "bn_buffers_protected": bool(self._buffers),
+                    "skip_budget": None if self._budget is None else [self._budget.options.share,
+                                                                     self._budget.options.window],
+                    "on_repeat": str(self._repeats.on_repeat)}
         self._publish(StartEvent(
             **self._run_kw, step=self._step_count, optimizer=type(self._base).__name__, detector=self.detector.name,
             nan_action=self.policy.nan_action, spike_threshold=self.detector.threshold,
@@ -424,29 +441,42 @@ class GuardedOptimizer(torch.optim.Optimizer):
             "total_overflows": self._total_overflows,
             "total_clips": self._total_clips,
             "consecutive_rejections": self.consecutive_rejections,
+            "total_level_shifts": self._total_level_shifts,
+            "world_size": world_size(),  # informative: a state loads under any world size (docs/guard.md)
             "detector": self.detector.state_dict(),
             "quarantine": [dict(entry) for entry in self._quarantine],
+            "on_repeat": self._repeats.state_dict(),
         }
+        if self._budget is not None:
+            state["guardtower"]["skip_budget"] = self._budget.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state dict from ``state_dict()``, or a plain base-optimizer one (guard state unchanged).
+        """Restore a state dict from ``state_dict()``, or a plain base-optimizer one (guard state unchanged), or
+        ``{"guardtower": state_dict()["guardtower"]}`` (the guard's state alone; the base optimizer's unchanged).
 
         Everything is checked first (``ConfigError`` naming what is wrong); on error nothing has changed.
+        A state saved under another world size loads (docs/guard.md says what carries over).
         """
         if not isinstance(state_dict, Mapping):
             raise ConfigError("state_dict", f"expected a dict, got {type(state_dict).__name__}",
                               "pass the dict returned by optimizer.state_dict()")
         state = dict(state_dict)
         guard = state.pop("guardtower", None)
-        _check_base_state(state, self._base)
+        guard_only = guard is not None and not state
+        if not guard_only:
+            _check_base_state(state, self._base)
         counters: dict[str, int] = {}
         if guard is not None:
             counters = _check_guard_state(guard, self.detector)
             quarantine = check_entries(guard.get("quarantine", []))
+            for key, part in (("skip_budget", self._budget), ("on_repeat", self._repeats)):
+                if part is not None and key in guard:
+                    part.check_state_dict(guard[key])
         self._drain(block=True)
         try:
-            self._base.load_state_dict(state)
+            if not guard_only:
+                self._base.load_state_dict(state)
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise ConfigError("state_dict", f"the base optimizer refused it ({exc})",
                               "load a state dict saved from the same optimizer and parameter groups") from None
@@ -461,6 +491,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._total_clips = counters["total_clips"]
             self.consecutive_rejections = counters["consecutive_rejections"]
             self._quarantine = quarantine
+            self._total_level_shifts = counters["total_level_shifts"]
+            if self._budget is not None and "skip_budget" in guard:
+                self._budget.load_state_dict(guard["skip_budget"])
+            if "on_repeat" in guard:
+                self._repeats.load_state_dict(guard["on_repeat"])
         self._history.clear()
         if self._snapshots is not None:
             self._snapshots.clear()
@@ -554,7 +589,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 out = self._base_step(found_inf, grad_scale, base_closure)
         else:
             out = self._base_step(found_inf, grad_scale, base_closure)
-        if self._snapshots is not None and self._snapshots.due(step):
+        # a step that rolled back holds the snapshot it restored: not a new one (a repeat returns to the same)
+        if self._snapshots is not None and self._snapshots.due(step) and self._rolled_back_at != step:
             self._snapshots.take(step)
         if self.heartbeat is not None:
             self.heartbeat.beat(step)
@@ -574,9 +610,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self.detector.judge(norms, global_norm, loss_t).spike | bad
 
     def _base_step(self, found_inf: Tensor, grad_scale: Tensor | None, closure: Callable[[], Any] | None) -> Any:
-        if self._step_supports_amp_scaling:
-            return device_skip(self._base, found_inf, grad_scale, closure)
-        return self._base.step(closure) if closure is not None else self._base.step()
+        with scaled_lr(self._base, self._repeats.scale):  # 1.0 unless on_repeat lowered the learning rate
+            if self._step_supports_amp_scaling:
+                return device_skip(self._base, found_inf, grad_scale, closure)
+            return self._base.step(closure) if closure is not None else self._base.step()
 
     def _judge(self, step: int, loss: Any, grad_scale: Tensor | None,
                scaler_found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -729,7 +766,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._last_summary = step
         metrics = {"overflow_steps": float(self._total_overflows), "clipped_steps": float(self._total_clips),
                    "consecutive_rejections": float(self.consecutive_rejections),
-                   "level_shifts": float(self._total_level_shifts)}
+                   "level_shifts": float(self._total_level_shifts), "lr_scale": self._repeats.scale}
         if record is not None:
             _, seen = self._explain(record)
             metrics.update({"global_baseline": seen.global_baseline, "global_ratio": seen.global_ratio,
@@ -810,14 +847,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._publish(SkipEvent(**self._run_kw, step=record.step, severity=severity, layer=layer,
                                     reason=reason, total_skips=self._total_skips,
                                     consecutive_skips=self.consecutive_rejections, ranks=ranks, batch=batch))
-        elif action == "rollback":
-            self._rollback(record.step, layer, reason)
-        else:
-            escalated = self.policy.nan_action != "raise"
-            what = ("NaN/Inf in the gradient" if reason == "nonfinite"
-                    else f"ratio {ratio:.3g}, threshold {self.detector.threshold:g}")
-            message = (f"gradient spike at step {record.step} in {layer} ({what})"
-                       + (f" after {self.consecutive_rejections} rejected steps in a row" if escalated else ""))
+        what = ("NaN/Inf in the gradient" if reason == "nonfinite"
+                else f"ratio {ratio:.3g}, threshold {self.detector.threshold:g}")
+        message = f"gradient spike at step {record.step} in {layer} ({what})"
+        if action == "rollback":
+            repeated = self._rollback(record.step, layer, reason)
+            if repeated is not None:
+                action = "raise"
+                message += f" after {repeated}"
+        elif action == "raise" and self.policy.nan_action != "raise":
+            message += f" after {self.consecutive_rejections} rejected steps in a row"
+        if action == "raise":
             self._publish(HaltEvent(**self._run_kw, step=record.step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, ratio=ratio, message=message))
             self._summary(record.step, head.global_norm, loss, record.lr)  # the run's last record: it ends here
@@ -828,6 +868,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if self.on_halt is not None:  # e.g. an integration marks the tracker run failed
                 self.on_halt(error)
             raise error
+        if self._budget is not None:
+            self._check_budget(record.step, action)
 
     def _remember(self, entry: dict[str, Any], outcome: Outcome | None) -> None:
         """Quarantine a rejected step's batch: in the guard's state and, one whole line, in this rank's file."""
@@ -843,12 +885,27 @@ class GuardedOptimizer(torch.optim.Optimizer):
             warnings.warn(f"guardtower: could not write the quarantine entry of step {entry['step']}: {exc}",
                           RuntimeWarning, stacklevel=2)
 
-    def _rollback(self, from_step: int, layer: str, reason: str) -> None:
+    def _check_budget(self, step: int, action: str) -> None:
+        """Count a rejected step; one ``skip_budget`` WARN when it takes the recent share over the budget."""
+        assert self._budget is not None
+        counts = self._budget.note(step, action)
+        if counts is None:
+            return
+        message = (f"{counts['rejected']} of the last {counts['steps']:,} steps were rejected "
+                   f"({counts['skipped']} skipped, {counts['clipped']} clipped, {counts['rolled_back']} rolled back); "
+                   f"the budget is {counts['share']:.3g} of {counts['window']:,} steps")
+        self._publish(SkipBudgetEvent(**self._run_kw, step=step, severity=Severity.WARN, message=message, **counts))
+
+    def _rollback(self, from_step: int, layer: str, reason: str) -> str | None:
+        """Restore the last clean snapshot. Returns why the run must halt instead of going on (``on_repeat``),
+        else None; the snapshot is restored either way, so a halted run holds clean weights."""
         store = self._snapshots
         assert store is not None, "rollback requested without a snapshot store"
         snap = store.latest_before(from_step) or (store.snapshots[0] if store.snapshots else None)
         if snap is None:
             raise GradientSpikeError(from_step, layer, math.nan, f"rollback at step {from_step}: no snapshot")
+        outcome = self._repeats.rollback(snap.step)
+        self._rolled_back_at = from_step
         store.restore(snap)
         if self._buffers is not None:
             self._buffers.refresh()
@@ -859,8 +916,24 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._publish(RollbackEvent(**self._run_kw, step=from_step, severity=Severity.ERROR, layer=layer,
                                     reason=reason, from_step=from_step, to_step=snap.step,
                                     total_rollbacks=self._total_rollbacks))
+        repeats = self._repeats.repeats + 1
+        if outcome == "raise":
+            lowered = f", the learning rate already at {self._repeats.scale:.3g}x" if self._repeats.backoffs else ""
+            return f"{repeats} rollbacks in a row to the snapshot of step {snap.step}{lowered}"
+        if outcome == "lower_lr":
+            options = self._repeats.on_repeat
+            assert isinstance(options, LowerLR)
+            lr = self._lr()
+            scale = self._repeats.scale
+            self._publish(LrBackoffEvent(
+                **self._run_kw, step=from_step, severity=Severity.WARN, scale=scale, factor=options.factor,
+                floor=options.floor, backoffs=self._repeats.backoffs, to_step=snap.step, repeats=repeats,
+                lr=None if lr is None else lr * scale,
+                message=(f"{repeats} rollbacks in a row to the snapshot of step {snap.step}: learning rate lowered "
+                         f"to {scale:.3g}x the scheduled one (floor {options.floor:g}x)")))
         if self.on_rollback is not None:
             self.on_rollback(from_step, snap.step)
+        return None
 
     def _publish(self, event: Event) -> None:
         self.bus.publish(event)

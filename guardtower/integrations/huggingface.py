@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 import types
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from guardtower._dist import current_rank
 from guardtower._runs import run_name
 from guardtower._validate import flag, no_unknown_kwargs
 from guardtower.bus import EventBus, Sink, check_bus_args
@@ -51,6 +54,9 @@ logger = logging.getLogger("guardtower.integrations.huggingface")
 _MAX_FRAMES = 40
 #: how long the final summary at the end of training (or on an exception) may take to reach the sinks
 _FINISH_TIMEOUT_S = 10.0
+#: the guard's own state in a Trainer checkpoint folder, one file per rank (the Trainer loads ``optimizer.pt``
+#: into the plain optimizer before the callback wraps it, and saves it on rank 0 only)
+_GUARD_FILE = "guardtower-rank{rank}.pt"
 
 
 class GuardtowerCallback(PreflightCallbackBase, TrainerCallback):
@@ -172,16 +178,16 @@ def _first_batch(dataloader: Any, model: nn.Module) -> Any:
     return {k: move(v) for k, v in batch.items()} if isinstance(batch, Mapping) else [move(v) for v in batch]
 
 
-def _caller_self(matches: Callable[[Any], bool]) -> Any:
-    """The nearest ``self`` up the call stack that ``matches``, else None: callbacks are not handed the Trainer
-    or its DDP/FSDP wrapper, but both are on the stack that calls them."""
+def _caller_locals(matches: Callable[[Mapping[str, Any]], bool]) -> Mapping[str, Any] | None:
+    """The local variables of the nearest frame up the call stack that ``matches``, else None: callbacks are not
+    handed the Trainer, its DDP/FSDP wrapper or the checkpoint it resumes from, but all are on the stack that
+    calls them."""
     frame: types.FrameType | None = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break
-        candidate = frame.f_locals.get("self")
-        if matches(candidate):
-            return candidate
+        if matches(frame.f_locals):
+            return frame.f_locals
         frame = frame.f_back
     return None
 
@@ -193,16 +199,17 @@ def _calling_wrapper(module: nn.Module) -> nn.Module:
     distributed checks see the real setup (no false "model not wrapped", and DDP's unused-parameter hang is
     caught); the wrapper is found on the call stack of this very forward, where it holds ``.module``.
     """
-    wrapper = _caller_self(lambda c: isinstance(c, nn.Module) and c is not module
-                           and getattr(c, "module", None) is module)
-    return module if wrapper is None else wrapper
+    found = _caller_locals(lambda f: isinstance(f.get("self"), nn.Module) and f["self"] is not module
+                           and getattr(f["self"], "module", None) is module)
+    return module if found is None else found["self"]
 
 
 def _running_trainer() -> Any:
     """The ``Trainer`` whose ``train()`` is calling this callback."""
     from transformers import Trainer
 
-    return _caller_self(lambda c: isinstance(c, Trainer))
+    found = _caller_locals(lambda f: isinstance(f.get("self"), Trainer))
+    return None if found is None else found["self"]
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -237,6 +244,11 @@ class StabilityGuardCallback(TrainerCallback):
     logs the unclipped norm) and clips with the same norm right before each accepted update; the value is
     restored at the end of training. ``clip_in_guard=False`` keeps the Trainer's clipping as it is.
     A halt (``nan_action="raise"``) ends the active MLflow run FAILED unless ``fail_mlflow_run=False``.
+
+    Checkpoints: ``on_save`` writes each rank's guard state (baselines, counters, skip budget, lr back-off)
+    next to the Trainer's, as ``guardtower-rank<r>.pt``; a run resumed with ``resume_from_checkpoint`` loads
+    it, so the guard decides as if training had never stopped. A rank without a file of its own (more ranks
+    than were saved) loads rank 0's.
     """
 
     def __init__(
@@ -304,6 +316,8 @@ class StabilityGuardCallback(TrainerCallback):
             guard_args.setdefault("run", run_name(None, trainer=getattr(args, "run_name", None)))
             self.guard = GuardedOptimizer(inner, model, **guard_args, sinks=self._sinks, bus=self._bus)
             _swap_inner_optimizer(holder, self.guard)
+            if state.global_step > 0:  # resumed from a checkpoint: the guard goes on from its saved state
+                self._restore_guard(args, state)
         # the loop watch judges the Trainer's own cadence: its scheduler, accumulation and planned length
         scheduler = kwargs.get("lr_scheduler")
         self.guard.declare_loop(schedulers=[scheduler] if scheduler is not None else [],
@@ -344,6 +358,30 @@ class StabilityGuardCallback(TrainerCallback):
         if self._trainer is not None:
             vars(self._trainer).pop("training_step", None)
             self._trainer = None
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Write this rank's guard state into the checkpoint folder the Trainer just wrote (atomically)."""
+        if self.guard is None:
+            return
+        folder = _checkpoint_folder(args.output_dir, state.global_step)
+        folder.mkdir(parents=True, exist_ok=True)  # another rank may not have created it yet
+        target = folder / _GUARD_FILE.format(rank=current_rank())
+        partial = target.with_suffix(".pt.partial")
+        torch.save({"guardtower": self.guard.state_dict()["guardtower"]}, partial)
+        os.replace(partial, target)
+
+    def _restore_guard(self, args: TrainingArguments, state: TrainerState) -> None:
+        assert self.guard is not None
+        found = _resumed_from()
+        folders = [Path(found)] if found else [_checkpoint_folder(args.output_dir, state.global_step)]
+        for folder in folders:
+            for rank in dict.fromkeys((current_rank(), 0)):
+                path = folder / _GUARD_FILE.format(rank=rank)
+                if path.is_file():
+                    self.guard.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+                    return
+        logger.warning("guardtower: resumed at step %d without a saved guard state in %s; the guard's baselines "
+                       "start over", state.global_step, ", ".join(str(f) for f in folders))
 
     def _record_loss(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook: add a training forward's loss (a device tensor) to this accumulation window's sum."""
@@ -412,6 +450,23 @@ class StabilityGuardCallback(TrainerCallback):
         if self._saved_max_grad_norm is not None and self._args is not None:
             self._args.max_grad_norm = self._saved_max_grad_norm
             self._saved_max_grad_norm = None
+
+
+def _resumed_from() -> str | None:
+    """The checkpoint the Trainer is resuming from right now: ``resume_from_checkpoint`` of its training
+    loop, found on the call stack of ``on_train_begin`` (callbacks are not handed it)."""
+    from transformers import Trainer
+
+    found = _caller_locals(lambda f: isinstance(f.get("self"), Trainer) and "resume_from_checkpoint" in f)
+    checkpoint = None if found is None else found["resume_from_checkpoint"]
+    return checkpoint if isinstance(checkpoint, str) else None
+
+
+def _checkpoint_folder(output_dir: str | None, global_step: int) -> Path:
+    """Where the Trainer writes the checkpoint of ``global_step`` (``Trainer._save_checkpoint``)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return Path(output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
 
 
 def _step_holder(optimizer: Any) -> Any:
