@@ -173,7 +173,8 @@ _CORE: tuple[FailureMode, ...] = (
     FailureMode(
         "INPUT-004", "Padding not covered by the attention mask", Severity.WARN,
         "Rows end (or start) with a run of config.pad_token_id that the attention_mask marks as real tokens, or "
-        "rows hold padding runs and no attention_mask reaches the model.",
+        "rows hold padding runs (of the pad id, or of another id every row is padded with) and no attention_mask "
+        "reaches the model.",
         "Attention then reads the padding as text: every padded row's representation depends on how much padding "
         "the batch needed, and nothing errors.",
         "Pass the tokenizer's attention_mask (or build it as input_ids != pad_token_id when pad and EOS differ); "
@@ -191,6 +192,16 @@ _CORE: tuple[FailureMode, ...] = (
         "Set model.config.pad_token_id = tokenizer.pad_token_id (and resize the embeddings if the pad token is new).",
         "https://github.com/ymcui/Chinese-LLaMA-Alpaca-2/issues/160",
         ("inputs", "padding", "special-tokens", "huggingface"),
+    ),
+    FailureMode(
+        "INPUT-006", "Sequences start with BOS twice", Severity.WARN,
+        "Most rows of the batch start (after any left padding) with config.bos_token_id twice.",
+        "Text that already holds BOS (a chat template's '<s>', a dataset that stored it) tokenized with "
+        "add_special_tokens=True gets a second one; the model trains on a prefix inference never sends, which "
+        "shifts rewards and generations a little and raises nothing.",
+        "Tokenize templated text with add_special_tokens=False (or strip the template's BOS).",
+        "https://github.com/YangRui2015/Generalizable-Reward-Model/issues/6",
+        ("inputs", "tokenizer"),
     ),
     FailureMode(
         "GRAD-001", "Trainable parameter gets no gradient", Severity.ERROR,
@@ -615,7 +626,7 @@ _LORA: tuple[FailureMode, ...] = (
     FailureMode(
         id="LORA-005",
         title="Trainable share too high for LoRA",
-        severity=Severity.WARN,
+        severity=Severity.INFO,
         summary="The LoRA adapters make up more than 10% of the model's parameters (modules_to_save copies, which "
         "the user asked to train whole, are not counted).",
         why="Nothing fails; memory, optimizer state and checkpoint size approach a full fine-tune, typically "
@@ -832,6 +843,26 @@ _STEP: tuple[FailureMode, ...] = (
         ("optimizer", "frozen"),
     ),
     FailureMode(
+        "OPT-014", "Module flagged requires_grad=False still trains", Severity.WARN,
+        "A module has requires_grad = False set as a plain attribute (module.requires_grad = False), but its "
+        "parameters still require grad and sit in the optimizer.",
+        "nn.Module has no requires_grad flag: the assignment creates an unused attribute and raises nothing, so "
+        "the part meant to stay fixed (a pretrained encoder, a source-model head) trains with everything else.",
+        "Call module.requires_grad_(False) (note the trailing underscore), or set p.requires_grad = False on each "
+        "of its parameters, before building the optimizer.",
+        "https://github.com/CSCYQJ/MICCAI23-ProtoContra-SFDA/issues/18",
+        ("optimizer", "freezing"),
+    ),
+    FailureMode(
+        "OPT-015", "Momentum the size of a weight decay", Severity.WARN,
+        "A param group's momentum (SGD/RMSprop momentum, Adam's first beta) is above 0 but below 0.05.",
+        "Positional arguments one slot off (SGD(params, lr, 5e-4) puts the weight decay into momentum) give a "
+        "run with almost no momentum and no weight decay; it trains, just worse, and nothing raises.",
+        "Pass momentum= and weight_decay= by keyword; check optimizer.param_groups after construction.",
+        "https://pytorch.org/docs/stable/generated/torch.optim.SGD.html",
+        ("optimizer",),
+    ),
+    FailureMode(
         "AMP-004", "Gradients clipped while still scaled", Severity.WARN,
         "The step calls clip_grad_norm_/clip_grad_value_ after a GradScaler-scaled backward and before "
         "scaler.unscale_(optimizer): the threshold is compared with the scaled gradients.",
@@ -916,6 +947,37 @@ _STEP: tuple[FailureMode, ...] = (
         ("loop", "loss"),
     ),
     FailureMode(
+        "LOOP-011", "Accumulated loss divided by the accumulation count twice", Severity.WARN,
+        "Within one accumulated step the micro-batches' loss weights add up to 1/K instead of 1: a loss already "
+        "normalised over the whole step (num_items_in_batch) is divided by the K micro-batches again.",
+        "Every gradient is K times too small: with SGD the lr is effectively K times lower, with Adam weight "
+        "decay and epsilon weigh K times more; training runs, just slower, and changes with K.",
+        "Divide once: either each micro-batch's mean by K, or the summed loss by the step's total count, not both.",
+        "https://github.com/unslothai/unsloth-zoo/pull/1023",
+        ("loop", "loss"),
+    ),
+    FailureMode(
+        "LOOP-009", "optimizer.step() twice on one backward's gradients", Severity.WARN,
+        "The step calls optimizer.step() more than once with no backward() in between, so the same gradients "
+        "(or, after a zero_grad, only the momentum) are applied again.",
+        "A leftover optimizer.step() after scaler.step(optimizer), or a step in both the loop and a helper, "
+        "doubles every update and the optimizer's step count; the loss still falls, just on a hotter, noisier "
+        "path, and the bias correction and schedule run at twice the planned pace.",
+        "Step once per backward window: with a GradScaler only scaler.step(optimizer); remove the other call.",
+        "https://pytorch.org/docs/stable/notes/amp_examples.html",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
+        "LOOP-010", "Gradients computed but the optimizer never steps", Severity.WARN,
+        "The step runs backward() and clears gradients or advances the lr scheduler, but never calls the "
+        "optimizer's step(): the gradients are thrown away and no weight moves.",
+        "The loss is computed and logged every step and the lr follows its schedule, so the run looks alive; "
+        "only a flat loss curve (or weights identical to the initial ones) gives it away.",
+        "Call optimizer.step() after every backward window (not in an else branch of 'if scheduler:').",
+        "https://github.com/ClementPinard/SfmLearner-Pytorch/issues/5",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
         "SCHED-001", "The lr schedule ends early", Severity.WARN,
         "Walked over the planned run at the cadence the step really steps it, the learning rate falls to ~0 "
         "(<= 1e-3 x its peak) well before the last planned optimizer step.",
@@ -948,6 +1010,18 @@ _STEP: tuple[FailureMode, ...] = (
         "stepped, e.g. when accelerator.sync_gradients), or build a per-epoch schedule for per-epoch stepping.",
         "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
         ("schedule", "loop"),
+    ),
+    FailureMode(
+        "SCHED-004", "The schedule starts over on a resumed optimizer", Severity.WARN,
+        "The LR scheduler is at its first step (last_epoch=0) while the optimizer it drives already holds state "
+        "from earlier steps (Adam's step count, momentum buffers), and the schedule is not constant.",
+        "Resuming from a checkpoint that restores the model and optimizer but builds the scheduler afresh "
+        "replays the warmup and the decay from the top on trained weights; the run goes on with the wrong "
+        "learning rates and never reaches the planned end of the schedule.",
+        "Save scheduler.state_dict() in the checkpoint and load it with the optimizer's on resume (or build the "
+        "scheduler with last_epoch= the resumed step).",
+        "https://github.com/victoresque/pytorch-template/issues/68",
+        ("schedule", "optimizer"),
     ),
 )
 

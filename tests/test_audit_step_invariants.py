@@ -16,7 +16,7 @@ from guardtower.failure_modes import _STEP
 from guardtower.preflight import audit
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import Case, case_registry, gpt2, mlp, token_batch
+from tests._audit_core_helpers import VOCAB, Case, case_registry, gpt2, mlp, token_batch
 
 CASES, case = case_registry()
 
@@ -84,6 +84,138 @@ def _schedule_stepped_per_micro_batch(bug: bool) -> Case:
 def _onecycle_not_stepped(bug: bool) -> Case:
     return _scheduled(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-3, total_steps=300), total=300,
                       per_step=0 if bug else 1)
+
+
+@case("SCHED-004")
+def _resumed_optimizer_with_a_fresh_schedule(bug: bool) -> Case:
+    from transformers import get_cosine_schedule_with_warmup
+
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    sched = get_cosine_schedule_with_warmup(opt, 20, 600)
+    x, y = _data()
+    for _ in range(30):  # the run before the checkpoint
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        sched.step()
+    saved = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt.load_state_dict(saved["optimizer"])
+    sched = get_cosine_schedule_with_warmup(opt, 20, 600)
+    if not bug:
+        sched.load_state_dict(saved["scheduler"])
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
+    return m, step, {"optimizer": opt, "lr_scheduler": sched, "total_steps": 600}
+
+
+# --- the loop step_fn runs ------------------------------------------------------------------------------------
+def _looped(*, steps: int = 1, zero_first: bool = True, scale: float = 1.0, micro: int = 1,
+            sched: bool = False) -> Case:
+    """A classifier step that runs ``micro`` backward passes, then ``steps`` optimizer steps."""
+    m = _classifier()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, total_iters=500) if sched else None
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        if zero_first:
+            opt.zero_grad()
+        for i in range(micro):
+            loss = F.cross_entropy(m(x[i::micro]), y[i::micro]) / micro * scale
+            loss.backward()
+        for _ in range(steps):
+            opt.step()
+        if schedule is not None:
+            schedule.step()
+        return loss
+
+    return m, step, {"optimizer": opt, **({"lr_scheduler": schedule, "total_steps": 500} if sched else {})}
+
+
+@case("LOOP-009")
+def _stepped_twice(bug: bool) -> Case:
+    return _looped(steps=2 if bug else 1)
+
+
+@case("LOOP-010")
+def _scheduled_but_never_stepped(bug: bool) -> Case:
+    return _looped(steps=0 if bug else 1, sched=True)
+
+
+@case("LOOP-010/cleared")
+def _cleared_and_never_stepped(bug: bool) -> Case:
+    return _looped(steps=0 if bug else 1)
+
+
+@case("LOOP-011")
+def _divided_by_the_window_twice(bug: bool) -> Case:
+    return _looped(micro=4, scale=0.25 if bug else 1.0)
+
+
+# --- the setup's own flags -------------------------------------------------------------------------------------
+@case("OPT-014")
+def _module_attribute_instead_of_requires_grad_(bug: bool) -> Case:
+    m = _classifier()
+    if bug:
+        m[0].requires_grad = False  # an attribute on the module: its parameters still train
+    else:
+        m[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("OPT-015")
+def _weight_decay_in_the_momentum_slot(bug: bool) -> Case:
+    m = _classifier()
+    opt = (torch.optim.SGD(m.parameters(), 0.05, 1e-4) if bug
+           else torch.optim.SGD(m.parameters(), 0.05, momentum=0.9, weight_decay=1e-4))
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("INPUT-006")
+def _bos_added_twice(bug: bool) -> Case:
+    model = gpt2(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    batch = token_batch(seed=3)
+    ids = batch["input_ids"].clone()
+    ids[:, 0] = 1
+    if bug:
+        ids[:, 1] = 1
+    batch = {"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": ids.clone()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, lambda: model(**batch).loss, {"optimizer": opt, "inputs": batch}
+
+
+@case("INPUT-004/foreign-id")
+def _bert_padded_with_another_id_without_mask(bug: bool) -> Case:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, pad_token_id=0, num_labels=2))
+    lengths = (10, 6, 3, 8)
+    g = torch.Generator().manual_seed(4)
+    filler = 7 if bug else 0
+    ids = torch.full((4, 12), filler)
+    for r, n in enumerate(lengths):
+        ids[r, :n] = torch.randint(10, VOCAB, (n,), generator=g)
+    labels = torch.tensor([0, 1, 1, 0])
+    batch: dict[str, torch.Tensor] = {"input_ids": ids, "labels": labels}
+    if not bug:
+        batch["attention_mask"] = (ids != 0).long()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, lambda: model(**batch).loss, {"optimizer": opt, "inputs": batch}
 
 
 def test_a_warmup_then_decay_schedule_over_its_own_length_is_quiet() -> None:

@@ -248,7 +248,8 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                     trace.overfit_lrs = at_peak_lr(ctx)
                     trace.overfit_losses = overfit_losses(ctx, counted_step, steps, verbose=verbose)
                 state.restore_values()
-        # checks judge the model as the user handed it over, not as the step left it
+        # checks judge the model (and its schedule) as the user handed it over, not as the step left it
+        schedule.restore()
         for spec in specs:
             report.findings.extend(_run_check(spec, ctx))
     finally:

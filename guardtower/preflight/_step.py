@@ -219,7 +219,15 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                 if rows is not None:
                     trace.grad_rows_after_backward[names[id(p)]] = rows
 
+    depth = [0]  # an optimizer subclass whose step() calls super().step() runs the hooks of both: one step
+
+    def post_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth[0] -= 1
+
     def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth[0] += 1
+        if depth[0] > 1:
+            return
         trace.loop_events.append("step")
         tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         trace.step_grads.append(sum(1 for p in tracked if p.grad is not None and bool(p.grad.any())))
@@ -259,7 +267,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in ctx.params.values() if p.requires_grad]
     base = base_optimizer(ctx.optimizer)
     if base is not None:
-        handles.append(base.register_step_pre_hook(pre_step))
+        handles += [base.register_step_pre_hook(pre_step), base.register_step_post_hook(post_step)]
     # (owner, attribute, wrapper factory): what the step calls, seen while it runs and put back afterwards
     patches: list[tuple[Any, str, Callable[[Any], Any]]] = [
         (torch.optim.Optimizer, "zero_grad", zero_grad_wrapper), (nn.Module, "zero_grad", zero_grad_wrapper),

@@ -12,13 +12,26 @@ from guardtower.severity import Severity
 __all__: list[str] = []
 
 
-@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003", "AMP-004"))
+@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003", "LOOP-009", "LOOP-010", "AMP-004"))
 def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
     """LOOP-001 gradients cleared between backward and step, LOOP-002 step before backward, LOOP-003 gradients
-    never cleared, AMP-004 gradients clipped while still scaled by a GradScaler."""
+    never cleared, LOOP-009 two optimizer steps on one backward's gradients, LOOP-010 gradients computed and
+    thrown away without a step, AMP-004 gradients clipped while still scaled by a GradScaler."""
     trace = ctx.trace
-    if trace is None or "step" not in trace.loop_events:
+    if trace is None:
         return []
+    if "step" not in trace.loop_events:
+        return _never_stepped(ctx)
+    doubled = _steps_without_backward(trace.loop_events)
+    if doubled:
+        return [Finding(
+            "loop_order", Severity.WARN,
+            f"optimizer.step() runs {doubled + 1} times on the gradients of one backward() "
+            f"({' -> '.join(trace.loop_events)}): every batch is applied {doubled + 1} times (the moments and step "
+            "count advance twice), e.g. a leftover optimizer.step() after scaler.step(optimizer); step once per "
+            "backward window",
+            "LOOP-009", {"order": trace.loop_events},
+        )]
     clipped = _clipped_while_scaled(trace.loop_events) if trace.scaled_backward else False
     if clipped:
         return [Finding(
@@ -70,3 +83,40 @@ def _clipped_while_scaled(events: list[str]) -> bool:
         elif event == "clip" and scaled:
             return True
     return False
+
+
+def _steps_without_backward(events: list[str]) -> int:
+    """How many optimizer steps follow another with no backward in between (the same gradients again)."""
+    repeats, stepped = 0, False
+    for event in events:
+        if event == "backward":
+            stepped = False
+        elif event == "step":
+            repeats += stepped
+            stepped = True
+    return repeats
+
+
+def _never_stepped(ctx: AuditContext) -> list[Finding]:
+    """LOOP-010: step_fn runs backward itself and advances the schedule or clears gradients, but the optimizer
+    it was handed never steps: the gradients are computed and thrown away (a step_fn that only computes the
+    loss, or a micro-step of an accumulation window, clears nothing and steps no schedule)."""
+    trace = ctx.trace
+    assert trace is not None
+    events = trace.loop_events
+    if ctx.optimizer is None or not trace.user_backward or "backward" not in events:
+        return []
+    if trace.scaled_backward or "unscale" in events:  # a GradScaler skips the step of an overflowing batch
+        return []
+    cleared_first = "zero_grad" in events[:events.index("backward")]
+    if "scheduler" not in events and not cleared_first:
+        return []
+    evidence = "steps the lr scheduler" if "scheduler" in events else "clears the gradients first"
+    return [Finding(
+        "loop_order", Severity.WARN,
+        f"the step runs backward() and {evidence} but never calls optimizer.step() ({' -> '.join(events)}): "
+        "the gradients are thrown away and no weight moves (e.g. optimizer.step() in the else branch of "
+        "'if scheduler:'); call optimizer.step() after every backward window",
+        "LOOP-010", {"order": events},
+    )]
+

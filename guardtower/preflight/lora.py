@@ -315,7 +315,7 @@ def check_trainable_pct(ctx: AuditContext) -> Iterator[Finding]:
         saved = sum(ctx.params[n].numel() for n in saved_names if ctx.params[n].requires_grad)
         yield Finding(
             "lora_trainable_pct",
-            Severity.WARN,
+            Severity.INFO,  # nothing fails: it costs memory, it does not train wrong (severity from consequence)
             f"the adapters make up {pct:.1f}% of the parameters ({trainable:,} of {total:,}; modules_to_save, "
             f"{saved:,} more, not counted): memory and optimizer state approach a full fine-tune (rank too high?)",
             "LORA-005",

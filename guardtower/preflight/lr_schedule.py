@@ -4,7 +4,9 @@ back; the cadence is what ``step_fn`` did: how many ``scheduler.step()`` calls p
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
+
+import torch
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._schedule import Walk, walk_schedule
@@ -22,6 +24,9 @@ EARLIEST_END = 0.9
 LATEST_PEAK = 0.9
 #: a schedule is "per step" when its lr changes by more than this factor over the planned run
 MOVES = 2.0
+#: how far a restarted schedule is walked to see whether it moves, when neither the run nor the optimizer's
+#: step count says more
+_RESUME_HORIZON = 1000
 
 
 def _planned(ctx: AuditContext) -> int | None:
@@ -68,15 +73,25 @@ def _judge(walk: Walk, gi: int) -> tuple[str, str, dict[str, object]] | None:
     return None
 
 
-@check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003"))
+@check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003", "SCHED-004"))
 def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
     """SCHED-001 the lr reaches ~0 early, SCHED-002 the run ends inside the warmup, SCHED-003 a per-step
-    schedule that the training step does not step once per optimizer step."""
+    schedule that the training step does not step once per optimizer step, SCHED-004 a schedule at its start
+    driving an optimizer that has already trained (a resume that restored everything but the scheduler)."""
     opt = base_optimizer(ctx.optimizer)
+    if ctx.lr_scheduler is None or opt is None:
+        return []
+    restarted = _restarted(ctx.lr_scheduler, opt, _planned(ctx))
+    if restarted is not None:
+        return [restarted]
     planned = _planned(ctx)
-    if ctx.lr_scheduler is None or opt is None or planned is None:
+    if planned is None:
         return []
     cadence, opt_steps = _cadence(ctx)
+    if cadence == 0 and ctx.trace is not None and "scheduler" in ctx.trace.loop_events:
+        # step_fn is several optimizer steps (an epoch) and steps the scheduler less often than the optimizer:
+        # a per-epoch schedule stepped where it is meant to be; its horizon in epochs is unknown here
+        return []
     findings: list[Finding] = []
     walk = walk_schedule(ctx.lr_scheduler, opt, planned, max(cadence or 1, 1))
     if walk is None:
@@ -109,3 +124,30 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
             findings.append(Finding("lr_schedule", Severity.WARN, message, cid, details))
             break  # one group tells; the others share the schedule
     return findings
+
+
+def _restarted(scheduler: Any, optimizer: torch.optim.Optimizer, planned: int | None) -> Finding | None:
+    """SCHED-004: the scheduler has never stepped (``last_epoch == 0``) but the optimizer holds state from
+    earlier steps (Adam's step count, momentum buffers), and the schedule moves: the run restarts its lr
+    schedule (warmup again, decay from the top) while the weights and moments carry on."""
+    if getattr(scheduler, "last_epoch", None) != 0:
+        return None
+    states = [st for st in optimizer.state.values() if isinstance(st, dict) and st]
+    if not states:
+        return None
+    counts = [float(st["step"]) for st in states if isinstance(st.get("step"), (int, float, torch.Tensor))]
+    trained = int(max(counts)) if counts else None
+    if trained == 0:
+        return None
+    walk = walk_schedule(scheduler, optimizer, max(planned or 0, trained or 0, _RESUME_HORIZON))
+    if walk is None or not any(max(s) > MOVES * max(min(s), 1e-30) for s in walk.lrs):
+        return None  # a constant schedule: starting it over changes nothing
+    done = f"{trained:,} optimizer steps" if trained else "earlier steps (momentum buffers)"
+    return Finding(
+        "lr_schedule", Severity.WARN,
+        f"{type(scheduler).__name__} is at its first step (last_epoch=0) while the optimizer already holds state "
+        f"from {done}: a resumed run whose scheduler was not restored restarts the schedule (warmup and decay "
+        "from the top) on trained weights; load the scheduler's state_dict with the optimizer's",
+        "SCHED-004", {"scheduler": type(scheduler).__name__, "optimizer_steps": trained, "states": len(states)},
+    )
+

@@ -49,10 +49,22 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("frozen", emits=("OPT-002", "OPT-006"), static=True)
+@check("frozen", emits=("OPT-002", "OPT-006", "OPT-014"), static=True)
 def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-006 (info): which parameters are frozen; OPT-002: frozen parameters that still sit in the optimizer."""
+    """OPT-006 (info): which parameters are frozen; OPT-002: frozen parameters that still sit in the optimizer;
+    OPT-014: a module flagged ``requires_grad = False`` as a plain attribute, whose parameters still train."""
     findings = []
+    flagged = [name or type(ctx.model).__name__ for name, module in ctx.model.named_modules()
+               if vars(module).get("requires_grad") is False
+               and any(p.requires_grad for p in module.parameters())]
+    if flagged:
+        findings.append(Finding(
+            "frozen", Severity.WARN,
+            f"{len(flagged)} module(s) have requires_grad = False set as a plain attribute, but their parameters "
+            f"still require grad and train: {fmt_names(flagged)}; nn.Module has no such flag, so nothing is frozen. "
+            "Call module.requires_grad_(False) (with the trailing underscore) or set it on each parameter",
+            "OPT-014", {"modules": flagged[:50]},
+        ))
     all_frozen = [n for n, p in ctx.params.items() if not p.requires_grad]
     if all_frozen:
         numel = sum(ctx.params[n].numel() for n in all_frozen)
@@ -87,13 +99,14 @@ def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007"), static=True)
+@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007", "OPT-015"), static=True)
 def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights."""
+    """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights, OPT-015 a
+    momentum the size of a weight decay."""
     if ctx.optimizer is None:
         return []
     names = {id(p): n for n, p in ctx.model.named_parameters()}
-    findings = []
+    findings = list(_tiny_momentum(ctx.optimizer))
     # a weight_decay=0 group holding 1-D tensors says the user meant to exclude them all from decay
     no_decay_group = any(
         not group.get("weight_decay", 0.0) and any(isinstance(p, torch.Tensor) and p.requires_grad and p.dim() <= 1
@@ -140,3 +153,26 @@ def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
                     "OPT-005", {"group": gi, "weight_decay": wd, "params": decayed[:50]},
                 ))
     return findings
+
+
+#: a momentum (SGD/RMSprop ``momentum``, Adam's first beta) above 0 but below this keeps almost nothing of the
+#: past gradient: nobody means that; it is a weight decay or epsilon value that landed in the momentum slot
+_TINY_MOMENTUM = 0.05
+
+
+def _tiny_momentum(optimizer: torch.optim.Optimizer) -> Iterable[Finding]:
+    """OPT-015: per param group, a momentum in (0, 0.05), typically a positional argument one slot off."""
+    for gi, group in enumerate(optimizer.param_groups):
+        betas = group.get("betas")
+        for key, value in (("momentum", group.get("momentum")),
+                           ("betas[0]", betas[0] if isinstance(betas, (tuple, list)) and betas else None)):
+            if isinstance(value, (int, float)) and 0 < value < _TINY_MOMENTUM:
+                yield Finding(
+                    "optimizer_hparams", Severity.WARN,
+                    f"param group {gi} has {key}={value:g}: a momentum that small keeps almost none of the past "
+                    "gradient (usual values 0.9-0.99, or 0 for none); it looks like a weight decay value passed "
+                    "in the momentum's position (SGD(params, lr, momentum, dampening, weight_decay)): pass "
+                    "momentum= and weight_decay= by keyword",
+                    "OPT-015", {"group": gi, key: value, "weight_decay": group.get("weight_decay")},
+                )
+

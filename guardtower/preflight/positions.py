@@ -246,6 +246,9 @@ def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]
                     "each row's last real token; set model.config.pad_token_id = tokenizer.pad_token_id",
                     "INPUT-005", {"pad_id_used": int(used[0]) if used.numel() else None, "pad_token_id": None},
                 ))
+    if mask is None and call.accepts_mask:
+        findings += _unmasked_foreign_padding(ids, pad, call.module, where)
+    findings += _doubled_bos(ids, mask, config, where)
     if isinstance(pad, int):
         special = _ids(getattr(config, "eos_token_id", None)) | _ids(getattr(config, "bos_token_id", None))
         least = 2 if pad in special else 1  # a real EOS that shares the pad id is one token, padding is a run
@@ -265,10 +268,76 @@ def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]
     return findings
 
 
-@check("padding", emits=("INPUT-003", "INPUT-004", "INPUT-005"))
+def _is_causal(module: nn.Module) -> bool:
+    """A decoder-only language model: right padding cannot reach the real tokens' outputs."""
+    config = hf_config(module)
+    if bool(getattr(config, "is_decoder", False)):
+        return True
+    return any(type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) for m in module.modules())
+
+
+def _unmasked_foreign_padding(ids: torch.Tensor, pad: Any, module: nn.Module, where: str) -> list[Finding]:
+    """INPUT-004 for padding by another id than ``config.pad_token_id`` and no attention_mask: rows that start
+    or end with runs of one id, of different lengths (padded to the longest row), an id no real text uses."""
+    findings: list[Finding] = []
+    sides = [("start", _from_start)] + ([] if _is_causal(module) else [("end", _from_end)])
+    for side, run_of in sides:
+        edge = ids[:, 0] if side == "start" else ids[:, -1]
+        values = edge.unique()
+        if values.numel() != 1 or ids.shape[0] < 2 or (isinstance(pad, int) and int(values) == pad):
+            continue  # a run of the pad id itself is judged below, with the config's pad id
+        filler = int(values)
+        runs = run_of(ids == filler)
+        lengths = runs.sum(1)
+        elsewhere = bool(((ids == filler) & ~runs).any())
+        if elsewhere or int(lengths.min()) < 2 or lengths.unique().numel() < 2:
+            continue
+        rows = ids.shape[0]
+        findings.append(Finding(
+            "padding", Severity.WARN,
+            f"every row of the batch {side}s with a run of id {filler} ({int(lengths.min())}-{int(lengths.max())} "
+            f"tokens: padding to the longest row) and no attention_mask reaches {where}, whose pad id is {pad}: "
+            "attention reads that padding as text, so each row's output depends on how much padding it got; pad "
+            "with the tokenizer's pad id and pass its attention_mask",
+            "INPUT-004", {"rows": list(range(min(rows, 64))), "filler_id": filler, "pad_token_id": pad,
+                          "mask": False, "side": side},
+        ))
+    return findings
+
+
+def _doubled_bos(ids: torch.Tensor, mask: torch.Tensor | None, config: Any, where: str) -> list[Finding]:
+    """INPUT-006: most rows' first real tokens are two BOS ids (a chat template that holds BOS, tokenized with
+    add_special_tokens=True). A BOS that doubles as the pad id without a mask is left alone: that is padding."""
+    bos = getattr(config, "bos_token_id", None)
+    if not isinstance(bos, int) or ids.shape[1] < 3:
+        return []
+    if mask is None:
+        if bos == getattr(config, "pad_token_id", None):
+            return []
+        first = torch.zeros(ids.shape[0], dtype=torch.long)
+    else:
+        first = (mask != 0).int().argmax(1)  # each row's first real position (left padding allowed)
+    first = first.clamp(max=ids.shape[1] - 2)
+    rows = torch.arange(ids.shape[0])
+    doubled = (ids[rows, first] == bos) & (ids[rows, first + 1] == bos)
+    if mask is not None:
+        doubled &= mask[rows, first + 1] != 0
+    if 2 * int(doubled.sum()) <= ids.shape[0]:
+        return []
+    hit = [int(r) for r in torch.nonzero(doubled).flatten()]
+    return [Finding(
+        "padding", Severity.WARN,
+        f"{len(hit)} of {ids.shape[0]} rows reaching {where} start with BOS twice (id {bos} {bos} ...): the text "
+        "already holds BOS (a chat template) and the tokenizer added another, so training sees a prefix inference "
+        "never sends; tokenize templated text with add_special_tokens=False",
+        "INPUT-006", {"rows": hit[:64], "bos_token_id": bos},
+    )]
+
+
+@check("padding", emits=("INPUT-003", "INPUT-004", "INPUT-005", "INPUT-006"))
 def check_padding(ctx: AuditContext) -> Iterable[Finding]:
     """INPUT-003 left padding against absolute positions, INPUT-004 padding the mask does not cover, INPUT-005 a
-    pad id other than config.pad_token_id."""
+    pad id other than config.pad_token_id, INPUT-006 sequences that start with BOS twice."""
     record = ctx.probes.get("model_inputs")
     if not isinstance(record, ModelInputsRecord) or ctx.trace is None:
         return []

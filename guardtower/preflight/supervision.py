@@ -231,6 +231,18 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
             "LOOP-004", {"micro_batches": k, "weight_totals": totals, "positions": positions},
         )
         return
+    window = sum(totals)
+    if math.isclose(window, 1.0 / k, rel_tol=0.05) and positions > k:
+        yield Finding(
+            "supervision", Severity.WARN,
+            f"the {k} micro-batches of one step carry a total loss weight of {window:.3g} = 1/{k}: the loss, already "
+            f"normalised over the whole step's {positions} supervised positions, is divided by the accumulation "
+            f"count again, so every gradient is {k}x too small (an lr {k}x lower with SGD, and weight decay and "
+            "epsilon weigh more with Adam); divide once",
+            "LOOP-011", {"micro_batches": k, "weight_totals": totals, "window_weight": window,
+                         "positions": positions},
+        )
+        return
     per_token = []
     for r in records:
         assert r.weight is not None
@@ -248,7 +260,8 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
         )
 
 
-@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "LOOP-004", "LOOP-005"))
+@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "LOOP-004", "LOOP-005",
+                             "LOOP-011"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
     """What the loss supervises against the batch, the config and the step's accumulation."""
     trace = ctx.trace
