@@ -345,6 +345,13 @@ class AutoDetector(Detector):
     loss 1,000x below its start; a hard batch then lifts loss and gradient x50-x500 above the easy batches'
     level, yet stays well inside what the run saw at its start: that is no spike.
 
+    A heavy tail is learnt, not assumed Gaussian: each slot keeps its *reach*, the largest excursion of an
+    accepted value above its base (capped at ``threshold`` x, forgetting a factor 10 per 1,000 accepted
+    steps), and a value within ``threshold`` x its reach (``loss_ratio`` x for the loss) never trips. A
+    series whose healthy steps jump x15-x50 now and then (a LoRA factor, the global norm of a deep
+    non-residual net) is judged against what it has shown; a stable series keeps its tight band, and no slot's
+    band exceeds ``threshold``^2 x its base.
+
     A sustained level shift is absorbed: when a slot has tripped ``absorb_after`` times in a row with values
     within a factor ``threshold`` of each other, that step is accepted (``Verdict.absorbed``) and the slot
     re-baselined on it. Spikes that come and go, or keep growing, never qualify.
@@ -364,6 +371,7 @@ class AutoDetector(Detector):
     # judged only once 10 of its values are in (a handful of noisy losses says little about their spread)
     _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT, _LOSS_WARMUP = 0.5, 0.1, 4.0, 10
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
+    _REACH_DECAY = math.log(10.0) / 1000  # the reach forgets a factor 10 per 1,000 accepted steps
     _SCALE_FLOORS = (10.0, 3.0)  # the global norm's and the loss's level count as at least their scale over these
     _LOSS_SIGMA_SHARE = 0.8  # the loss, a smoother series than any norm, is judged at 0.8 x ``sigmas``
     _MAD_TO_STD = math.sqrt(math.pi / 2)  # std / mean absolute deviation of a normal distribution
@@ -408,6 +416,7 @@ class AutoDetector(Detector):
         gate[-1] = math.log(self.loss_ratio)
         self._gate = gate.to(device)
         self._decay = (unit * self._PEAK_DECAY).to(device)
+        self._reach_decay = (unit * self._REACH_DECAY).to(device)
         # a tensor's share is judged no lower than ``floor``; the global norm and the loss no lower than their
         # all-time scale (the ``scale`` row) over _SCALE_FLOORS
         floor = torch.full((m,), 2 * math.log(self.floor) if self.floor > 0 else -self._BIG)
@@ -424,7 +433,10 @@ class AutoDetector(Detector):
         # a slot is judged once count >= start
         start = torch.full((m,), float(max(self.warmup_steps, 1)))
         start[-1] = max(self.warmup_steps, self._LOSS_WARMUP)
-        self._start_at = start.to(device)
+        # rows: no cap on the first value; not judged before ``start`` values; no reach before that either
+        self._start_at = torch.stack([torch.ones(m), start, start]).to(device)
+        self._unwarmed = torch.tensor([[self._BIG], [self._BIG], [-self._BIG]], device=device)
+        self._nan = torch.full((), math.nan, device=device)
         self._big = torch.full((), self._BIG, device=device)
         self._rate_offset = torch.tensor([[1.0], [1.0 + self._PRIOR_WEIGHT]], device=device)
         self._rate_floor = torch.tensor([[self._LEVEL_ALPHA], [self.ema_alpha]], device=device)
@@ -432,7 +444,7 @@ class AutoDetector(Detector):
         prior = unit * self._PRIOR_STD / self._MAD_TO_STD
         prior[-1] = self._LOSS_PRIOR_STD / self._MAD_TO_STD
         state = torch.stack([torch.zeros(m), prior, torch.full((m,), -self._BIG), torch.zeros(m),
-                             torch.full((m,), -self._BIG)]).to(device)
+                             torch.full((m,), -self._BIG), torch.zeros(m)]).to(device)
         ring = torch.full((self.absorb_after, m), math.nan, device=device)
         old, old_ring = self._state.get("state"), self._state.get("ring")
         if old is not None and old_ring is not None:
@@ -451,14 +463,17 @@ class AutoDetector(Detector):
 
     def _derive(self, state: Tensor) -> None:
         """What the next step is judged against, from the state (computed once, after each update)."""
-        self._rows = level, spread, peak, count, scale = state.unbind(0)
+        self._rows = level, spread, peak, count, scale, reach = state.unbind(0)
         base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale))
-        outlier = torch.maximum(base + self._gate, torch.addcmul(level, spread, self._sigma))
-        ceiling = torch.minimum(outlier, torch.maximum(peak, base) + self._margin)
+        # max(min(max(gated, sigmas), peak), gated + reach) with gated = base + gate: the peak caps the sigma
+        # bound, never the gate; a value within threshold x the slot's own reach is never a spike
+        lifted = base + self._gate + reach
+        ceiling = torch.maximum(lifted, torch.minimum(torch.addcmul(level, spread, self._sigma),
+                                                      torch.maximum(peak, base) + self._margin))
         # what enters a baseline is capped at the ceiling from the second value on (warmup included), so one
         # outlier accepted early moves it by a bounded amount; it is judged only once warm
-        self._cap = torch.where(count < 1.0, self._big, ceiling)
-        self._ceiling = torch.where(count < self._start_at, self._big, self._cap)
+        self._cap, self._ceiling, self._warm_ceiling = torch.where(count < self._start_at, self._unwarmed,
+                                                                   ceiling).unbind(0)
         self._base, self._count = base, count
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -469,13 +484,14 @@ class AutoDetector(Detector):
         rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS)  # the others' norm^2; > 0 wherever n2 > 0
         # a negative loss (a log-likelihood, a reward) has no log: clamped to 0, its log -inf never trips
         x = torch.log(torch.cat([n2 / rest, torch.stack([g2, loss]).clamp_min(0.0)]))
-        raw = ~(x <= self._ceiling)  # NaN trips too
-        # the trip ring: this step's value where the slot tripped, NaN/Inf elsewhere; a slot whose last
+        ok = x <= self._ceiling  # NaN is not ok: it trips
+        # the trip ring: this step's value where the slot tripped, NaN elsewhere; a slot whose last
         # ``absorb_after`` values all tripped, within the margin of each other, has shifted its level
-        ring = torch.select_scatter(self._state["ring"], x / raw, 0, self._tick % self.absorb_after)
+        ring = torch.select_scatter(self._state["ring"], torch.where(ok, self._nan, x), 0,
+                                    self._tick % self.absorb_after)
         low, high = torch.aminmax(ring, dim=0)
-        absorb = (high - low) <= self._margin
-        tripped = raw ^ absorb
+        absorb = (high - low) <= self._margin  # implies a trip now
+        tripped = ok == absorb  # tripped and not absorbed
         self._pending = _Judged(norms, x, absorb, rest, tripped, ring)  # update() commits the ring
         return Verdict(tripped.any(), absorb.any(), (x, self._base, self._count, tripped, absorb))
 
@@ -489,9 +505,10 @@ class AutoDetector(Detector):
         self._pending = None
         self._state["ring"] = pending.ring  # the run of trips counts rejected steps too: that absorbs a shift
         self._tick += 1
-        level, spread, peak, count, scale = self._rows
+        level, spread, peak, count, scale, reach = self._rows
         fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
-        value = torch.where(absorb, x, torch.clamp_max(x, self._cap))
+        capped = torch.clamp_max(x, self._cap)
+        value = torch.where(absorb, x, capped)
         deviation = value - level
         rates = torch.where(absorb, self._rebase_rates,
                             (count + self._rate_offset).reciprocal().clamp_min(self._rate_floor))
@@ -499,7 +516,10 @@ class AutoDetector(Detector):
         candidate = torch.stack([torch.lerp(level, value, level_rate),
                                  torch.lerp(spread, deviation.abs(), spread_rate),
                                  torch.maximum(peak - self._decay, value), count + 1.0,
-                                 torch.maximum(scale, value)])
+                                 torch.maximum(scale, value),
+                                 torch.maximum(reach - self._reach_decay,
+                                               torch.minimum(torch.minimum(capped, self._warm_ceiling)
+                                                             - self._base, self._gate))])
         state = torch.where(fold, candidate, self._state["state"])
         self._state["state"] = state
         self._derive(state)
