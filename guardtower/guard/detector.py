@@ -332,7 +332,12 @@ class AutoDetector(Detector):
 
     - ``threshold`` x its peak envelope (heavy-tailed series: anything far beyond what was seen), **or**
     - ``threshold`` x its level (``loss_ratio`` x for the loss) *and* ``sigmas`` standard deviations above
-      it in log space (stable series: a jump far outside their noise).
+      it in log space (stable series: a jump far outside their noise),
+
+    and a value within ``threshold`` x its peak envelope (``loss_ratio`` x for the loss), up to ``threshold``^2
+    x its level, never trips: a series whose healthy steps jump x15-x50 now and then (a LoRA ``lora_A``, the
+    global norm of a deep non-residual net) has a heavy tail, which a Gaussian sigma bound does not describe,
+    and is judged against what it has shown.
 
     Warmup is an effective sample count: the spread starts from a prior (log-std 0.5 with the weight of
     4 observations) that fades as accepted observations accumulate, and ``warmup_steps=0`` lets the first
@@ -344,13 +349,6 @@ class AutoDetector(Detector):
     largest accepted value, the loss's as no lower than a third. A run that memorises its data ends with a
     loss 1,000x below its start; a hard batch then lifts loss and gradient x50-x500 above the easy batches'
     level, yet stays well inside what the run saw at its start: that is no spike.
-
-    A heavy tail is learnt, not assumed Gaussian: each slot keeps its *reach*, the largest excursion of an
-    accepted value above its base (capped at ``threshold`` x, forgetting a factor 10 per 1,000 accepted
-    steps), and a value within ``threshold`` x its reach (``loss_ratio`` x for the loss) never trips. A
-    series whose healthy steps jump x15-x50 now and then (a LoRA factor, the global norm of a deep
-    non-residual net) is judged against what it has shown; a stable series keeps its tight band, and no slot's
-    band exceeds ``threshold``^2 x its base.
 
     A sustained level shift is absorbed: when a slot has tripped ``absorb_after`` times in a row with values
     within a factor ``threshold`` of each other, that step is accepted (``Verdict.absorbed``) and the slot
@@ -371,7 +369,6 @@ class AutoDetector(Detector):
     # judged only once 10 of its values are in (a handful of noisy losses says little about their spread)
     _PRIOR_STD, _LOSS_PRIOR_STD, _PRIOR_WEIGHT, _LOSS_WARMUP = 0.5, 0.1, 4.0, 10
     _PEAK_DECAY = math.log(10.0) / 100  # per accepted step, in log units
-    _REACH_DECAY = math.log(10.0) / 1000  # the reach forgets a factor 10 per 1,000 accepted steps
     _SCALE_FLOORS = (10.0, 3.0)  # the global norm's and the loss's level count as at least their scale over these
     _LOSS_SIGMA_SHARE = 0.8  # the loss, a smoother series than any norm, is judged at 0.8 x ``sigmas``
     _MAD_TO_STD = math.sqrt(math.pi / 2)  # std / mean absolute deviation of a normal distribution
@@ -416,7 +413,6 @@ class AutoDetector(Detector):
         gate[-1] = math.log(self.loss_ratio)
         self._gate = gate.to(device)
         self._decay = (unit * self._PEAK_DECAY).to(device)
-        self._reach_decay = (unit * self._REACH_DECAY).to(device)
         # a tensor's share is judged no lower than ``floor``; the global norm and the loss no lower than their
         # all-time scale (the ``scale`` row) over _SCALE_FLOORS
         floor = torch.full((m,), 2 * math.log(self.floor) if self.floor > 0 else -self._BIG)
@@ -433,9 +429,7 @@ class AutoDetector(Detector):
         # a slot is judged once count >= start
         start = torch.full((m,), float(max(self.warmup_steps, 1)))
         start[-1] = max(self.warmup_steps, self._LOSS_WARMUP)
-        # rows: no cap on the first value; not judged before ``start`` values; no reach before that either
-        self._start_at = torch.stack([torch.ones(m), start, start]).to(device)
-        self._unwarmed = torch.tensor([[self._BIG], [self._BIG], [-self._BIG]], device=device)
+        self._start_at = torch.stack([torch.ones(m), start]).to(device)  # rows: capped from, judged from
         self._nan = torch.full((), math.nan, device=device)
         self._big = torch.full((), self._BIG, device=device)
         self._rate_offset = torch.tensor([[1.0], [1.0 + self._PRIOR_WEIGHT]], device=device)
@@ -444,7 +438,7 @@ class AutoDetector(Detector):
         prior = unit * self._PRIOR_STD / self._MAD_TO_STD
         prior[-1] = self._LOSS_PRIOR_STD / self._MAD_TO_STD
         state = torch.stack([torch.zeros(m), prior, torch.full((m,), -self._BIG), torch.zeros(m),
-                             torch.full((m,), -self._BIG), torch.zeros(m)]).to(device)
+                             torch.full((m,), -self._BIG)]).to(device)
         ring = torch.full((self.absorb_after, m), math.nan, device=device)
         old, old_ring = self._state.get("state"), self._state.get("ring")
         if old is not None and old_ring is not None:
@@ -463,17 +457,16 @@ class AutoDetector(Detector):
 
     def _derive(self, state: Tensor) -> None:
         """What the next step is judged against, from the state (computed once, after each update)."""
-        self._rows = level, spread, peak, count, scale, reach = state.unbind(0)
+        self._rows = level, spread, peak, count, scale = state.unbind(0)
         base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale))
-        # max(min(max(gated, sigmas), peak), gated + reach) with gated = base + gate: the peak caps the sigma
-        # bound, never the gate; a value within threshold x the slot's own reach is never a spike
-        lifted = base + self._gate + reach
-        ceiling = torch.maximum(lifted, torch.minimum(torch.addcmul(level, spread, self._sigma),
-                                                      torch.maximum(peak, base) + self._margin))
+        gated = base + self._gate
+        outlier = torch.maximum(gated, torch.addcmul(level, spread, self._sigma))
+        ceiling = torch.minimum(outlier, torch.maximum(peak, base) + self._margin)
+        # within threshold x the peak envelope (up to threshold^2 x the base): a heavy tail it has shown
+        ceiling = torch.maximum(ceiling, torch.minimum(peak, gated) + self._gate)
         # what enters a baseline is capped at the ceiling from the second value on (warmup included), so one
         # outlier accepted early moves it by a bounded amount; it is judged only once warm
-        self._cap, self._ceiling, self._warm_ceiling = torch.where(count < self._start_at, self._unwarmed,
-                                                                   ceiling).unbind(0)
+        self._cap, self._ceiling = torch.where(count < self._start_at, self._big, ceiling).unbind(0)
         self._base, self._count = base, count
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -505,10 +498,9 @@ class AutoDetector(Detector):
         self._pending = None
         self._state["ring"] = pending.ring  # the run of trips counts rejected steps too: that absorbs a shift
         self._tick += 1
-        level, spread, peak, count, scale, reach = self._rows
+        level, spread, peak, count, scale = self._rows
         fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
-        capped = torch.clamp_max(x, self._cap)
-        value = torch.where(absorb, x, capped)
+        value = torch.where(absorb, x, torch.clamp_max(x, self._cap))
         deviation = value - level
         rates = torch.where(absorb, self._rebase_rates,
                             (count + self._rate_offset).reciprocal().clamp_min(self._rate_floor))
@@ -516,10 +508,7 @@ class AutoDetector(Detector):
         candidate = torch.stack([torch.lerp(level, value, level_rate),
                                  torch.lerp(spread, deviation.abs(), spread_rate),
                                  torch.maximum(peak - self._decay, value), count + 1.0,
-                                 torch.maximum(scale, value),
-                                 torch.maximum(reach - self._reach_decay,
-                                               torch.minimum(torch.minimum(capped, self._warm_ceiling)
-                                                             - self._base, self._gate))])
+                                 torch.maximum(scale, value)])
         state = torch.where(fold, candidate, self._state["state"])
         self._state["state"] = state
         self._derive(state)
