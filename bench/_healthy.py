@@ -117,6 +117,22 @@ class NormMLP(nn.Module):
         return self.out(self.norm(h))
 
 
+class PlainNormMLP(nn.Module):
+    """A deep non-residual MLP, Linear -> LayerNorm -> Tanh per layer: no skip path, so a batch that moves one
+    layer's pre-norm statistics swings the whole gradient (heavy-tailed global norm, loss nearly flat)."""
+
+    def __init__(self, inputs: int, classes: int, width: int = 128, depth: int = 16) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers += [nn.Linear(inputs if i == 0 else width, width), nn.LayerNorm(width), nn.Tanh()]
+        self.body = nn.Sequential(*layers)
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.body(x))
+
+
 class BNCNN(nn.Module):
     """A BatchNorm CNN for 8x8 digit images."""
 
@@ -192,7 +208,8 @@ class Config:
     steps: int
     build: Callable[[int], tuple[nn.Module, torch.optim.Optimizer, Callable[[int], float], Iterator[Any]]]
     loss: Callable[[nn.Module, Any], Tensor] = _cls_loss
-    corrupt: Callable[[nn.Module, Any], Any] = _cls_corrupt
+    # None: no corrupted-batch incident (a model that has learnt nothing has no least likely class to feed it)
+    corrupt: Callable[[nn.Module, Any], Any] | None = _cls_corrupt
     trainer: bool = False  # run through the HF Trainer (bench/_trainer_runs.py) instead of a plain loop
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -222,8 +239,23 @@ def _wine(seed: int) -> Iterator[dict[str, Tensor]]:
     return _classification_batches(x, y, 16, seed)
 
 
+def _random_labels(seed: int) -> Iterator[dict[str, Tensor]]:
+    """Gaussian inputs with random labels (10 classes): nothing to learn, the loss stays nearly flat."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(2000, 32, generator=gen)
+    return _classification_batches(x, torch.randint(0, 10, (2000,), generator=gen), 32, seed)
+
+
+def lora_gpt2() -> nn.Module:
+    """A peft LoRA (r=4 on the attention projections) of the GPT-2 above, base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                                             lora_dropout=0.0))
+
+
 def _adamw(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    return lambda params: torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=0.01)
 
 
 def _sgd(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
@@ -246,6 +278,10 @@ CONFIGS: list[Config] = [
            _loop(lambda: NormMLP(30, 2), lambda p: torch.optim.Adagrad(p, lr=2e-2), "warmup+cosine", 500, _cancer)),
     Config("mlp-ln-wine-adamw-const", "mlp-layernorm", "AdamW 3e-3", "constant", 500,
            _loop(lambda: NormMLP(13, 3, depth=6), _adamw(3e-3), "constant", 500, _wine)),
+    Config("mlp-plain-ln-random-adamw-const1e-3", "mlp-layernorm, no residual", "AdamW 1e-3", "constant", 300,
+           _loop(lambda: PlainNormMLP(32, 10), _adamw(1e-3), "constant", 300, _random_labels), corrupt=None),
+    Config("lora-gpt2-adamw-const1e-3", "gpt2+peft LoRA", "AdamW 1e-3", "constant", 300,
+           _loop(lora_gpt2, _adamw(1e-3), "constant", 300, lm_batches), _hf_lm_loss, None),
     Config("cnn-bn-digits-sgd-cosine", "cnn-batchnorm", "SGD+momentum 0.05", "warmup+cosine", 500,
            _loop(BNCNN, _sgd(0.05), "warmup+cosine", 500, _digits)),
     Config("cnn-bn-digits-adamw-const", "cnn-batchnorm", "AdamW 2e-3", "constant", 500,

@@ -17,6 +17,7 @@ from _rules import LightningSpikeRule, MegatronRule, OLMoCoreRule, ZClipRule  # 
 from _trace import Incident, Trace, global_of, live, plan, replay  # noqa: E402
 
 from guardtower.guard.detector import AutoDetector, Detector  # noqa: E402
+from tests._guard_helpers import same_detector_state  # noqa: E402
 
 
 def run(detector: Detector, norms: list[float], losses: list[float]) -> list[bool]:
@@ -79,7 +80,7 @@ def test_a_replay_judges_incidents_without_applying_them() -> None:
     result, rejected = replay(a, dirty)
     replay(b, clean)
     assert result.caught == {("x1e3-small", "late"): True} and result.false_alarms == 0 and not any(rejected)
-    assert all(torch.equal(a.state_dict()["state"][k], b.state_dict()["state"][k]) for k in a.state_dict()["state"])
+    assert same_detector_state(a.state_dict()["state"], b.state_dict()["state"])
 
 
 def test_incidents_are_planned_early_and_late() -> None:
@@ -98,3 +99,20 @@ def test_the_default_guard_leaves_healthy_runs_alone(name: str) -> None:
     assert result.stopped_at is None and result.steps == 200
     assert result.rejected <= 200 / 1000  # <= 1 false alarm per 1,000 steps
     assert result.final_loss < 0.5 * result.first_loss  # and it trained
+
+
+def test_the_default_guard_leaves_a_deep_non_residual_layernorm_mlp_alone() -> None:
+    """The real guard on a 16-layer Linear -> LayerNorm -> Tanh MLP at AdamW 1e-3, random labels (loss nearly
+    flat): its global norm jumps x50 at step 245 of seed 1, with x20-x40 jumps before; the previous default
+    rejected that step."""
+    config = next(c for c in CONFIGS if c.name == "mlp-plain-ln-random-adamw-const1e-3")
+    result = live(config, seed=1, steps=260)
+    assert result.stopped_at is None and result.steps == 260 and result.rejected == 0
+
+
+@pytest.mark.slow
+def test_the_default_guard_leaves_a_plain_lora_loop_alone() -> None:
+    """A peft LoRA GPT-2 at AdamW 1e-3 from step 0: layer 0's lora_A jumps x19 at step 175 of seed 1."""
+    config = next(c for c in CONFIGS if c.name == "lora-gpt2-adamw-const1e-3")
+    result = live(config, seed=1, steps=220)
+    assert result.stopped_at is None and result.rejected == 0

@@ -411,3 +411,24 @@ def test_the_guard_absorbs_a_sustained_shift_and_its_summary_counts_it(tmp_path:
     summaries = [e for e in events if isinstance(e, SummaryEvent)]
     assert summaries[-1].metrics["level_shifts"] >= 1 and summaries[0].metrics["level_shifts"] == 0
     guard.close()
+
+
+def test_a_heavy_tailed_series_is_judged_against_its_own_peak() -> None:
+    """A tensor whose healthy steps jump x6 now and then may then jump x25 (a LoRA factor, a deep
+    non-residual net's global norm): within threshold x its peak envelope. x200 is still a spike (beyond
+    threshold^2 x its level). The previous default rejected the x25 step."""
+    for seed in range(3):
+        detector = AutoDetector()
+        detector.resize(2, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(seed)
+        jumps = {60: 6.0, 100: 6.0, 110: 25.0, 140: 200.0}
+        flagged = {}
+        for step in range(200):
+            norms = torch.exp(torch.randn(2, generator=gen) * torch.tensor([0.05, 0.5]))
+            norms[1] *= jumps.get(step, 1.0)
+            global_norm, loss = torch.linalg.vector_norm(norms), torch.tensor(2.0)
+            verdict = detector.judge(norms, global_norm, loss)
+            detector.update(norms, global_norm, loss, verdict.spike)
+            if step in jumps:
+                flagged[step] = bool(verdict.spike)
+        assert flagged == {60: False, 100: False, 110: False, 140: True}

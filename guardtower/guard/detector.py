@@ -332,7 +332,12 @@ class AutoDetector(Detector):
 
     - ``threshold`` x its peak envelope (heavy-tailed series: anything far beyond what was seen), **or**
     - ``threshold`` x its level (``loss_ratio`` x for the loss) *and* ``sigmas`` standard deviations above
-      it in log space (stable series: a jump far outside their noise).
+      it in log space (stable series: a jump far outside their noise),
+
+    and a value within ``threshold`` x its peak envelope (``loss_ratio`` x for the loss), up to ``threshold``^2
+    x its level, never trips: a series whose healthy steps jump x15-x50 now and then (a LoRA ``lora_A``, the
+    global norm of a deep non-residual net) has a heavy tail, which a Gaussian sigma bound does not describe,
+    and is judged against what it has shown.
 
     Warmup is an effective sample count: the spread starts from a prior (log-std 0.5 with the weight of
     4 observations) that fades as accepted observations accumulate, and ``warmup_steps=0`` lets the first
@@ -424,7 +429,8 @@ class AutoDetector(Detector):
         # a slot is judged once count >= start
         start = torch.full((m,), float(max(self.warmup_steps, 1)))
         start[-1] = max(self.warmup_steps, self._LOSS_WARMUP)
-        self._start_at = start.to(device)
+        self._start_at = torch.stack([torch.ones(m), start]).to(device)  # rows: capped from, judged from
+        self._nan = torch.full((), math.nan, device=device)
         self._big = torch.full((), self._BIG, device=device)
         self._rate_offset = torch.tensor([[1.0], [1.0 + self._PRIOR_WEIGHT]], device=device)
         self._rate_floor = torch.tensor([[self._LEVEL_ALPHA], [self.ema_alpha]], device=device)
@@ -453,12 +459,14 @@ class AutoDetector(Detector):
         """What the next step is judged against, from the state (computed once, after each update)."""
         self._rows = level, spread, peak, count, scale = state.unbind(0)
         base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale))
-        outlier = torch.maximum(base + self._gate, torch.addcmul(level, spread, self._sigma))
+        gated = base + self._gate
+        outlier = torch.maximum(gated, torch.addcmul(level, spread, self._sigma))
         ceiling = torch.minimum(outlier, torch.maximum(peak, base) + self._margin)
+        # within threshold x the peak envelope (up to threshold^2 x the base): a heavy tail it has shown
+        ceiling = torch.maximum(ceiling, torch.minimum(peak, gated) + self._gate)
         # what enters a baseline is capped at the ceiling from the second value on (warmup included), so one
         # outlier accepted early moves it by a bounded amount; it is judged only once warm
-        self._cap = torch.where(count < 1.0, self._big, ceiling)
-        self._ceiling = torch.where(count < self._start_at, self._big, self._cap)
+        self._cap, self._ceiling = torch.where(count < self._start_at, self._big, ceiling).unbind(0)
         self._base, self._count = base, count
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -469,13 +477,14 @@ class AutoDetector(Detector):
         rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS)  # the others' norm^2; > 0 wherever n2 > 0
         # a negative loss (a log-likelihood, a reward) has no log: clamped to 0, its log -inf never trips
         x = torch.log(torch.cat([n2 / rest, torch.stack([g2, loss]).clamp_min(0.0)]))
-        raw = ~(x <= self._ceiling)  # NaN trips too
-        # the trip ring: this step's value where the slot tripped, NaN/Inf elsewhere; a slot whose last
+        ok = x <= self._ceiling  # NaN is not ok: it trips
+        # the trip ring: this step's value where the slot tripped, NaN elsewhere; a slot whose last
         # ``absorb_after`` values all tripped, within the margin of each other, has shifted its level
-        ring = torch.select_scatter(self._state["ring"], x / raw, 0, self._tick % self.absorb_after)
+        ring = torch.select_scatter(self._state["ring"], torch.where(ok, self._nan, x), 0,
+                                    self._tick % self.absorb_after)
         low, high = torch.aminmax(ring, dim=0)
-        absorb = (high - low) <= self._margin
-        tripped = raw ^ absorb
+        absorb = (high - low) <= self._margin  # implies a trip now
+        tripped = ok == absorb  # tripped and not absorbed
         self._pending = _Judged(norms, x, absorb, rest, tripped, ring)  # update() commits the ring
         return Verdict(tripped.any(), absorb.any(), (x, self._base, self._count, tripped, absorb))
 
