@@ -194,16 +194,6 @@ _CORE: tuple[FailureMode, ...] = (
         ("inputs", "padding", "special-tokens", "huggingface"),
     ),
     FailureMode(
-        "INPUT-006", "Sequences start with BOS twice", Severity.WARN,
-        "Most rows of the batch start (after any left padding) with config.bos_token_id twice.",
-        "Text that already holds BOS (a chat template's '<s>', a dataset that stored it) tokenized with "
-        "add_special_tokens=True gets a second one; the model trains on a prefix inference never sends, which "
-        "shifts rewards and generations a little and raises nothing.",
-        "Tokenize templated text with add_special_tokens=False (or strip the template's BOS).",
-        "https://github.com/YangRui2015/Generalizable-Reward-Model/issues/6",
-        ("inputs", "tokenizer"),
-    ),
-    FailureMode(
         "GRAD-001", "Trainable parameter gets no gradient", Severity.ERROR,
         "After backward, a parameter with requires_grad=True still has .grad None.",
         "Optimizers skip parameters without a gradient, so the layer silently stays at its initialisation; "
@@ -841,6 +831,28 @@ _STEP: tuple[FailureMode, ...] = (
         "some rows may train (textual inversion), restore the others after each step or use weight_decay=0.",
         "https://github.com/huggingface/diffusers/issues/1176",
         ("optimizer", "frozen"),
+    ),
+    FailureMode(
+        "INPUT-006", "Sequences start with BOS twice", Severity.WARN,
+        "Most rows of the batch start (after any left padding) with config.bos_token_id twice.",
+        "Text that already holds BOS (a chat template's '<s>', a dataset that stored it) tokenized with "
+        "add_special_tokens=True gets a second one; the model trains on a prefix inference never sends, which "
+        "shifts rewards and generations a little and raises nothing.",
+        "Tokenize templated text with add_special_tokens=False (or strip the template's BOS).",
+        "https://github.com/YangRui2015/Generalizable-Reward-Model/issues/6",
+        ("inputs", "tokenizer"),
+    ),
+    FailureMode(
+        "INPUT-007", "A 0/1 float mask handed to attention", Severity.WARN,
+        "scaled_dot_product_attention or nn.MultiheadAttention gets a floating attn_mask/key_padding_mask that "
+        "holds only 0s and 1s.",
+        "Attention adds a float mask to its scores, so a keep-mask of 1s and 0s (the tokenizer's attention_mask "
+        "cast to float) shifts the kept scores by 1 and masks nothing: every token attends to the padding, and "
+        "nothing raises.",
+        "Pass a bool mask (mind the convention: True = ignore for key_padding_mask, True = attend for "
+        "scaled_dot_product_attention) or an additive mask of 0 and -inf.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html",
+        ("inputs", "attention"),
     ),
     FailureMode(
         "OPT-014", "Module flagged requires_grad=False still trains", Severity.WARN,

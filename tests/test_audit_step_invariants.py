@@ -196,6 +196,35 @@ def _bos_added_twice(bug: bool) -> Case:
     return model, lambda: model(**batch).loss, {"optimizer": opt, "inputs": batch}
 
 
+class _TinyEncoder(nn.Module):
+    """An nn.TransformerEncoder classifier fed the tokenizer's 0/1 attention_mask."""
+
+    def __init__(self, cast_to_float: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 2)
+        self.cast_to_float = cast_to_float
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        ignore = (1 - keep).float() if self.cast_to_float else keep == 0  # float 0/1 is added to the scores
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ignore)[:, 0])
+
+
+@case("INPUT-007")
+def _float_keep_mask_to_attention(bug: bool) -> Case:
+    model = _TinyEncoder(cast_to_float=bug)
+    ids = torch.randint(1, VOCAB, (4, 10), generator=torch.Generator().manual_seed(5))
+    keep = torch.ones(4, 10, dtype=torch.long)
+    keep[1, 6:] = 0
+    keep[3, 4:] = 0
+    y = torch.tensor([0, 1, 1, 0])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, lambda: F.cross_entropy(model(ids, keep), y), {"optimizer": opt, "inputs": (ids, keep)}
+
+
 @case("INPUT-004/foreign-id")
 def _bert_padded_with_another_id_without_mask(bug: bool) -> Case:
     from transformers import BertConfig, BertForSequenceClassification

@@ -181,6 +181,15 @@ _ABSENT: Any = object()
 _GRAD: Any = inspect.getattr_static(torch.Tensor, "grad")
 
 
+def _binary_float(mask: Any) -> bool:
+    """A floating mask of only 0s and 1s, both present: attention adds a float mask to its scores, so such a
+    keep-mask (1 = attend) masks nothing (it shifts the kept scores by 1)."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.numel() < 2:
+        return False
+    values = mask.detach().unique()
+    return values.numel() == 2 and bool((values == 0).any()) and bool((values == 1).any())
+
+
 @contextlib.contextmanager
 def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch.Tensor]]:
     """Record, in order, the ``backward``, ``zero_grad`` and ``step`` that ``step_fn`` runs itself, and the
@@ -288,6 +297,24 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         return wrapper
 
     patches += [(F, name, weighted_loss) for name in ("cross_entropy", "nll_loss")]
+
+    def masked_attention(function: str, positions: dict[str, int]) -> Callable[[Callable[..., Any]], Any]:
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                for name, index in positions.items():
+                    mask = kwargs.get(name, args[index] if len(args) > index else None)
+                    if _binary_float(mask):
+                        trace.binary_float_masks.append(f"{function}.{name}")
+                return original(*args, **kwargs)
+
+            return wrapper
+
+        return wrap
+
+    patches += [(F, "scaled_dot_product_attention", masked_attention("scaled_dot_product_attention",
+                                                                     {"attn_mask": 3})),
+                (F, "multi_head_attention_forward", masked_attention("multi_head_attention_forward",
+                                                                     {"key_padding_mask": 14, "attn_mask": 16}))]
     scheduler = ctx.lr_scheduler
     if scheduler is not None and callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "__dict__"):
         patches.append((scheduler, "step", lambda f: recording("scheduler", f)))

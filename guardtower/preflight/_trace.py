@@ -117,6 +117,9 @@ class StepTrace:
     backward and zero_grad merged)"""
     loss_weights: list[tuple[torch.Tensor, str]] = field(default_factory=list)
     """``(weight, reduction)`` of each class-weighted ``cross_entropy``/``nll_loss`` call ``step_fn`` made"""
+    binary_float_masks: list[str] = field(default_factory=list)
+    """each attention call (``scaled_dot_product_attention``, ``nn.MultiheadAttention``) that got a floating mask
+    holding only 0s and 1s, as ``"<function>.<argument>"``: a 0/1 keep-mask where an additive one is expected"""
     backward_calls: int = 0
     """how many separate backward passes ``step_fn`` ran itself (micro-batches of one accumulated step)"""
     scaled_backward: bool = False

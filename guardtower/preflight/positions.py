@@ -334,6 +334,22 @@ def _doubled_bos(ids: torch.Tensor, mask: torch.Tensor | None, config: Any, wher
     )]
 
 
+@check("attention_masks", emits=("INPUT-007",))
+def check_attention_masks(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-007: a floating 0/1 mask handed to attention, which adds float masks to its scores."""
+    if ctx.trace is None or not ctx.trace.binary_float_masks:
+        return []
+    where = sorted(set(ctx.trace.binary_float_masks))
+    return [Finding(
+        "attention_masks", Severity.WARN,
+        f"attention got a floating mask of only 0s and 1s ({', '.join(where)}): a float mask is added to the "
+        "attention scores, so a 0/1 keep-mask (1 = attend, the tokenizer's attention_mask) masks nothing and "
+        "padding is attended as text; pass a bool mask (True = masked for nn.MultiheadAttention's "
+        "key_padding_mask, True = attend for scaled_dot_product_attention) or an additive one (0 and -inf)",
+        "INPUT-007", {"masks": where},
+    )]
+
+
 @check("padding", emits=("INPUT-003", "INPUT-004", "INPUT-005", "INPUT-006"))
 def check_padding(ctx: AuditContext) -> Iterable[Finding]:
     """INPUT-003 left padding against absolute positions, INPUT-004 padding the mask does not cover, INPUT-005 a
