@@ -727,6 +727,18 @@ _LORA: tuple[FailureMode, ...] = (
         reference=_PEFT_LORA,
         tags=("lora", "peft", "summary"),
     ),
+    FailureMode(
+        id="LORA-014",
+        title="target_modules entries that match no module",
+        severity=Severity.WARN,
+        summary="Some entries of LoraConfig.target_modules name no module of the model (a module's name must equal "
+        "the entry or end with '.' + entry).",
+        why="peft raises only when no entry matches at all; an entry with a wrong path ('ff.0' for 'ff.net.0.proj') "
+        "is skipped without a word, so the layers it meant get no adapter and the run trains less than planned.",
+        fix="Use the names model.named_modules() prints; check model.print_trainable_parameters() against the plan.",
+        reference="https://github.com/bghira/SimpleTuner/issues/766",
+        tags=("lora", "peft"),
+    ),
 )
 
 # --- distributed (DDP-) ---------------------------------------------------------------------------------------
@@ -855,6 +867,16 @@ _STEP: tuple[FailureMode, ...] = (
         ("inputs", "attention"),
     ),
     FailureMode(
+        "LOSS-010", "KL divergence averaged over its classes", Severity.WARN,
+        "kl_div / nn.KLDivLoss runs with reduction='mean' on a (batch, classes) input.",
+        "'mean' divides the summed divergence by every element, batch x classes, not by the batch: the term is "
+        "the number of classes times smaller than the KL divergence, so a distillation or regularisation term "
+        "barely pulls, and torch only warns.",
+        "Use reduction='batchmean' (the mathematical KL divergence per sample).",
+        "https://pytorch.org/docs/stable/generated/torch.nn.KLDivLoss.html",
+        ("loss",),
+    ),
+    FailureMode(
         "OPT-014", "Module flagged requires_grad=False still trains", Severity.WARN,
         "A module has requires_grad = False set as a plain attribute (module.requires_grad = False), but its "
         "parameters still require grad and sit in the optimizer.",
@@ -872,6 +894,26 @@ _STEP: tuple[FailureMode, ...] = (
         "run with almost no momentum and no weight decay; it trains, just worse, and nothing raises.",
         "Pass momentum= and weight_decay= by keyword; check optimizer.param_groups after construction.",
         "https://pytorch.org/docs/stable/generated/torch.optim.SGD.html",
+        ("optimizer",),
+    ),
+    FailureMode(
+        "OPT-016", "Submodules kept in a plain list are not registered", Severity.WARN,
+        "A module keeps submodules with parameters in a plain Python list, tuple or dict attribute.",
+        "nn.Module registers only nn.Module, nn.ModuleList and nn.ModuleDict attributes: the hidden layers run in "
+        "forward, but their parameters are missing from model.parameters() (the optimizer never updates them), "
+        "from state_dict() and from .to(device); the rest of the model trains around random layers.",
+        "Hold them in nn.ModuleList / nn.ModuleDict.",
+        "https://discuss.pytorch.org/t/when-should-i-use-nn-modulelist-and-when-should-i-use-nn-sequential/5463",
+        ("optimizer", "registration"),
+    ),
+    FailureMode(
+        "OPT-017", "A param group with its own lr holds no tensors", Severity.WARN,
+        "A param group has no tensors and a learning rate no other group has.",
+        "A group built by a name filter that matches nothing (a backbone selected by a prefix its parameters do not "
+        "have) leaves those tensors in the main group: they train at the main lr, and nothing raises.",
+        "Build the groups from model.named_parameters() with the real names, and check that every group holds "
+        "tensors.",
+        "https://github.com/huggingface/lerobot/pull/280",
         ("optimizer",),
     ),
     FailureMode(
@@ -959,6 +1001,16 @@ _STEP: tuple[FailureMode, ...] = (
         ("loop", "loss"),
     ),
     FailureMode(
+        "LOOP-012", "Micro-batch gradients cleared before the step", Severity.WARN,
+        "Within one optimizer step, zero_grad() runs between the micro-batches' backward passes (and no weight "
+        "changes in between), so only the last micro-batch's gradient reaches the step.",
+        "zero_grad() inside the accumulation loop instead of after the step: every update sees one micro-batch, "
+        "divided by the accumulation count; the loss still falls, slowly and noisily.",
+        "Call zero_grad() once per optimizer step, right after optimizer.step().",
+        "https://github.com/bytetriper/RAE/issues/67",
+        ("loop", "optimizer"),
+    ),
+    FailureMode(
         "LOOP-011", "Accumulated loss divided by the accumulation count twice", Severity.WARN,
         "Within one accumulated step the micro-batches' loss weights add up to 1/K instead of 1: a loss already "
         "normalised over the whole step (num_items_in_batch) is divided by the K micro-batches again.",
@@ -1022,6 +1074,17 @@ _STEP: tuple[FailureMode, ...] = (
         "stepped, e.g. when accelerator.sync_gradients), or build a per-epoch schedule for per-epoch stepping.",
         "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
         ("schedule", "loop"),
+    ),
+    FailureMode(
+        "SCHED-005", "The schedule never comes near the optimizer's lr", Severity.WARN,
+        "Walked over the planned run, the learning rate's peak stays below 1/100 of the lr the optimizer was "
+        "built with (its initial_lr).",
+        "LambdaLR multiplies the lr by what lr_lambda returns: a function that returns a learning rate (3e-4) "
+        "instead of a factor (1.0) trains at lr squared; the loss still falls, a hundred to ten thousand times "
+        "slower than planned.",
+        "Make lr_lambda return a multiplier in [0, 1] (lr / max_lr), or build the optimizer with lr=1.0 on purpose.",
+        "https://pytorch.org/docs/stable/generated/torch.optim.lr_scheduler.LambdaLR.html",
+        ("schedule", "optimizer"),
     ),
     FailureMode(
         "SCHED-004", "The schedule starts over on a resumed optimizer", Severity.WARN,

@@ -311,6 +311,21 @@ def test_lora_009_clean_for_all_blocks_or_explicit_layers_to_transform() -> None
     assert not lora_summary(deliberate).by_id("LORA-009")
 
 
+# --- LORA-014 target_modules entries that match nothing -----------------------------------------------------------
+
+
+def test_lora_014_names_the_target_entries_that_match_no_module() -> None:
+    # "mlp.up" is a path no module has (the Llama MLP holds up_proj): peft skips it because q_proj matched
+    model = lora(tiny_llama(num_hidden_layers=2), target_modules=["q_proj", "v_proj", "mlp.up"])
+    (finding,) = lora_summary(model).by_id("LORA-014")
+    assert finding.severity is Severity.WARN and finding.details["unmatched"] == ["mlp.up"]
+
+
+def test_lora_014_clean_when_every_entry_names_modules() -> None:
+    model = lora(tiny_llama(num_hidden_layers=2), target_modules=["q_proj", "v_proj", "mlp.up_proj"])
+    assert not lora_summary(model).by_id("LORA-014")
+
+
 # --- LORA-010 half-precision adapters -------------------------------------------------------------------------------
 
 
@@ -415,7 +430,7 @@ def test_lora_summary_rejects_bad_arguments(kwargs: dict, argument: str) -> None
 
 def test_lora_catalog_entries_are_complete() -> None:
     lora_ids = sorted(i for i in CATALOG if i.startswith("LORA-"))
-    assert lora_ids == [f"LORA-{n:03d}" for n in range(1, 14)]
+    assert lora_ids == [f"LORA-{n:03d}" for n in range(1, 15)]
     for entry_id in lora_ids:
         entry = CATALOG[entry_id]
         assert entry.title and entry.summary and entry.why and entry.fix and "lora" in entry.tags

@@ -86,6 +86,17 @@ def _onecycle_not_stepped(bug: bool) -> Case:
                       per_step=0 if bug else 1)
 
 
+@case("SCHED-005")
+def _lambda_returns_the_lr(bug: bool) -> Case:
+    peak = 3e-4
+
+    def warmup(step: int) -> float:
+        share = min(1.0, (step + 1) / 50)
+        return peak * share if bug else share  # an lr where LambdaLR wants a factor
+
+    return _scheduled(lambda o: torch.optim.lr_scheduler.LambdaLR(o, warmup), total=500)
+
+
 @case("SCHED-004")
 def _resumed_optimizer_with_a_fresh_schedule(bug: bool) -> Case:
     from transformers import get_cosine_schedule_with_warmup
@@ -156,6 +167,50 @@ def _cleared_and_never_stepped(bug: bool) -> Case:
     return _looped(steps=0 if bug else 1)
 
 
+@case("LOOP-012")
+def _cleared_inside_the_accumulation_loop(bug: bool) -> Case:
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        for i in range(4):
+            if bug:
+                opt.zero_grad()
+            loss = F.cross_entropy(m(x[i::4]), y[i::4]) / 4
+            loss.backward()
+        opt.step()
+        return loss
+
+    return m, step, {"optimizer": opt}
+
+
+def test_a_two_pass_step_that_perturbs_the_weights_between_its_backwards_is_not_loop_012() -> None:
+    """SAM: backward, move the weights to the adversarial point, zero_grad, backward again, restore, step."""
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        with torch.no_grad():
+            shifts = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in m.parameters()]
+            for p, e in zip(m.parameters(), shifts):
+                p.add_(e)
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p, e in zip(m.parameters(), shifts):
+                p.sub_(e)
+        opt.step()
+        return loss
+
+    assert not audit(m, step, optimizer=opt).by_id("LOOP-012")
+
+
 @case("LOOP-011")
 def _divided_by_the_window_twice(bug: bool) -> Case:
     return _looped(micro=4, scale=0.25 if bug else 1.0)
@@ -179,6 +234,54 @@ def _weight_decay_in_the_momentum_slot(bug: bool) -> Case:
     m = _classifier()
     opt = (torch.optim.SGD(m.parameters(), 0.05, 1e-4) if bug
            else torch.optim.SGD(m.parameters(), 0.05, momentum=0.9, weight_decay=1e-4))
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("LOSS-010")
+def _kl_div_averaged_over_classes(bug: bool) -> Case:
+    student, teacher = _classifier(), _classifier(classes=3)
+    teacher.requires_grad_(False)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    x, y = _data()
+    kl = nn.KLDivLoss(reduction="mean" if bug else "batchmean")
+
+    def step() -> torch.Tensor:
+        soft = kl(F.log_softmax(student(x) / 2, -1), F.softmax(teacher(x) / 2, -1))
+        return 0.5 * F.cross_entropy(student(x), y) + 0.5 * 4 * soft
+
+    return student, step, {"optimizer": opt, "inputs": x}
+
+
+class _Stacked(nn.Module):
+    def __init__(self, registered: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks = [nn.Linear(8, 8) for _ in range(2)]
+        self.blocks = nn.ModuleList(blocks) if registered else blocks
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.relu(block(x))
+        return self.head(x)
+
+
+@case("OPT-016")
+def _blocks_in_a_python_list(bug: bool) -> Case:
+    m = _Stacked(registered=not bug)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("OPT-017")
+def _group_filter_matches_nothing(bug: bool) -> Case:
+    m = _classifier()
+    prefix = "encoder." if bug else "0."  # the first layer is "0.", not "encoder."
+    first = [p for n, p in m.named_parameters() if n.startswith(prefix)]
+    rest = [p for n, p in m.named_parameters() if not n.startswith(prefix)]
+    opt = torch.optim.AdamW([{"params": first, "lr": 1e-4}, {"params": rest, "lr": 1e-3}])
     x, y = _data()
     return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
 

@@ -218,9 +218,12 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         if id(tensor) in names:
             cleared()
 
+    trainable = [p for p in ctx.params.values() if p.requires_grad]
+
     def on_grad(p: torch.Tensor) -> None:
         if not trace.loop_events or trace.loop_events[-1] != "backward":
             trace.loop_events.append("backward")
+            trace.backward_versions.append(sum(t._version for t in trainable))
         if p.grad is not None and id(p) in names:
             left[names[id(p)]] = p.grad
             if not trace.step_grads:  # which rows backward filled, to tell the rows the step zeroed afterwards

@@ -117,6 +117,9 @@ class StepTrace:
     backward and zero_grad merged)"""
     loss_weights: list[tuple[torch.Tensor, str]] = field(default_factory=list)
     """``(weight, reduction)`` of each class-weighted ``cross_entropy``/``nll_loss`` call ``step_fn`` made"""
+    backward_versions: list[int] = field(default_factory=list)
+    """for each ``"backward"`` of ``loop_events``: the summed in-place version counters of the trainable
+    tensors when it began (equal across two backwards: no weight changed in between)"""
     binary_float_masks: list[str] = field(default_factory=list)
     """each attention call (``scaled_dot_product_attention``, ``nn.MultiheadAttention``) that got a floating mask
     holding only 0s and 1s, as ``"<function>.<argument>"``: a 0/1 keep-mask where an additive one is expected"""

@@ -12,16 +12,27 @@ from guardtower.severity import Severity
 __all__: list[str] = []
 
 
-@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003", "LOOP-009", "LOOP-010", "AMP-004"))
+@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003", "LOOP-009", "LOOP-010", "LOOP-012", "AMP-004"))
 def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
     """LOOP-001 gradients cleared between backward and step, LOOP-002 step before backward, LOOP-003 gradients
     never cleared, LOOP-009 two optimizer steps on one backward's gradients, LOOP-010 gradients computed and
-    thrown away without a step, AMP-004 gradients clipped while still scaled by a GradScaler."""
+    thrown away without a step, LOOP-012 a micro-batch's gradients cleared before the step, AMP-004 gradients
+    clipped while still scaled by a GradScaler."""
     trace = ctx.trace
     if trace is None:
         return []
     if "step" not in trace.loop_events:
         return _never_stepped(ctx)
+    dropped = _cleared_before_use(trace.loop_events, trace.backward_versions)
+    if dropped:
+        return [Finding(
+            "loop_order", Severity.WARN,
+            f"the gradients of {dropped} backward pass(es) are cleared before any optimizer step used them "
+            f"({' -> '.join(trace.loop_events)}): zero_grad() inside the accumulation loop keeps only the last "
+            "micro-batch's gradient, so each update sees one micro-batch (scaled by 1/K); call zero_grad() once "
+            "per optimizer step, right after it",
+            "LOOP-012", {"order": trace.loop_events, "dropped_backwards": dropped},
+        )]
     doubled = _steps_without_backward(trace.loop_events)
     if doubled:
         return [Finding(
@@ -120,3 +131,23 @@ def _never_stepped(ctx: AuditContext) -> list[Finding]:
         "LOOP-010", {"order": events},
     )]
 
+
+def _cleared_before_use(events: list[str], versions: list[int]) -> int:
+    """How many backward passes had their gradients cleared by a zero_grad before a later backward, with no
+    optimizer step in between and no weight changed in place (SAM-style two-pass steps perturb the weights
+    between their backwards: those are not counted)."""
+    dropped = 0
+    unused: int | None = None  # the last backward whose gradients no step has used yet
+    cleared: int | None = None  # ... and that a zero_grad then threw away
+    k = -1
+    for event in events:
+        if event == "backward":
+            k += 1
+            if cleared is not None and k < len(versions) and versions[k] == versions[cleared]:
+                dropped += 1
+            unused, cleared = k, None
+        elif event == "zero_grad" and unused is not None:
+            cleared, unused = unused, None
+        elif event == "step":
+            unused = cleared = None
+    return dropped

@@ -8,6 +8,8 @@ which factors got a gradient. Nothing here imports peft.
 
 from __future__ import annotations
 
+import re
+
 import contextlib
 import functools
 from dataclasses import dataclass, field
@@ -429,12 +431,33 @@ def check_head(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
-@check("lora_coverage", emits=("LORA-009",), static=True)
+@check("lora_coverage", emits=("LORA-009", "LORA-014"), static=True)
 def check_coverage(ctx: AuditContext) -> Iterator[Finding]:
-    """LORA-009: target_modules matched only some of the transformer blocks."""
+    """LORA-009: target_modules matched only some of the transformer blocks; LORA-014: entries of
+    target_modules that match no module (peft only raises when none of them matches)."""
     config = peft_config(ctx.model)
     # hand-rolled LoRA (no config) has no target_modules pattern to get wrong: adapting some blocks is a choice
-    if not _is_peft(ctx) or config is None or getattr(config, "layers_to_transform", None) is not None:
+    if not _is_peft(ctx) or config is None:
+        return
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, (list, tuple, set, frozenset)):
+        # peft's wrappers insert path parts (a modules_to_save copy, a LoRA layer's base_layer): drop them
+        names = [re.sub(r"\.(original_module|base_layer|modules_to_save\.[^.]+)(?=\.|$)", "", n)
+                 for n, _ in ctx.model.named_modules()]
+        unmatched = sorted(str(key) for key in targets if isinstance(key, str)
+                           and not any(n == key or n.endswith("." + key) for n in names))
+        if unmatched:
+            yield Finding(
+                "lora_coverage",
+                Severity.WARN,
+                f"{len(unmatched)} of the {len(targets)} target_modules entries match no module of the model: "
+                f"{', '.join(unmatched[:_LIST_LIMIT])}; peft skips them silently when another entry matches, so "
+                "those layers get no adapter (name the module itself, e.g. 'ff.net.0.proj' not 'ff.0': see "
+                "model.named_modules())",
+                "LORA-014",
+                {"unmatched": unmatched, "target_modules": sorted(str(t) for t in targets)},
+            )
+    if getattr(config, "layers_to_transform", None) is not None:
         return
     for stack, blocks in block_lists(unwrap_parallel(ctx.model)):
         covered = [i for i, b in enumerate(blocks) if any(True for _ in lora_layers(b))]

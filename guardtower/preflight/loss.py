@@ -26,6 +26,7 @@ __all__ = ["LossCall"]
 
 _CLASSIFICATION = ("cross_entropy", "binary_cross_entropy_with_logits", "nll_loss")
 _REGRESSION = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss")
+_DIVERGENCE = ("kl_div",)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class LossCall:
     input_max: float | None = None
     rows_sum_to_one: bool = False
     all_ignored: bool = False
+    reduction: str = "mean"
 
 
 def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCall | None:
@@ -46,7 +48,8 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCal
     target = args[1] if len(args) > 1 else kwargs.get("target")
     if not isinstance(inp, torch.Tensor) or not isinstance(target, torch.Tensor):
         return None
-    call = LossCall(fn, tuple(inp.shape), tuple(target.shape))
+    reduction = kwargs.get("reduction", args[4] if fn == "kl_div" and len(args) > 4 else "mean")
+    call = LossCall(fn, tuple(inp.shape), tuple(target.shape), reduction=str(reduction))
     if inp.numel() == 0 or not inp.is_floating_point():
         return call
     with torch.no_grad():
@@ -67,7 +70,8 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCal
 def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
     calls: list[LossCall] = []
     ctx.probes["loss_calls"] = calls
-    originals: dict[str, Callable[..., Any]] = {name: getattr(F, name) for name in _CLASSIFICATION + _REGRESSION}
+    originals: dict[str, Callable[..., Any]] = {name: getattr(F, name)
+                                                  for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -153,12 +157,22 @@ def _step_failed(trace: StepTrace) -> list[Finding]:
                     {"returned": type(out).__name__})]
 
 
-@check("loss_inputs", emits=("LOSS-004", "LOSS-005", "LOSS-008"))
+@check("loss_inputs", emits=("LOSS-004", "LOSS-005", "LOSS-008", "LOSS-010"))
 def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
-    """LOSS-004 probabilities fed to a logits loss, LOSS-005 broadcasting targets, LOSS-008 NLL on logits."""
+    """LOSS-004 probabilities fed to a logits loss, LOSS-005 broadcasting targets, LOSS-008 NLL on logits,
+    LOSS-010 a KL divergence averaged over its classes too."""
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
     findings = []
     for call in calls:
+        if call.fn == "kl_div" and call.reduction == "mean" and len(call.input_shape) >= 2 and call.input_shape[-1] > 1:
+            findings.append(Finding(
+                "loss_inputs", Severity.WARN,
+                f"kl_div (nn.KLDivLoss) with reduction='mean' on input of shape {call.input_shape}: 'mean' averages "
+                f"over every element, so the divergence is also divided by the {call.input_shape[-1]} classes and the "
+                "term weighs that much less than intended (distillation barely pulls); use reduction='batchmean'",
+                "LOSS-010", {"input_shape": list(call.input_shape), "reduction": call.reduction},
+            ))
+            continue
         lo, hi = call.input_min, call.input_max
         if lo is None or hi is None:
             continue

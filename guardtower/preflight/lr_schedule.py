@@ -24,6 +24,8 @@ EARLIEST_END = 0.9
 LATEST_PEAK = 0.9
 #: a schedule is "per step" when its lr changes by more than this factor over the planned run
 MOVES = 2.0
+#: a schedule whose peak stays below this share of the optimizer's own lr never uses it (SCHED-005)
+FAR_BELOW = 0.01
 #: how far a restarted schedule is walked to see whether it moves, when neither the run nor the optimizer's
 #: step count says more
 _RESUME_HORIZON = 1000
@@ -47,11 +49,18 @@ def _cadence(ctx: AuditContext) -> tuple[int | None, int]:
     return events.count("scheduler") // opt_steps, opt_steps
 
 
-def _judge(walk: Walk, gi: int) -> tuple[str, str, dict[str, object]] | None:
+def _judge(walk: Walk, gi: int, base_lr: float | None = None) -> tuple[str, str, dict[str, object]] | None:
     lrs = walk.lrs[gi]
     peak = max(lrs)
     if peak <= 0:
         return None  # never above 0: OPT-004
+    if base_lr is not None and base_lr > 0 and peak < FAR_BELOW * base_lr:
+        return ("SCHED-005",
+                f"param group {gi}'s lr peaks at {peak:.3g} over the {walk.planned:,} planned steps, "
+                f"{base_lr / peak:.3g}x below the lr={base_lr:.3g} the optimizer was built with: the schedule's "
+                "multiplier never comes near 1 (an lr_lambda that returns a learning rate instead of a factor "
+                "multiplies the lr by itself)",
+                {"group": gi, "peak_lr": peak, "base_lr": base_lr, "planned_steps": walk.planned})
     n = walk.planned
     top = next(k for k, lr in enumerate(lrs) if lr >= 0.99 * peak)
     low = [k for k, lr in enumerate(lrs) if k > top and lr <= NEAR_ZERO * peak]
@@ -73,11 +82,12 @@ def _judge(walk: Walk, gi: int) -> tuple[str, str, dict[str, object]] | None:
     return None
 
 
-@check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003", "SCHED-004"))
+@check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003", "SCHED-004", "SCHED-005"))
 def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
     """SCHED-001 the lr reaches ~0 early, SCHED-002 the run ends inside the warmup, SCHED-003 a per-step
     schedule that the training step does not step once per optimizer step, SCHED-004 a schedule at its start
-    driving an optimizer that has already trained (a resume that restored everything but the scheduler)."""
+    driving an optimizer that has already trained (a resume that restored everything but the scheduler),
+    SCHED-005 a schedule that never comes within 100x of the optimizer's own lr."""
     opt = base_optimizer(ctx.optimizer)
     if ctx.lr_scheduler is None or opt is None:
         return []
@@ -117,8 +127,10 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
             ))
         if cadence == 0:
             return findings  # how often the loop steps it outside step_fn is unknown: judge nothing more
+    bases = [g.get("initial_lr") for g in opt.param_groups]
     for gi in range(len(walk.lrs)):
-        judged = _judge(walk, gi)
+        base = bases[gi] if gi < len(bases) and isinstance(bases[gi], (int, float)) else None
+        judged = _judge(walk, gi, float(base) if base is not None else None)
         if judged is not None:
             cid, message, details = judged
             findings.append(Finding("lr_schedule", Severity.WARN, message, cid, details))

@@ -1,9 +1,9 @@
 """Modes and randomness: which parts of the model train, which are frozen, and whether the step treats each as
 its setup intends.
 
-A *frozen part* is a maximal submodule subtree whose parameters all have ``requires_grad=False`` (its parent
-holds a trainable one). Eval mode inside a frozen part is a choice (a teacher, a reference model, a frozen
-backbone), eval mode in a trainable part is not (``train_mode``, MODE-001). While the step runs, the
+A *frozen part* is a maximal submodule subtree whose parameters all have ``requires_grad=False`` or sit outside
+the optimizer (its parent holds a trainable one). Eval mode inside a frozen part is a choice (a teacher, a
+reference model, a frozen backbone), eval mode in a trainable part is not (``train_mode``, MODE-001). While the step runs, the
 ``frozen_parts`` probe measures, on the frozen parts only, whether their forward drew random numbers (their
 outputs are random: dropout on in a frozen encoder, MODE-002) and whether their buffers moved (BatchNorm in
 train mode updating running statistics of a frozen backbone, MODE-003). ``norm_momentum`` reads the
@@ -23,7 +23,7 @@ from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight.positions import hf_config
 from guardtower.preflight._step import MODE_SENSITIVE
 from guardtower.preflight._trace import RootCall
-from guardtower.preflight._util import fmt_names
+from guardtower.preflight._util import fmt_names, optimizer_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -37,17 +37,23 @@ def frozen_parts(ctx: AuditContext) -> dict[str, nn.Module]:
     """``name -> module`` of the frozen parts, computed once per audit (``ctx.memo``)."""
     cached = ctx.memo.get("frozen_parts")
     if cached is None:
-        cached = ctx.memo["frozen_parts"] = _frozen_parts(ctx.model)
+        stepped = None if ctx.optimizer is None else {id(t) for _, t in optimizer_tensors(ctx.optimizer)}
+        cached = ctx.memo["frozen_parts"] = _frozen_parts(ctx.model, stepped)
     return dict(cached)
 
 
-def _frozen_parts(model: nn.Module) -> dict[str, nn.Module]:
+def _frozen_parts(model: nn.Module, stepped: set[int] | None) -> dict[str, nn.Module]:
+    """A parameter is frozen when it does not require grad, or when the optimizer (if given) does not hold it:
+    a part kept out of the optimizer never trains either (OPT-001 says so when that looks unintended)."""
     found: dict[str, nn.Module] = {}
+
+    def fixed(p: nn.Parameter) -> bool:
+        return not p.requires_grad or (stepped is not None and id(p) not in stepped)
 
     def visit(name: str, module: nn.Module) -> tuple[bool, bool]:
         """(holds a parameter, all its parameters are frozen) for ``module``'s subtree."""
         own = list(module.parameters(recurse=False))
-        has, frozen = bool(own), all(not p.requires_grad for p in own)
+        has, frozen = bool(own), all(fixed(p) for p in own)
         kids = [(f"{name}.{n}" if name else n, m, visit(f"{name}.{n}" if name else n, m))
                 for n, m in module.named_children()]
         has = has or any(h for _, _, (h, _) in kids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._schedule import LOOKAHEAD_STEPS, peak_lrs
@@ -14,6 +15,33 @@ from guardtower.report import Finding
 from guardtower.severity import Severity
 
 __all__: list[str] = []
+
+
+@check("registration", emits=("OPT-016",), static=True)
+def check_registration(ctx: AuditContext) -> Iterable[Finding]:
+    """OPT-016: submodules kept in a plain list, tuple or dict attribute, which nn.Module does not register."""
+    registered = {id(p) for p in ctx.model.parameters()}
+    hidden = []
+    for name, module in ctx.model.named_modules():
+        for attribute, value in vars(module).items():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            if attribute.startswith("_") or not items:
+                continue
+            # a list of references to registered modules (kept for hooks, say) hides nothing
+            held = [m for m in items if isinstance(m, nn.Module) and any(True for _ in m.parameters())
+                    and not any(id(p) in registered for p in m.parameters())]
+            if held and len(held) == len(items):
+                hidden.append(f"{name}.{attribute}" if name else attribute)
+    if not hidden:
+        return []
+    return [Finding(
+        "registration", Severity.WARN,
+        f"{len(hidden)} attribute(s) hold submodules in a plain Python list/tuple/dict: {fmt_names(hidden)}; "
+        "nn.Module does not register them, so their parameters are missing from model.parameters() (the "
+        "optimizer never updates them), from state_dict() (checkpoints drop them) and from .to(device); use "
+        "nn.ModuleList / nn.ModuleDict",
+        "OPT-016", {"attributes": hidden[:50]},
+    )]
 
 
 @check("optimizer_coverage", emits=("OPT-001", "OPT-003"), static=True)
@@ -40,12 +68,23 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
                         "missing_trainable": missing[:50]},
         ))
     if missing and not stale_all:
-        findings.append(Finding(
-            "optimizer_coverage", Severity.ERROR,
-            f"{len(missing)} trainable parameter(s) are NOT in the optimizer (in no param group) and will never be updated: "
-            f"{fmt_names(missing)}",
-            "OPT-001", {"params": missing},
-        ))
+        owners = dict(ctx.model.named_modules())
+        resting = [n for n in missing if not owners.get(n.rpartition(".")[0], ctx.model).training]
+        if len(resting) == len(missing):  # kept in eval mode and out of the optimizer: frozen on purpose
+            findings.append(Finding(
+                "optimizer_coverage", Severity.INFO,
+                f"{len(missing)} parameter(s) of parts kept in eval mode are not in the optimizer: {fmt_names(missing)}; "
+                "they stay fixed as a frozen part should, but still require grad, so backward computes their "
+                "gradients for nothing (requires_grad_(False) saves that)",
+                "OPT-001", {"params": missing, "eval_mode": True},
+            ))
+        else:
+            findings.append(Finding(
+                "optimizer_coverage", Severity.ERROR,
+                f"{len(missing)} trainable parameter(s) are NOT in the optimizer (in no param group) and will never be "
+                f"updated: {fmt_names(missing)}",
+                "OPT-001", {"params": missing},
+            ))
     return findings
 
 
@@ -99,14 +138,14 @@ def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007", "OPT-015"), static=True)
+@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007", "OPT-015", "OPT-017"), static=True)
 def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights, OPT-015 a
     momentum the size of a weight decay."""
     if ctx.optimizer is None:
         return []
     names = {id(p): n for n, p in ctx.model.named_parameters()}
-    findings = list(_tiny_momentum(ctx.optimizer))
+    findings = list(_tiny_momentum(ctx.optimizer)) + list(_empty_groups(ctx.optimizer))
     # a weight_decay=0 group holding 1-D tensors says the user meant to exclude them all from decay
     no_decay_group = any(
         not group.get("weight_decay", 0.0) and any(isinstance(p, torch.Tensor) and p.requires_grad and p.dim() <= 1
@@ -175,4 +214,23 @@ def _tiny_momentum(optimizer: torch.optim.Optimizer) -> Iterable[Finding]:
                     "momentum= and weight_decay= by keyword",
                     "OPT-015", {"group": gi, key: value, "weight_decay": group.get("weight_decay")},
                 )
+
+
+def _empty_groups(optimizer: torch.optim.Optimizer) -> Iterable[Finding]:
+    """OPT-017: a param group that holds no tensor but has its own learning rate: the filter that should have
+    filled it (a backbone picked by name prefix) matched nothing, so those tensors train at another group's lr.
+    An empty group with the others' lr (the Trainer's no-decay group of a LoRA model) changes nothing."""
+    groups = optimizer.param_groups
+    lrs = {float(g["lr"]) for g in groups if g.get("params") and isinstance(g.get("lr"), (int, float))}
+    for gi, group in enumerate(groups):
+        lr = group.get("lr")
+        if not group.get("params") and isinstance(lr, (int, float)) and lrs and float(lr) not in lrs:
+            yield Finding(
+                "optimizer_hparams", Severity.WARN,
+                f"param group {gi} (lr={lr:g}) holds no tensor: the tensors it was built for (a name prefix or "
+                "filter that matched nothing) sit in another group and train at its lr "
+                f"({', '.join(f'{v:g}' for v in sorted(lrs))}); check the names the filter tests against "
+                "model.named_parameters()",
+                "OPT-017", {"group": gi, "lr": lr, "other_lrs": sorted(lrs)},
+            )
 
