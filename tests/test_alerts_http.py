@@ -369,7 +369,10 @@ def _guarded_run(tmp_path: Path, server_url: str, *, nan_steps: range, **guard: 
 def test_guarded_training_run_with_a_nan_storm_sends_one_grouped_alert(tmp_path) -> None:
     with ScriptedServer() as server:
         _guarded_run(tmp_path, server.url, nan_steps=range(20, 50), max_consecutive_skips=None)
-    (body,) = (r.json for r in server.requests)
+    bodies = {r.json["kind"]: r.json for r in server.requests}
+    assert sorted(bodies) == ["nonfinite", "skip_budget"]  # the storm, and one WARN that 30 steps were skipped
+    assert bodies["skip_budget"]["total"] == 1
+    body = bodies["nonfinite"]
     assert body["kind"] == "nonfinite" and body["run"] == "tiny"
     assert body["total"] == 30 and len(body["event_ids"]) == 30
     assert body["text"] == "NaN/Inf gradient in 2.weight: 30 occurrences, steps 21-50"  # the guard counts from 1
@@ -385,7 +388,8 @@ def test_guard_escalation_halt_supersedes_the_pending_spikes(tmp_path) -> None:
         # the guard flushes the bus before raising: the halt went out at once, not after group_wait
         assert [r.json["kind"] for r in server.requests] == ["halt"]
     body = server.requests[0].json
-    assert body["total"] == 1 and body["superseded"] == {"spike": len(body["event_ids"]) - 1}
+    # the pending spikes and the skip budget's WARN ride along with the halt that supersedes them
+    assert body["total"] == 1 and body["superseded"] == {"spike": len(body["event_ids"]) - 2, "skip_budget": 1}
     assert len(body["event_ids"]) - 1 >= 20  # every rejected step's spike event rides along
     assert body["text"].startswith("Training halted: nonfinite in 2.weight at step ")
 

@@ -22,7 +22,7 @@ __all__ = ["Notification", "Grouper", "SUPERSEDING_KINDS", "SUPERSEDED_KINDS"]
 
 #: a rollback or halt makes pending alerts of these kinds (same run) redundant
 SUPERSEDING_KINDS = frozenset({"rollback", "halt"})
-SUPERSEDED_KINDS = frozenset({"spike", "skip"})
+SUPERSEDED_KINDS = frozenset({"spike", "skip", "skip_budget"})
 
 
 @dataclass(frozen=True)
