@@ -449,8 +449,10 @@ def test_server_outage_never_delays_training_and_every_event_arrives_exactly_onc
     rid = run.info.run_id
     batches_before = server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST")
     uploads_before = server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True)
+    # a stopped server refuses connections at once, so the outage shows without a short timeout; a short one
+    # (2 s) made a loaded host's slow-but-successful request time out and be sent again: a duplicate
     bridge = MLflowBridge(rid, tracking_uri=server.url, spool_path=tmp_path / "spool.jsonl",
-                          request_timeout=2, request_retries=0, retry_interval=0.25, max_retry_interval=1.0)
+                          request_timeout=30, request_retries=0, retry_interval=0.25, max_retry_interval=1.0)
     bus = EventBus([bridge])
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
