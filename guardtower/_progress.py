@@ -14,6 +14,10 @@ from typing import IO, Any, Callable
 __all__ = ["Progress"]
 
 
+#: the progress lines' clock (tests replace this, not ``time.monotonic`` that every thread reads)
+_monotonic = time.monotonic
+
+
 def _clock_text(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     return f"{seconds // 60}:{seconds % 60:02d}" if seconds >= 60 else f"{seconds}s"
@@ -28,7 +32,7 @@ class Progress:
         self.total, self.label, self.enabled, self.n = max(0, int(total)), label, enabled, 0
         self.every = every
         self._stream = stream
-        self._clock = clock or time.monotonic
+        self._clock = clock or _monotonic
         self._start = self._clock()
         self._last_line = self._start
         self._printed = False

@@ -72,7 +72,7 @@ def test_audit_steps_shows_progress_unless_verbose_is_false(monkeypatch: pytest.
     import guardtower._progress as progress_module
 
     ticks = iter(range(0, 10_000, 3))  # every reading of the clock is 3 s later: a line on every other step
-    monkeypatch.setattr(progress_module.time, "monotonic", lambda: float(next(ticks)))
+    monkeypatch.setattr(progress_module, "_monotonic", lambda: float(next(ticks)))
     model, step_fn, opt = _overfit_setup()
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -153,7 +153,7 @@ def test_replay_of_a_large_spool_shows_progress(tmp_path: Path, monkeypatch: pyt
     delivered: list[int] = []
     monkeypatch.setitem(replay.REPLAYERS, "webhook", lambda args: lambda event: delivered.append(event.step))
     ticks = iter(range(0, 100_000))  # one second per reading of the clock
-    monkeypatch.setattr(progress_module.time, "monotonic", lambda: float(next(ticks)))
+    monkeypatch.setattr(progress_module, "_monotonic", lambda: float(next(ticks)))
     assert replay.main([str(tmp_path / "webhook.jsonl")]) == 0
     assert len(delivered) == 150
     err = capsys.readouterr().err
