@@ -254,8 +254,12 @@ def test_a_new_bridge_first_replays_what_a_previous_process_left_in_the_spool(se
                            request_retries=0, retry_interval=60)
     _publish_and_flush_expect_backlog(crashed, [spike_event(1), spike_event(2)])
     restarted = MLflowBridge(run_id, tracking_uri=server.url, spool_path=spool, retry_interval=0.1)
-    assert EventBus([restarted]).stats()["sinks"][restarted.name]["backlog"]  # the leftovers go first
-    stats = _publish_and_flush(restarted, [spike_event(3)])
+    bus = EventBus([restarted])  # one bus: a second one around the same sink would replay the spool again
+    assert bus.stats()["sinks"][restarted.name]["backlog"]  # the leftovers go first
+    bus.publish(spike_event(3))
+    assert bus.flush(30)
+    bus.close(10)
+    stats = bus.stats()["sinks"][restarted.name]
     assert stats["replayed"] >= 2 and stats["replayed"] + stats["delivered"] == 3 and not stats["backlog"]
     assert [s for s, _ in _history(server.url, run_id, f"{P}.spike_ratio")] == [1, 2, 3]
     assert client.get_run(run_id).data.tags[f"{P}.last_incident"].startswith("kind=spike step=3 ")
