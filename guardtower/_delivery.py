@@ -708,13 +708,27 @@ class Delivery:
         if time.monotonic() < self._probe_at:
             return
         spool = self._spool()
-        sent = 0
-        ok = True
         if not spool.ackable():  # sending without acknowledging would resend the same events every time
             self.log.warn(f"spool {spool.path} is read-only: cannot acknowledge, not replaying", 0)
             with self._cond:
                 self._backlog = False
             return
+        # the persister waits while the spool is replayed: an event it wrote during the replay would be read
+        # back by the replay and sent by the worker too (a duplicate); new events wait in memory meanwhile
+        with self._plock:
+            sent, ok = self._replay_pending(spool)
+        with self._cond:
+            self._counts["replayed"] += sent
+            if ok:
+                self._backlog = False
+                self._probe_wait = self._probe_min
+            else:
+                self._probe_wait = min(self._probe_max, self._probe_wait * 2)
+                self._probe_at = time.monotonic() + self._probe_wait
+
+    def _replay_pending(self, spool: Any) -> tuple[int, bool]:
+        """Send the spool's pending entries in order; (how many were sent, whether all were)."""
+        sent, ok = 0, True
         with self._qlock:
             live = set(self._on_disk)  # accepted but not tried yet: the worker sends those itself
         try:
@@ -747,14 +761,7 @@ class Delivery:
         except OSError as exc:
             ok = False
             self.log.warn(f"spool not usable: {exc.strerror or type(exc).__name__}", 0)
-        with self._cond:
-            self._counts["replayed"] += sent
-            if ok:
-                self._backlog = False
-                self._probe_wait = self._probe_min
-            else:
-                self._probe_wait = min(self._probe_max, self._probe_wait * 2)
-                self._probe_at = time.monotonic() + self._probe_wait
+        return sent, ok
 
     # -- flush and close ---------------------------------------------------------------------------------
 
