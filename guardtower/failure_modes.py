@@ -1098,6 +1098,190 @@ _STEP: tuple[FailureMode, ...] = (
         "https://github.com/victoresque/pytorch-template/issues/68",
         ("schedule", "optimizer"),
     ),
+    # what each loss receives, against the domain its function documents (issue 18, round 3)
+    FailureMode(
+        "LOSS-011", "A log-probability loss gets something else", Severity.WARN,
+        "nll_loss, ctc_loss or kl_div receives an input that is not log-probabilities over the dimension it reads: "
+        "raw logits, probabilities, or log_softmax taken over another dimension (the batch, the time axis).",
+        "These losses pick or weigh entries of their input as if it were log p. On raw logits the objective is "
+        "not a likelihood (shifting every logit lowers it); normalised over the batch it ranks samples against "
+        "each other instead of classes. Nothing checks it, and the loss still falls.",
+        "Apply log_softmax over the class dimension (dim=1 for nll_loss, the last for ctc_loss and kl_div's input) "
+        "right before the loss, or use cross_entropy on the logits.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.CTCLoss.html",
+        ("loss",),
+    ),
+    FailureMode(
+        "LOSS-012", "Targets outside the loss's domain", Severity.WARN,
+        "A loss receives floating targets its function does not define: binary cross entropy targets outside "
+        "[0, 1], kl_div targets that are log-probabilities without log_target=True (or probabilities with it), "
+        "soft cross-entropy targets that do not sum to 1 over the classes.",
+        "torch computes a number for them: -1/+1 labels in BCE reward the wrong sign, log-probabilities as "
+        "kl_div's target give a divergence of nothing in particular, unnormalised soft targets reweigh samples. "
+        "The loss moves and nothing warns.",
+        "Map binary labels to 0/1, pass log_target=True for log-probability targets, normalise soft targets.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.KLDivLoss.html",
+        ("loss", "labels"),
+    ),
+    FailureMode(
+        "LOSS-013", "Loss arguments swapped: the target carries the gradient", Severity.WARN,
+        "An asymmetric loss (kl_div, cross_entropy with soft targets, binary cross entropy) gets a target that "
+        "requires grad and an input that does not.",
+        "These functions expect (prediction, reference). With the roles swapped the gradient flows through the "
+        "target, so the model minimises another divergence (KL(model || reference) instead of "
+        "KL(reference || model)): mode-seeking instead of mean-seeking, a different fixed point, and no error.",
+        "Pass the trained model's output as the first argument and the fixed reference as the target (detach it "
+        "if it comes from a teacher); write a reverse KL explicitly if that is intended.",
+        "https://github.com/sarahwie/attention/issues/6",
+        ("loss",),
+    ),
+    FailureMode(
+        "LOSS-014", "Logits that cannot go negative", Severity.WARN,
+        "cross_entropy or binary_cross_entropy_with_logits receives only non-negative values: a ReLU, sigmoid or "
+        "softplus sits between the last linear layer and a loss that applies its own softmax/sigmoid.",
+        "The loss still falls, but it can only express part of its range: sigmoid of a non-negative logit is at "
+        "least 0.5, so a binary head never predicts the negative class with confidence; bounded logits cap how "
+        "sharp a softmax can get.",
+        "Feed the raw output of the last linear layer to the loss; keep activations for inference-time "
+        "probabilities only.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html",
+        ("loss", "activations"),
+    ),
+    FailureMode(
+        "LOSS-015", "The prediction's activation cannot reach the targets", Severity.WARN,
+        "A regression loss (mse_loss, l1_loss, smooth_l1_loss, huber_loss) compares a prediction that comes "
+        "straight from a sigmoid, tanh, softmax, ReLU or softplus with targets of which 5% or more lie outside "
+        "that activation's range.",
+        "A sigmoid head regressing 0..100 scores, a tanh head for unnormalised coordinates, a ReLU head for "
+        "signed targets: the loss falls while the bounded outputs saturate, and those targets are never fitted.",
+        "Remove the final activation (a linear output for regression), or scale the targets into its range "
+        "and back at inference.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.MSELoss.html",
+        ("loss", "activations"),
+    ),
+    FailureMode(
+        "AMP-005", "Softmax-family loss computed in 16 bits", Severity.WARN,
+        "cross_entropy, nll_loss, kl_div or ctc_loss runs on float16/bfloat16 input outside autocast (bf16 "
+        "weights, an FSDP bf16 parameter policy, logits cast to half).",
+        "Autocast runs these losses in float32; outside it they run in the input's dtype. bf16 keeps 8 bits of "
+        "mantissa: the log-softmax over a large vocabulary, the loss and the gradient it sends back are rounded, "
+        "so small improvements vanish into quantisation and the run plateaus early.",
+        "Upcast the logits before the loss (logits.float()), as transformers' own losses do.",
+        "https://github.com/Modalities/modalities/pull/464",
+        ("mixed-precision", "loss"),
+    ),
+    FailureMode(
+        "LOOP-013", "Gradient clipping that no optimizer step uses", Severity.WARN,
+        "step_fn calls clip_grad_norm_/clip_grad_value_, but never between its last backward() and "
+        "optimizer.step(): it clips after the step, or before backward().",
+        "The clip runs and returns a norm, so logs look right, but it edits gradients that are cleared before "
+        "any step reads them. Every update is unclipped and a gradient spike reaches the weights.",
+        "Clip after the last backward() of the step and before optimizer.step() (after scaler.unscale_ under "
+        "a GradScaler).",
+        "https://github.com/VGraphRNN/VGRNN/issues/4",
+        ("loop", "gradients"),
+    ),
+    FailureMode(
+        "DATA-010", "End-of-sequence is never a label", Severity.WARN,
+        "A language-model batch of whole, padded examples (each row starts with BOS) in which no label is "
+        "config.eos_token_id.",
+        "A tokenizer that adds no EOS (Llama's add_eos_token defaults to False) or a template that drops it "
+        "leaves every example without its stop token. The loss falls as usual; the fine-tuned model never "
+        "learns to stop and rambles until max_new_tokens.",
+        "Append EOS to every example (add_eos_token=True, text + tokenizer.eos_token, or a collator that adds "
+        "it) and keep it in the labels.",
+        "https://github.com/huggingface/trl/issues/734",
+        ("data", "labels", "llm"),
+    ),
+    FailureMode(
+        "DATA-011", "Examples with no supervised token", Severity.WARN,
+        "In a language-model batch, some examples have every label at -100 while the others have labels.",
+        "Completion-only masking plus truncation to max_length cuts the completion off long prompts; the "
+        "example still costs a forward and backward but contributes no loss. The mean over the remaining "
+        "tokens hides it: the loss looks normal while a share of the data (the long prompts) is never learned.",
+        "Raise max_length, truncate the prompt rather than the completion (truncation_side='left' on the prompt), "
+        "or filter out examples whose completion does not fit.",
+        "https://huggingface.co/docs/trl/sft_trainer",
+        ("data", "labels", "llm"),
+    ),
+    FailureMode(
+        "DATA-012", "Every sample in the batch is the same", Severity.WARN,
+        "Each input tensor the model receives (masks and labels aside) has identical rows across the batch.",
+        "A Dataset whose __getitem__ ignores its index (returns self.data[0], a cached item, a fixed seed's "
+        "crop), or a batch built with expand() from one example, trains on one sample repeated. The loss falls "
+        "fast, since one example is easy to memorise, and the model learns nothing general.",
+        "Check that __getitem__ uses its index and that the collator stacks different items; print two rows "
+        "of one batch.",
+        "https://pytorch.org/tutorials/beginner/basics/data_tutorial.html",
+        ("data",),
+    ),
+    FailureMode(
+        "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,
+        "The loss pulls each position towards the next input token, and the prediction at a position depends on "
+        "the tokens after it (measured: gradient from later token embeddings).",
+        "A hand-written decoder without a causal mask (is_causal=False, no tgt_mask), or a bidirectional "
+        "LSTM/encoder trained as a language model, can read its own target one position ahead. The loss falls "
+        "fast, close to zero, because copying is easy; generation, which has no future to read, produces garbage.",
+        "Mask attention causally (F.scaled_dot_product_attention(..., is_causal=True), "
+        "nn.Transformer.generate_square_subsequent_mask for tgt_mask) or use a unidirectional recurrent layer.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.Transformer.html",
+        ("inputs", "llm", "masks"),
+    ),
+    FailureMode(
+        "INPUT-008", "padding_idx is a real token", Severity.WARN,
+        "An nn.Embedding's padding_idx is an id that occurs inside the batch's sequences (between other "
+        "tokens), not only as left or right padding.",
+        "The padding row gets no gradient by construction. When padding_idx is not the id the data pads with "
+        "(the vocabulary pads with 1, padding_idx=0 is <unk>), that real token's embedding stays at its "
+        "initial (zero) value for the whole run.",
+        "Set padding_idx to the id the tokenizer pads with (tokenizer.pad_token_id), or to None.",
+        "https://github.com/hyunwoongko/transformer/pull/2",
+        ("inputs", "embeddings"),
+    ),
+    FailureMode(
+        "INPUT-009", "First layer input far from unit scale", Severity.WARN,
+        "The first linear, convolutional or recurrent layer to run receives unscaled values (root-mean-square "
+        "above 20 and magnitudes above 100: raw pixels, raw measurements) or a nearly constant input (spread "
+        "under 1% of its magnitude).",
+        "Layers are initialised for inputs of about unit scale. Unscaled features saturate activations and make "
+        "one feature dominate the gradient; a nearly constant input (pixels divided by 255 twice) leaves the "
+        "samples indistinguishable. The loss still moves a little.",
+        "Standardise features (subtract the mean, divide by the standard deviation, computed once on the "
+        "training set), divide pixels by 255 exactly once, and check the preprocessing on one batch.",
+        "https://github.com/SarahwXU/HiSup/issues/35",
+        ("inputs", "data"),
+    ),
+    FailureMode(
+        "OPT-018", "Adam's betas swapped", Severity.WARN,
+        "An Adam-family optimizer has betas=(b1, b2) with b1 > b2, e.g. (0.999, 0.9).",
+        "The first beta averages the gradient (momentum), the second its square. Swapped, the momentum is smoothed "
+        "over ~1,000 steps and lags far behind the weights, while the variance estimate follows the last ~10 "
+        "squared gradients, so the step size jumps with every noisy batch. Training runs, slower and less stable.",
+        "Pass betas=(0.9, 0.999) (or (0.9, 0.95) for large-batch pre-training): the first value is the smaller.",
+        "https://pytorch.org/docs/stable/generated/torch.optim.Adam.html",
+        ("optimizer",),
+    ),
+    FailureMode(
+        "MODE-007", "Dropout drops most activations", Severity.WARN,
+        "A dropout layer has p >= 0.8.",
+        "PyTorch's p is the probability of zeroing an element; TensorFlow's old keep_prob is the probability of "
+        "keeping it. p=0.9 copied from keep_prob=0.9 keeps a tenth of each activation and multiplies it by ten: "
+        "training is dominated by noise, the loss falls slowly, evaluation (no dropout) looks unrelated.",
+        "Use p = 1 - keep_prob (0.1 for keep_prob=0.9); typical values are 0.0-0.5.",
+        "https://pytorch.org/docs/stable/generated/torch.nn.Dropout.html",
+        ("modes",),
+    ),
+    FailureMode(
+        "INIT-001", "Identical units that stay identical", Severity.WARN,
+        "Every row (output unit) of a trainable weight is equal, and so is every row of its gradient.",
+        "Gradient descent keeps equal units equal: a layer initialised with a constant (nn.init.constant_, "
+        "zeros in two consecutive layers) behaves as one unit however wide it is. The loss falls a little and "
+        "then plateaus.",
+        "Initialise weights randomly (the module's reset_parameters, nn.init.kaiming_uniform_ or normal_); a "
+        "zero initialisation is fine for an output layer alone.",
+        "https://cs231n.github.io/neural-networks-2/#init",
+        ("gradients", "initialisation"),
+    ),
 )
 
 

@@ -616,6 +616,349 @@ def _clip_before_unscale(bug: bool) -> Case:
     return m, step, {"optimizer": opt, "scaler": scaler}
 
 
+# --- what each loss receives, against its function's domain ---------------------------------------------------
+class _FrameTagger(nn.Module):
+    """Per-frame class logits (T, N, C) from a GRU, for CTC."""
+
+    def __init__(self, classes: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.GRU(8, 16)
+        self.out = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0])
+
+
+@case("LOSS-011")
+def _nll_over_the_batch_dim(bug: bool) -> Case:
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+    return m, lambda: F.nll_loss(F.log_softmax(m(x), dim=0 if bug else 1), y), {"optimizer": opt, "inputs": x}
+
+
+@case("LOSS-011/ctc-logits")
+def _ctc_on_raw_logits(bug: bool) -> Case:
+    m = _FrameTagger()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(2)
+    frames, targets = torch.randn(12, 3, 8, generator=g), torch.randint(1, 6, (3, 4), generator=g)
+    lengths, target_lengths = torch.full((3,), 12), torch.full((3,), 4)
+
+    def loss() -> torch.Tensor:
+        out = m(frames)
+        return F.ctc_loss(out if bug else out.log_softmax(-1), targets, lengths, target_lengths)
+
+    return m, loss, {"optimizer": opt, "inputs": frames}
+
+
+@case("LOSS-012")
+def _bce_on_signed_labels(bug: bool) -> Case:
+    m = _classifier(classes=1)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data(classes=2)
+    target = (y.float() * 2 - 1) if bug else y.float()  # -1/+1 labels from an SVM-style dataset
+    return m, lambda: F.binary_cross_entropy_with_logits(m(x).squeeze(-1), target), {"optimizer": opt, "inputs": x}
+
+
+def _distilled(build: Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]) -> Case:
+    student, teacher = _classifier(), _classifier()
+    teacher.requires_grad_(False)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    x, y = _data()
+    return student, lambda: F.cross_entropy(student(x), y) + build(student, teacher, x), {"optimizer": opt,
+                                                                                            "inputs": x}
+
+
+@case("LOSS-012/kl-log-target")
+def _kl_div_log_target_without_the_flag(bug: bool) -> Case:
+    def kl(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        t = teacher(x)
+        return F.kl_div(F.log_softmax(student(x), -1), F.log_softmax(t, -1) if bug else F.softmax(t, -1),
+                        reduction="batchmean")
+
+    return _distilled(kl)
+
+
+@case("LOSS-013")
+def _kl_div_arguments_swapped(bug: bool) -> Case:
+    def kl(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s, t = student(x), teacher(x)
+        if bug:  # (target, input): KL(student || teacher)
+            return F.kl_div(F.log_softmax(t, -1), F.softmax(s, -1), reduction="batchmean")
+        return F.kl_div(F.log_softmax(s, -1), F.softmax(t, -1), reduction="batchmean")
+
+    return _distilled(kl)
+
+
+@case("LOSS-014")
+def _relu_before_cross_entropy(bug: bool) -> Case:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)]
+    m = nn.Sequential(*layers, *([nn.ReLU()] if bug else []))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("LOSS-015")
+def _sigmoid_head_for_unscaled_scores(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1), nn.Sigmoid())
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, _ = _data()
+    scores = torch.linspace(0, 100, 16)  # ratings on a 0..100 scale
+    target = scores if bug else scores / 100
+    return m, lambda: F.mse_loss(m(x).squeeze(-1), target), {"optimizer": opt, "inputs": x}
+
+
+@case("AMP-005")
+def _cross_entropy_on_bf16_logits(bug: bool) -> Case:
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+
+    def loss() -> torch.Tensor:
+        logits = m(x).to(torch.bfloat16)  # the cast a bf16 compute policy leaves on the logits
+        return F.cross_entropy(logits if bug else logits.float(), y)
+
+    return m, loss, {"optimizer": opt, "inputs": x}
+
+
+def test_amp_005_is_quiet_under_autocast() -> None:
+    m = _classifier()
+    x, y = _data()
+
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(m(x), y)  # autocast runs cross_entropy in float32
+
+    assert not audit(m, loss).by_id("AMP-005")
+
+
+@case("LOOP-013")
+def _clip_after_step(bug: bool) -> Case:
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        if not bug:
+            nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        if bug:
+            nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        return loss
+
+    return m, step, {"optimizer": opt}
+
+
+def _llama(**overrides: Any) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides})).train()
+
+
+@case("DATA-010")
+def _sft_examples_without_eos(bug: bool) -> Case:
+    model = _llama()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, VOCAB, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    ids[:, 0] = 1  # BOS, as the tokenizer adds it
+    for row, length in enumerate((10, 7, 5)):
+        if not bug:
+            ids[row, length - 1] = 2  # the EOS a tokenizer with add_eos_token=True appends
+        ids[row, length:] = 0
+        mask[row, length:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, lambda: model(**batch).loss, {"optimizer": opt, "inputs": batch}
+
+
+@case("DATA-011")
+def _completion_truncated_away(bug: bool) -> Case:
+    model = _llama()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
+    ids[:, 0], ids[:, -1] = 1, 2
+    labels = ids.clone()
+    labels[:, :6] = -100  # completion-only: the prompt is masked
+    if bug:
+        labels[1] = -100  # row 1's prompt filled max_length: its completion was truncated away
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, lambda: model(**batch).loss, {"optimizer": opt, "inputs": batch}
+
+
+class _Items(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, ignore_index: bool) -> None:
+        self.x, self.y = _data()
+        self.ignore_index = ignore_index
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        j = 0 if self.ignore_index else i  # the bug: a cached first item
+        return self.x[j], self.y[j]
+
+
+@case("DATA-012")
+def _dataset_ignores_its_index(bug: bool) -> Case:
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = next(iter(torch.utils.data.DataLoader(_Items(ignore_index=bug), batch_size=8)))
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+class _TinyLM(nn.Module):
+    """A hand-written decoder-only LM: token + position embeddings, one encoder layer, a head."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos = nn.Embedding(VOCAB, 16), nn.Embedding(32, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, VOCAB)
+        self.causal = causal
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1]) if self.causal else None
+        return self.head(self.block(x, src_mask=mask, is_causal=self.causal))
+
+
+@case("INPUT-010")
+def _decoder_without_a_causal_mask(bug: bool) -> Case:
+    m = _TinyLM(causal=not bug)
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def loss() -> torch.Tensor:
+        logits = m(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    return m, loss, {"optimizer": opt, "inputs": ids}
+
+
+class _PaddedEmbedder(nn.Module):
+    """Token embedding with padding_idx, mean-pooled over the non-padding positions, and a classifier."""
+
+    def __init__(self, padding_idx: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16, padding_idx=padding_idx)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        keep = (ids != 1).float().unsqueeze(-1)
+        return self.head((self.embed(ids) * keep).sum(1) / keep.sum(1))
+
+
+@case("INPUT-008")
+def _padding_idx_on_the_unk_token(bug: bool) -> Case:
+    m = _PaddedEmbedder(padding_idx=0 if bug else 1)  # the vocabulary pads with 1; 0 is <unk>
+    ids = torch.randint(2, VOCAB, (4, 9), generator=torch.Generator().manual_seed(6))
+    ids[0, 3] = ids[2, 5] = 0  # out-of-vocabulary words
+    ids[1, 6:] = ids[3, 4:] = 1
+    y = torch.tensor([0, 1, 1, 0])
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    return m, lambda: F.cross_entropy(m(ids), y), {"optimizer": opt, "inputs": ids}
+
+
+class _ConvClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+_MEAN, _STD = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+def _images(scale: float) -> Case:
+    g = torch.Generator().manual_seed(7)
+    pixels = (_MEAN + _STD * torch.randn(4, 3, 12, 12, generator=g)).clamp(0, 1).mul(255).round()  # uint8 values
+    x = (pixels / scale - _MEAN) / _STD if scale else pixels
+    m = _ConvClassifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    y = torch.tensor([0, 1, 2, 0])
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("INPUT-009")
+def _raw_pixels(bug: bool) -> Case:
+    return _images(0.0 if bug else 255.0)
+
+
+@case("INPUT-009/twice")
+def _pixels_divided_by_255_twice(bug: bool) -> Case:
+    return _images(255.0 * 255.0 if bug else 255.0)
+
+
+@case("INPUT-009/tabular")
+def _unscaled_tabular_features(bug: bool) -> Case:
+    from sklearn.datasets import load_breast_cancer
+
+    data = load_breast_cancer()
+    x = torch.tensor(data.data[:32], dtype=torch.float32)
+    if not bug:
+        x = (x - x.mean(0)) / x.std(0)
+    y = torch.tensor(data.target[:32])
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(30, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("OPT-018")
+def _adam_betas_swapped(bug: bool) -> Case:
+    m = _classifier()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.999, 0.9) if bug else (0.9, 0.999))
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("MODE-007")
+def _keep_prob_as_drop_prob(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.9 if bug else 0.1), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+@case("INIT-001")
+def _constant_initialisation(bug: bool) -> Case:
+    m = _classifier()
+    if bug:
+        for layer in (m[0], m[2]):
+            nn.init.constant_(layer.weight, 0.1)
+            nn.init.zeros_(layer.bias)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
+def test_init_001_leaves_a_zero_initialised_output_layer_alone() -> None:
+    m = _classifier()
+    nn.init.zeros_(m[2].weight)  # zero-init head: its rows' gradients differ, so the units separate
+    x, y = _data()
+    assert not audit(m, lambda: F.cross_entropy(m(x), y)).by_id("INIT-001")
+
+
 def test_adamw_weight_decay_on_a_lora_model_is_not_moving_without_gradient() -> None:
     from peft import LoraConfig, get_peft_model
 

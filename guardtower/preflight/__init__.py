@@ -23,6 +23,7 @@ from guardtower.preflight import modes as _modes  # noqa: F401
 from guardtower.preflight import lr_schedule as _lr_schedule  # noqa: F401
 from guardtower.preflight import supervision as _supervision  # noqa: F401
 from guardtower.preflight import positions as _positions  # noqa: F401
+from guardtower.preflight import layer_inputs as _layer_inputs  # noqa: F401
 from guardtower.preflight import tying as _tying  # noqa: F401
 from guardtower.preflight import distributed as _distributed  # noqa: F401
 from guardtower.preflight.lora import is_peft_model, lora_summary

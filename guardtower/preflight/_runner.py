@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from guardtower.preflight._future import measure_future_leak
 from guardtower.preflight._overfit import at_peak_lr, overfit_losses
 from guardtower.preflight._batch import batch_mapping, confirm_padded_labels_ignored, labelled_padding
 from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
@@ -26,7 +27,7 @@ from guardtower.preflight._step import (
 )
 from guardtower.preflight._update import measure_update, user_step_moves
 from guardtower.preflight._schedule import ScheduleState, find_scheduler
-from guardtower.preflight._util import base_optimizer, unique_params
+from guardtower.preflight._util import base_optimizer, is_causal_lm, unique_params
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
@@ -228,6 +229,14 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             with state.isolated_optimizers():
                 trace.given_inputs_ignored = confirm_given_inputs_ignored(counted_step, inputs, trace.loss,
                                                                           state.restore_rng)
+            state.restore_values()
+        if "future" in needs and trace.error is None and trace.backward and not is_causal_lm(model):
+            # a library causal LM builds its own causal mask; a hand-written one may not
+            trace.future_leak = measure_future_leak(ctx, state.restore_rng)
+            if trace.future_leak is not None:
+                report.notes.append("the model ran once more, in eval mode and without touching any weight: the "
+                                    "loss predicts the next input token, so the audit checked that a prediction "
+                                    "does not read later tokens")
             state.restore_values()
         padding = labelled_padding(model, batch_mapping(inputs, trace.calls)) if "padded_labels" in needs else None
         if padding is not None and isinstance(trace.loss, torch.Tensor) and trace.error is None:

@@ -22,12 +22,10 @@ from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows
 from guardtower.preflight._supervision import first_call_output, supervision_hook
 from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace, Supervision
-from guardtower.preflight._util import LABEL_KEYS, base_optimizer, iter_tensors
+from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors
 
-__all__ = ["run_step", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
+__all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
-#: mapping keys that are neither inputs nor targets (their gradient says nothing about input dependency)
-_NOT_INPUT_KEYS = LABEL_KEYS | {"attention_mask", "position_ids", "token_type_ids", "head_mask", "decoder_attention_mask"}
 _MAX_ROOT_CALLS = 4
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -69,7 +67,7 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
         }
         training = {"": module.training, **{n: m.training for n, m in sensitive}}
         calls.append(RootCall(args=args, kwargs=dict(kwargs), training=training, autocast=autocast))
-        for path, t in iter_tensors((args, kwargs), skip_keys=_NOT_INPUT_KEYS):
+        for path, t in iter_tensors((args, kwargs), skip_keys=NOT_INPUT_KEYS):
             if t.is_floating_point():
                 if mark_inputs and t.is_leaf and not t.requires_grad:
                     flags.add(t)
@@ -84,7 +82,7 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
         for index in range(len(calls) - 1, -1, -1):
             if calls[index].output is None:
                 calls[index].output = output
-                measured = first_call_output(output, _primary_output)
+                measured = first_call_output(output, primary_output)
                 if measured is not None and torch.is_grad_enabled():
                     measured.register_hook(supervision_hook(index, measured, supervised))
                 break
@@ -133,7 +131,7 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
 _PER_SAMPLE_EMBEDS = ("image_embeds", "text_embeds")
 
 
-def _primary_output(output: Any) -> torch.Tensor | None:
+def primary_output(output: Any) -> torch.Tensor | None:
     """The per-sample prediction of a model call: ``.logits`` of HF outputs (a contrastive model's embeddings),
     else the first tensor."""
     if any(isinstance(getattr(output, name, None), torch.Tensor) for name in ("logits_per_image", "logits_per_text")):
@@ -152,7 +150,7 @@ def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
     """Gradient of sample 0's prediction w.r.t. every sample's input; rows other than 0 must be zero."""
     if not calls:
         return []
-    out = _primary_output(calls[0].output)
+    out = primary_output(calls[0].output)
     if out is None or not out.requires_grad or out.dim() == 0 or out.shape[0] < 2:
         return []
     batch = out.shape[0]
@@ -431,7 +429,7 @@ def confirm_input_independence(model: nn.Module, step_fn: Callable[[], Any], los
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         def swap(obj: Any, key: str | None = None) -> Any:
-            if key in _NOT_INPUT_KEYS:
+            if key in NOT_INPUT_KEYS:
                 return obj
             if isinstance(obj, torch.Tensor) and obj.dtype != torch.bool and not obj.is_complex():
                 replaced.append(True)
@@ -456,7 +454,7 @@ def confirm_input_independence(model: nn.Module, step_fn: Callable[[], Any], los
 
 def given_inputs_unused(inputs: Any, calls: list[RootCall]) -> bool:
     """True when ``inputs=`` holds model inputs and none of them (by storage) reached a call of the model."""
-    given = {t.untyped_storage().data_ptr() for _, t in iter_tensors(inputs, depth=6, skip_keys=_NOT_INPUT_KEYS)
+    given = {t.untyped_storage().data_ptr() for _, t in iter_tensors(inputs, depth=6, skip_keys=NOT_INPUT_KEYS)
              if t.device.type != "meta"}
     if not given:
         return False
@@ -473,7 +471,7 @@ def confirm_given_inputs_ignored(step_fn: Callable[[], Any], inputs: Any, loss: 
     This catches a step that never reads the batch it was handed (a stale batch from an earlier iteration, a
     loss built from parameters only), which the model's own inputs cannot reveal.
     """
-    tensors = [t for _, t in iter_tensors(inputs, depth=6, skip_keys=_NOT_INPUT_KEYS)
+    tensors = [t for _, t in iter_tensors(inputs, depth=6, skip_keys=NOT_INPUT_KEYS)
                if t.dtype != torch.bool and not t.is_complex() and t.device.type != "meta" and t.numel() > 0]
     if not tensors:
         return None

@@ -8,15 +8,16 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Supervision", "StepTrace"]
+__all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "FutureLeak", "Supervision", "StepTrace"]
 
 #: extra work a check can declare: ``leak`` one more backward from sample 0's prediction (batch mixing),
 #: ``update`` a trial optimizer step on the audit's gradients (undone), ``input_independence`` a second,
 #: gradient-free run of ``step_fn`` on perturbed inputs when no gradient reached the input,
 #: ``padded_labels`` a gradient-free run with the labels on padding changed, when padding carries labels
-#: (does the loss drop padding itself?), ``overfit`` N optimizer steps on the one batch (``audit(steps=N)``)
-Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit"]
-NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit"})
+#: (does the loss drop padding itself?), ``overfit`` N optimizer steps on the one batch (``audit(steps=N)``),
+#: ``future`` one eval-mode pass of the model for a next-token setup (does a prediction see later tokens?)
+Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future"]
+NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future"})
 
 
 @dataclass
@@ -89,6 +90,18 @@ class LeakEntry:
     leaking_samples: list[int]
 
 
+@dataclass(frozen=True)
+class FutureLeak:
+    """How much one prediction (sample 0, ``position``) depends on the token embeddings up to it and after it."""
+
+    position: int
+    past: float
+    """summed gradient norm reaching positions 0..position"""
+    future: float
+    """summed gradient norm reaching positions after ``position``: 0 in a causal model"""
+    length: int
+
+
 @dataclass
 class StepTrace:
     """What the instrumented step produced. Tensors here are detached copies owned by the audit."""
@@ -159,6 +172,8 @@ class StepTrace:
     """the lr of each param group during the overfitting steps: the schedule's peak, not its first value"""
     overfit_losses: list[float] = field(default_factory=list)
     """the batch's loss before each overfitting step and after the last (``overfit`` need, ``audit(steps=N)``)"""
+    future_leak: FutureLeak | None = None
+    """``future`` need: what one prediction of a next-token setup reads (None: not such a setup, or not measured)"""
     given_inputs_ignored: bool | None = None
     """the loss was bitwise unchanged after perturbing ``inputs=`` itself, which never reached the model
     (``input_independence`` need); None: not asked/unknown"""

@@ -17,10 +17,14 @@ __all__ = [
     "is_lora_factor",
     "fmt_names",
     "LABEL_KEYS",
+    "NOT_INPUT_KEYS",
+    "is_causal_lm",
 ]
 
 #: mapping keys that hold targets rather than model inputs
 LABEL_KEYS = frozenset({"labels", "label", "targets", "target", "y", "start_positions", "end_positions"})
+#: mapping keys that are neither inputs nor targets (their gradient says nothing about input dependency)
+NOT_INPUT_KEYS = LABEL_KEYS | {"attention_mask", "position_ids", "token_type_ids", "head_mask", "decoder_attention_mask"}
 
 _LORA_FACTOR = re.compile(r"(^|\.)lora_(embedding_)?[AB](\.|$)")
 
@@ -81,6 +85,14 @@ def optimizer_tensors(optimizer: Any) -> list[tuple[int, torch.Tensor]]:
 def is_lora_factor(name: str) -> bool:
     """LoRA A/B factors: their gradient pattern at init is judged by the LoRA checks, not the generic ones."""
     return bool(_LORA_FACTOR.search(name))
+
+
+def is_causal_lm(model: Any) -> bool:
+    """A Hugging Face language model that shifts ``labels`` itself (``*ForCausalLM``, ``*LMHeadModel``)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    name = type(model).__name__
+    return "CausalLM" in name or name.endswith("LMHeadModel")
 
 
 def fmt_names(names: list[str], limit: int = 5) -> str:

@@ -287,3 +287,32 @@ def check_update_effect(ctx: AuditContext) -> Iterable[Finding]:
         "every step; set requires_grad=False and leave them out of the optimizer, or restore them after the step",
         "OPT-008", {"params": whole[:50], "rows": rows},
     )]
+
+
+@check("symmetric_units", emits=("INIT-001",))
+def check_symmetric_units(ctx: AuditContext) -> Iterable[Finding]:
+    """INIT-001: a weight whose rows (output units) are all equal and get equal gradients. Gradient descent keeps
+    equal rows equal, so the layer acts as one unit however wide it is (a constant or zero initialisation of two
+    consecutive layers, ``nn.init.constant_``); a zero-initialised output layer is fine: its rows' gradients
+    differ."""
+    if not _grads_ready(ctx):
+        return []
+    assert ctx.trace is not None
+    stuck = []
+    for name, p in ctx.params.items():
+        grad = ctx.trace.grads.get(name)
+        if (not p.requires_grad or grad is None or p.dim() < 2 or p.shape[0] < 2 or p.numel() < 8
+                or is_lora_factor(name) or not bool(grad.any())):  # a zero gradient is GRAD-004's finding
+            continue
+        w, g = p.detach().reshape(p.shape[0], -1), grad.reshape(p.shape[0], -1)
+        if torch.equal(w, w[:1].expand_as(w)) and torch.equal(g, g[:1].expand_as(g)):
+            stuck.append(name)
+    if not stuck:
+        return []
+    return [Finding(
+        "symmetric_units", Severity.WARN,
+        f"every output unit (row) of {fmt_names(stuck)} starts identical and receives an identical gradient: "
+        "training keeps them identical, so the layer behaves as a single unit; initialise with random values "
+        "(the module's default reset_parameters, or nn.init.kaiming_uniform_/normal_)",
+        "INIT-001", {"params": stuck},
+    )]

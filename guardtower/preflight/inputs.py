@@ -66,3 +66,21 @@ def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
                 "INPUT-002", details,
             ))
     return findings
+
+
+@check("future_tokens", emits=("INPUT-010",), needs=("future",))
+def check_future_tokens(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-010: the loss asks each position for the next token, and a position's prediction reads later tokens:
+    the answer is in the input (no causal mask, a bidirectional layer), so the loss falls by copying."""
+    leak = ctx.trace.future_leak if ctx.trace is not None else None
+    if leak is None or leak.future <= 1e-6 * max(leak.past, 1e-30):
+        return []
+    return [Finding(
+        "future_tokens", Severity.WARN,
+        f"each position is trained to predict the next input token, yet the prediction at position {leak.position} "
+        f"depends on the {leak.length - leak.position - 1} later tokens (gradient {leak.future:.3g} from them vs "
+        f"{leak.past:.3g} from the tokens up to it): the target is visible, so the model learns to copy it and "
+        "the loss falls without learning to predict; add a causal mask (is_causal=True, "
+        "nn.Transformer.generate_square_subsequent_mask) or use a unidirectional layer",
+        "INPUT-010", {"position": leak.position, "future_grad": leak.future, "past_grad": leak.past},
+    )]

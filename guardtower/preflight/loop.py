@@ -12,12 +12,13 @@ from guardtower.severity import Severity
 __all__: list[str] = []
 
 
-@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003", "LOOP-009", "LOOP-010", "LOOP-012", "AMP-004"))
+@check("loop_order", emits=("LOOP-001", "LOOP-002", "LOOP-003", "LOOP-009", "LOOP-010", "LOOP-012", "LOOP-013",
+                            "AMP-004"))
 def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
     """LOOP-001 gradients cleared between backward and step, LOOP-002 step before backward, LOOP-003 gradients
     never cleared, LOOP-009 two optimizer steps on one backward's gradients, LOOP-010 gradients computed and
-    thrown away without a step, LOOP-012 a micro-batch's gradients cleared before the step, AMP-004 gradients
-    clipped while still scaled by a GradScaler."""
+    thrown away without a step, LOOP-012 a micro-batch's gradients cleared before the step, LOOP-013 gradient
+    clipping that no step uses, AMP-004 gradients clipped while still scaled by a GradScaler."""
     trace = ctx.trace
     if trace is None:
         return []
@@ -42,6 +43,15 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
             "count advance twice), e.g. a leftover optimizer.step() after scaler.step(optimizer); step once per "
             "backward window",
             "LOOP-009", {"order": trace.loop_events},
+        )]
+    if "clip" in trace.loop_events and not _clip_reaches_a_step(trace.loop_events):
+        return [Finding(
+            "loop_order", Severity.WARN,
+            f"the step clips gradients, but no optimizer.step() follows a clip of its own gradients "
+            f"({' -> '.join(trace.loop_events)}): clipping after step() (or before backward()) changes gradients "
+            "that are cleared before use, so every update is unclipped and a spike goes straight into the "
+            "weights; clip after the last backward() and before step()",
+            "LOOP-013", {"order": trace.loop_events},
         )]
     clipped = _clipped_while_scaled(trace.loop_events) if trace.scaled_backward else False
     if clipped:
@@ -81,6 +91,19 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
             "LOOP-003", details,
         )]
     return []
+
+
+def _clip_reaches_a_step(events: list[str]) -> bool:
+    """Some ``step`` has a ``clip`` between it and the last ``backward`` before it."""
+    clipped = False
+    for event in events:
+        if event in ("backward", "zero_grad"):
+            clipped = False
+        elif event == "clip":
+            clipped = True
+        elif event == "step" and clipped:
+            return True
+    return False
 
 
 def _clipped_while_scaled(events: list[str]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -18,15 +19,37 @@ import torch.nn.functional as F
 
 from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._util import is_causal_lm
 from guardtower.preflight._trace import StepTrace
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
 __all__ = ["LossCall"]
 
-_CLASSIFICATION = ("cross_entropy", "binary_cross_entropy_with_logits", "nll_loss")
+_CLASSIFICATION = ("cross_entropy", "binary_cross_entropy_with_logits", "binary_cross_entropy", "nll_loss")
 _REGRESSION = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss")
-_DIVERGENCE = ("kl_div",)
+_DIVERGENCE = ("kl_div", "ctc_loss")
+#: losses whose input must be log-probabilities over one dimension
+_LOG_PROB_INPUT = ("nll_loss", "ctc_loss", "kl_div")
+#: losses whose (input, target) roles are not symmetric: the prediction is the input
+_ASYMMETRIC = ("kl_div", "cross_entropy", "binary_cross_entropy_with_logits", "binary_cross_entropy")
+#: losses that normalise over a class dimension, and lose precision when it runs in 16 bits
+_SOFTMAX_FAMILY = ("cross_entropy", "nll_loss", "kl_div", "ctc_loss")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Values:
+    """Value range of a loss argument, and the dimensions over which it is normalised."""
+
+    min: float
+    max: float
+    log_dims: tuple[int, ...] = ()
+    """dims along which the values are log-probabilities (all <= 0, logsumexp 0)"""
+    prob_dims: tuple[int, ...] = ()
+    """dims along which the values are probabilities (in [0, 1], summing to 1)"""
+    lse_range: tuple[float, float] | None = None
+    """min and max of logsumexp over the ``class_dim`` the loss reads (``LossCall.class_dim``)"""
 
 
 @dataclass
@@ -41,15 +64,104 @@ class LossCall:
     rows_sum_to_one: bool = False
     all_ignored: bool = False
     reduction: str = "mean"
+    input_dtype: torch.dtype | None = None
+    autocast: bool = False
+    """autocast was on for the input's device (the loss then runs in float32 whatever the input's dtype)"""
+    class_dim: int | None = None
+    """the dimension the loss normalises over (nll_loss: 1, ctc_loss: the last)"""
+    input_values: Values | None = None
+    target_values: Values | None = None
+    input_grad: bool = False
+    """the input depends on a trainable parameter (asymmetric losses only)"""
+    target_grad: bool = False
+    log_target: bool = False
+    bound: str = ""
+    """the activation the input comes straight from, when it bounds the prediction (``"sigmoid"`` ...)"""
+    outside: float = 0.0
+    """share of target elements outside that activation's range (regression losses)"""
 
 
-def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCall | None:
-    inp = args[0] if args else kwargs.get("input")
-    target = args[1] if len(args) > 1 else kwargs.get("target")
+#: autograd nodes of activations that bound a prediction, and the range they allow
+_BOUNDED: dict[str, tuple[str, float, float]] = {
+    "SigmoidBackward0": ("sigmoid", 0.0, 1.0), "TanhBackward0": ("tanh", -1.0, 1.0),
+    "ReluBackward0": ("relu", 0.0, math.inf), "SoftplusBackward0": ("softplus", 0.0, math.inf),
+    "SoftmaxBackward0": ("softmax", 0.0, 1.0),
+}
+#: nodes that only reshape: the activation behind them still bounds the values
+_RESHAPES = ("View", "Squeeze", "Unsqueeze", "Reshape", "Permute", "Transpose", "TBackward", "Clone",
+             "Select", "Slice", "Expand")
+
+
+def _bounding_activation(t: torch.Tensor) -> tuple[str, float, float] | None:
+    node = t.grad_fn
+    for _ in range(8):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name in _BOUNDED:
+            return _BOUNDED[name]
+        if not name.startswith(_RESHAPES):
+            return None
+        node = node.next_functions[0][0] if node.next_functions else None
+    return None
+
+
+def _values(x: torch.Tensor, class_dim: int | None) -> Values:
+    """Range and normalised dims of a floating tensor (a detached float32 copy)."""
+    finite = x[torch.isfinite(x)]
+    if finite.numel() == 0:
+        return Values(float("nan"), float("nan"))
+    lo, hi = float(finite.min()), float(finite.max())
+    log_dims: list[int] = []
+    prob_dims: list[int] = []
+    lse_range = None
+    for d in range(x.dim()):
+        if x.shape[d] < 2:
+            continue
+        if hi <= 1e-4:
+            lse = torch.logsumexp(x, d)
+            lse = lse[torch.isfinite(lse)]
+            if lse.numel() and float(lse.abs().max()) <= 1e-2:
+                log_dims.append(d)
+            if d == class_dim and lse.numel():
+                lse_range = (float(lse.min()), float(lse.max()))
+        if lo >= 0.0 and hi <= 1.0 and float((x.sum(d) - 1.0).abs().max()) <= 1e-3:
+            prob_dims.append(d)
+    return Values(lo, hi, tuple(log_dims), tuple(prob_dims), lse_range)
+
+
+def _trains(t: torch.Tensor, trainable: set[int]) -> bool:
+    """The autograd graph behind ``t`` reaches a trainable parameter (an input the audit made require grad, or a
+    frozen teacher's output, does not count)."""
+    if not t.requires_grad:
+        return False
+    if t.grad_fn is None:
+        return id(t) in trainable
+    seen: set[int] = set()
+    stack: list[Any] = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in trainable:
+            return True
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return False
+
+
+def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set[int]) -> LossCall | None:
+    inp = args[0] if args else kwargs.get("input", kwargs.get("log_probs"))
+    target = args[1] if len(args) > 1 else kwargs.get("target", kwargs.get("targets"))
     if not isinstance(inp, torch.Tensor) or not isinstance(target, torch.Tensor):
         return None
     reduction = kwargs.get("reduction", args[4] if fn == "kl_div" and len(args) > 4 else "mean")
-    call = LossCall(fn, tuple(inp.shape), tuple(target.shape), reduction=str(reduction))
+    call = LossCall(fn, tuple(inp.shape), tuple(target.shape), reduction=str(reduction), input_dtype=inp.dtype,
+                    autocast=inp.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(inp.device.type),
+                    input_grad=fn in _ASYMMETRIC and _trains(inp, trainable),
+                    target_grad=fn in _ASYMMETRIC and _trains(target, trainable),
+                    log_target=bool(kwargs.get("log_target", args[5] if fn == "kl_div" and len(args) > 5 else False)))
     if inp.numel() == 0 or not inp.is_floating_point():
         return call
     with torch.no_grad():
@@ -59,6 +171,16 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCal
             class_dim = 1 if x.dim() >= 2 else 0
             if x.shape[class_dim] >= 2:
                 call.rows_sum_to_one = bool((x.sum(class_dim) - 1.0).abs().max() <= 1e-3)
+        if fn in _LOG_PROB_INPUT:
+            call.class_dim = {"nll_loss": 1 if x.dim() >= 2 else 0, "ctc_loss": x.dim() - 1}.get(fn)
+            call.input_values = _values(x, call.class_dim)
+        if target.is_floating_point() and target.numel() > 0 and fn in _ASYMMETRIC:
+            call.target_values = _values(target.detach().float(), None)
+        bounded = _bounding_activation(inp) if fn in _REGRESSION and target.is_floating_point() else None
+        if bounded is not None and target.numel() > 0:
+            call.bound, lo, hi = bounded
+            y = target.detach().float()
+            call.outside = float(((y < lo - 1e-3) | (y > hi + 1e-3)).float().mean())
         if fn in ("cross_entropy", "nll_loss") and not target.is_floating_point() and target.numel() > 0:
             ignore = kwargs.get("ignore_index", -100)
             call.all_ignored = bool((target == ignore).all())
@@ -70,6 +192,7 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LossCal
 def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
     calls: list[LossCall] = []
     ctx.probes["loss_calls"] = calls
+    trainable = {id(p) for p in ctx.params.values() if p.requires_grad}
     originals: dict[str, Callable[..., Any]] = {name: getattr(F, name)
                                                   for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE}
 
@@ -77,7 +200,7 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
-                described = _describe(name, args, kwargs)
+                described = _describe(name, args, kwargs, trainable)
                 if described is not None:
                     calls.append(described)
             except Exception:  # observing must never change what the step does
@@ -157,13 +280,18 @@ def _step_failed(trace: StepTrace) -> list[Finding]:
                     {"returned": type(out).__name__})]
 
 
-@check("loss_inputs", emits=("LOSS-004", "LOSS-005", "LOSS-008", "LOSS-010"))
+@check("loss_inputs", emits=("LOSS-004", "LOSS-005", "LOSS-008", "LOSS-010", "LOSS-011", "LOSS-012", "LOSS-013",
+                             "LOSS-014", "LOSS-015", "AMP-005"))
 def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
-    """LOSS-004 probabilities fed to a logits loss, LOSS-005 broadcasting targets, LOSS-008 NLL on logits,
-    LOSS-010 a KL divergence averaged over its classes too."""
+    """Each loss call against what its function expects to receive: LOSS-004 probabilities fed to a logits loss,
+    LOSS-005 broadcasting targets, LOSS-008 NLL on logits, LOSS-010 a KL divergence averaged over its classes too,
+    LOSS-011 log-probabilities that are not (or over the wrong dim), LOSS-012 targets outside the loss's domain,
+    LOSS-013 the gradient reaching the target, not the input, LOSS-014 logits that cannot go negative, LOSS-015 a
+    prediction whose activation cannot reach the targets, AMP-005 a softmax-family loss computed in 16 bits."""
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
     findings = []
     for call in calls:
+        findings += _contract(call)
         if call.fn == "kl_div" and call.reduction == "mean" and len(call.input_shape) >= 2 and call.input_shape[-1] > 1:
             findings.append(Finding(
                 "loss_inputs", Severity.WARN,
@@ -213,19 +341,126 @@ def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
+def _contract(call: LossCall) -> list[Finding]:
+    """LOSS-011..014 and AMP-005 for one call: its arguments against the function's documented domain."""
+    findings = []
+    shape = list(call.input_shape)
+    inp, tgt = call.input_values, call.target_values
+    if call.fn in _LOG_PROB_INPUT and inp is not None and inp.max == inp.max:
+        problem = _not_log_probs(call, inp)
+        if problem:
+            findings.append(Finding(
+                "loss_inputs", Severity.WARN, f"{call.fn} received {problem}", "LOSS-011",
+                {"fn": call.fn, "input_shape": shape, "min": inp.min, "max": inp.max,
+                 "normalised_dims": list(inp.log_dims), "class_dim": call.class_dim},
+            ))
+    if tgt is not None and tgt.max == tgt.max:
+        problem = _target_outside(call, tgt)
+        if problem:
+            findings.append(Finding(
+                "loss_inputs", Severity.WARN, f"{call.fn}'s target {problem}", "LOSS-012",
+                {"fn": call.fn, "target_shape": list(call.target_shape), "min": tgt.min, "max": tgt.max},
+            ))
+    if call.fn in _ASYMMETRIC and call.target_grad and not call.input_grad:
+        findings.append(Finding(
+            "loss_inputs", Severity.WARN,
+            f"{call.fn}'s target carries the gradient and its input does not: the arguments look swapped "
+            f"({call.fn}(input=prediction, target=reference)), so the loss optimises another divergence than "
+            "intended (for kl_div: KL(prediction || reference) instead of KL(reference || prediction)); pass the "
+            "trained model's output first",
+            "LOSS-013", {"fn": call.fn, "input_shape": shape},
+        ))
+    if (call.fn in ("cross_entropy", "binary_cross_entropy_with_logits") and call.input_min is not None
+            and call.input_min >= 0.0 and _numel(call.input_shape) >= 16 and not call.rows_sum_to_one
+            and not (call.fn == "binary_cross_entropy_with_logits" and (call.input_max or 0.0) <= 1.0)):
+        floor = "0.5" if call.fn != "cross_entropy" else "uniform"
+        findings.append(Finding(
+            "loss_inputs", Severity.WARN,
+            f"{call.fn} received only non-negative values (min {call.input_min:.3g}, shape {tuple(shape)}): an "
+            f"activation (ReLU, sigmoid, softplus) before a loss that applies its own "
+            f"{'softmax' if call.fn == 'cross_entropy' else 'sigmoid'} bounds what it can express (no prediction "
+            f"below {floor}); feed the raw output of the last linear layer",
+            "LOSS-014", {"fn": call.fn, "input_shape": shape, "min": call.input_min},
+        ))
+    if call.bound and call.outside >= 0.05:
+        findings.append(Finding(
+            "loss_inputs", Severity.WARN,
+            f"{call.fn}'s prediction comes straight from a {call.bound}, yet {call.outside:.0%} of its targets lie "
+            f"outside the range a {call.bound} can output: those targets can never be fitted, and the gradient "
+            f"pins the {call.bound} at its bound; drop the final activation or scale the targets into its range",
+            "LOSS-015", {"fn": call.fn, "activation": call.bound, "outside": call.outside},
+        ))
+    if call.fn in _SOFTMAX_FAMILY and call.input_dtype in _HALF and not call.autocast:
+        findings.append(Finding(
+            "loss_inputs", Severity.WARN,
+            f"{call.fn} runs on {str(call.input_dtype).replace('torch.', '')} input of shape {tuple(shape)} outside "
+            "autocast: its log-softmax and the gradient it sends back are rounded to 8 (bf16) or 11 (fp16) bits, "
+            "so small probability differences vanish; upcast the logits (.float()) before the loss",
+            "AMP-005", {"fn": call.fn, "dtype": str(call.input_dtype), "input_shape": shape},
+        ))
+    return findings
+
+
+def _not_log_probs(call: LossCall, values: Values) -> str:
+    """Why a log-probability input is not one ("" when it is)."""
+    dim = call.class_dim
+    if call.fn == "kl_div":
+        if values.max > 1e-4:
+            return (f"input values up to {values.max:.3g}: its input must be log-probabilities (<= 0), e.g. "
+                    "log_softmax of the prediction; probabilities or logits here make the loss another quantity")
+        return ""
+    if call.fn == "nll_loss" and values.max > 0.0:
+        return ""  # LOSS-008
+    if dim is None or dim in values.log_dims:
+        return ""
+    if values.log_dims:
+        other = values.log_dims[0]
+        return (f"input normalised over dim {other} (size {call.input_shape[other]}), not over its class dim {dim} "
+                f"(size {call.input_shape[dim]}): log_softmax ran over the wrong dimension, so the loss compares "
+                f"across {'the batch' if other == 0 else 'another axis'} instead of across classes; use "
+                f"log_softmax(dim={dim if call.fn == 'nll_loss' else -1})")
+    if values.max > 1e-4:
+        return (f"values up to {values.max:.3g} (shape {call.input_shape}): it expects log-probabilities over dim "
+                f"{dim}; raw logits make the loss shift-dependent and not a likelihood; apply log_softmax(dim={dim}) "
+                "first")
+    lse = values.lse_range
+    if lse is not None and max(abs(lse[0]), abs(lse[1])) > 0.7:
+        return (f"values whose exp sums to {math.exp(lse[0]):.3g}..{math.exp(lse[1]):.3g} over the class dim {dim}, "
+                "not 1: they are not log-probabilities (log of sigmoid, or of unnormalised scores); apply "
+                f"log_softmax(dim={dim})")
+    return ""
+
+
+def _target_outside(call: LossCall, values: Values) -> str:
+    """Why a floating target is outside the function's domain ("" when it is not)."""
+    if call.fn in ("binary_cross_entropy", "binary_cross_entropy_with_logits"):
+        if values.min < 0.0 or values.max > 1.0:
+            return (f"ranges over [{values.min:.3g}, {values.max:.3g}]: binary cross entropy expects targets in "
+                    "[0, 1]; -1/+1 labels or class ids make the loss reward the wrong predictions (map the labels "
+                    "to 0/1, or use cross_entropy for class ids)")
+        return ""
+    if call.fn == "kl_div":
+        if not call.log_target and values.min < -1e-6:
+            return (f"holds negative values (min {values.min:.3g}): with log_target=False the target must be "
+                    "probabilities; these look like log-probabilities (pass log_target=True), or the arguments are "
+                    "swapped")
+        if call.log_target and values.max > 1e-4:
+            return (f"holds positive values (max {values.max:.3g}) with log_target=True: it must be "
+                    "log-probabilities; pass log_target=False for probabilities")
+        return ""
+    if call.fn == "cross_entropy" and len(call.target_shape) >= 2 and call.target_shape == call.input_shape:
+        if values.min < 0.0 or 1 not in values.prob_dims:
+            return (f"is a soft target (shape {call.target_shape}, values [{values.min:.3g}, {values.max:.3g}]) that "
+                    "is not a distribution over the classes (dim 1): cross_entropy then weighs samples by their "
+                    "target mass; normalise it (softmax, or divide by its sum)")
+    return ""
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
         n *= s
     return n
-
-
-def _is_causal_lm(model: Any) -> bool:
-    """A Hugging Face language model that shifts ``labels`` itself (``*ForCausalLM``, ``*LMHeadModel``)."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return False
-    name = type(model).__name__
-    return "CausalLM" in name or name.endswith("LMHeadModel")
 
 
 def _eos_ids(model: Any) -> set[int]:
@@ -234,17 +469,86 @@ def _eos_ids(model: Any) -> set[int]:
     return {int(e) for e in eos if isinstance(e, int)}
 
 
+def _is_seq2seq_lm(model: Any) -> bool:
+    """A Hugging Face encoder-decoder whose ``labels`` are vocabulary ids (T5, Bart ``ForConditionalGeneration``)."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)) and (
+        type(model).__name__.endswith(("ForConditionalGeneration", "Seq2SeqLM")))
+
+
+def _stop_never_supervised(ctx: AuditContext, labels: Any, mask: Any, ids: Any) -> list[Finding]:
+    """DATA-010: the batch holds whole, padded examples that a tokenizer marked with BOS, yet no label is the
+    end-of-sequence id (Llama's tokenizer adds BOS but no EOS; a template that drops it): the model is never taught
+    to stop and generates until max_length. A causal LM's real EOS in ``ids`` that the labels mask is DATA-003's
+    finding, not this one."""
+    eos = _eos_ids(ctx.model)
+    if not (eos and isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_floating_point()
+            and (is_causal_lm(ctx.model) or _is_seq2seq_lm(ctx.model))):
+        return []
+    padded = bool((labels[:, -1] == -100).any()) and bool((labels != -100).any())
+    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
+        padded = padded or bool((mask == 0).any())
+    stops = torch.tensor(sorted(eos), device=labels.device)
+    if not padded or bool(torch.isin(labels, stops).any()):
+        return []
+    rows = ids if isinstance(ids, torch.Tensor) and ids.shape == labels.shape else labels
+    attended = mask != 0 if isinstance(mask, torch.Tensor) and mask.shape == rows.shape else rows != -100
+    if isinstance(ids, torch.Tensor) and ids.shape == labels.shape and bool((torch.isin(ids, stops) & attended).any()):
+        return []
+    # whole examples from a tokenizer that marks their start: every row's first real token is BOS
+    bos = getattr(getattr(ctx.model, "config", None), "bos_token_id", None)
+    if not isinstance(bos, int) or bos in eos or not bool(attended.any(dim=1).all()):
+        return []
+    first = rows.gather(1, attended.int().argmax(dim=1, keepdim=True)).squeeze(1)
+    if not bool((first == bos).all()):
+        return []
+    return [Finding(
+        "data", Severity.WARN,
+        f"the batch holds whole examples (each starts with BOS, padded to a common length) but no label is the "
+        f"end-of-sequence id "
+        f"{sorted(eos)}: the model is never taught to stop and will generate until max_length; make the "
+        "tokenizer or template append EOS (e.g. add_eos_token=True, or text + tokenizer.eos_token)",
+        "DATA-010", {"eos_token_ids": sorted(eos), "rows": int(labels.shape[0])},
+    )]
+
+
+def _unsupervised_rows(ctx: AuditContext, labels: Any, mask: Any) -> list[Finding]:
+    """DATA-011: in a language-model batch, some examples have no label at all while the others do (truncation
+    cut their completion, or the prompt mask covered the whole row): they cost compute and teach nothing."""
+    if not (isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_floating_point()
+            and labels.shape[0] >= 2 and (is_causal_lm(ctx.model) or _is_seq2seq_lm(ctx.model))):
+        return []
+    empty = (labels == -100).all(dim=1)
+    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
+        empty &= (mask != 0).any(dim=1)  # a row of pure padding (an even-batch filler) is not an example
+    rows = [int(i) for i in torch.nonzero(empty).flatten()]
+    if not rows or len(rows) == labels.shape[0]:
+        return []  # no row at all is DATA-001
+    return [Finding(
+        "data", Severity.WARN,
+        f"{len(rows)} of {labels.shape[0]} examples in the batch (rows {rows[:8]}) have no supervised token (every "
+        "label is -100) while the others do: truncation cut their completion (the prompt fills max_length) or "
+        "the completion mask covers the whole row, so they teach nothing; raise max_length, truncate the "
+        "prompt instead, or drop such examples",
+        "DATA-011", {"rows": rows[:50], "batch": int(labels.shape[0])},
+    )]
+
+
 def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     """DATA-003 every real EOS masked to -100 (pad_token = eos_token), DATA-004 labels already shifted by the
-    user and shifted again inside the model."""
+    user and shifted again inside the model, DATA-010 no label is EOS."""
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
-    if batch is None or not _is_causal_lm(ctx.model):
+    if batch is None:
         return []
     ids, labels, mask = batch.get("input_ids"), batch.get("labels"), batch.get("attention_mask")
+    causal = is_causal_lm(ctx.model)
+    label_mask = mask if causal else batch.get("decoder_attention_mask")
+    findings = _stop_never_supervised(ctx, labels, label_mask, ids if causal else None)
+    findings += _unsupervised_rows(ctx, labels, label_mask)
+    if not causal:
+        return findings
     if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor) and ids.shape == labels.shape
             and ids.dim() == 2 and not labels.is_floating_point()):
-        return []
-    findings = []
+        return findings
     eos = _eos_ids(ctx.model)
     if eos and isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
         real_eos = torch.isin(ids, torch.tensor(sorted(eos), device=ids.device)) & (mask != 0)
@@ -274,10 +578,12 @@ def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     return findings
 
 
-@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004"), needs=("padded_labels",))
+@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011"),
+       needs=("padded_labels",))
 def check_data(ctx: AuditContext) -> Iterable[Finding]:
     """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels,
-    DATA-003/DATA-004 causal-LM labels that mask every EOS or are shifted twice."""
+    DATA-003/DATA-004 causal-LM labels that mask every EOS or are shifted twice, DATA-010 EOS never a label,
+    DATA-011 examples with no label among labelled ones."""
     findings = _causal_lm_labels(ctx)
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     labels = batch.get("labels") if batch is not None else None

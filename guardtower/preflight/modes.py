@@ -7,7 +7,7 @@ reference model, a frozen backbone), eval mode in a trainable part is not (``tra
 ``frozen_parts`` probe measures, on the frozen parts only, whether their forward drew random numbers (their
 outputs are random: dropout on in a frozen encoder, MODE-002) and whether their buffers moved (BatchNorm in
 train mode updating running statistics of a frozen backbone, MODE-003). ``norm_momentum`` reads the
-normalisation layers' momentum (MODE-004).
+normalisation layers' momentum (MODE-004), ``dropout_rate`` the dropout layers' drop probability (MODE-007).
 """
 
 from __future__ import annotations
@@ -261,4 +261,26 @@ def check_norm_momentum(ctx: AuditContext) -> Iterable[Finding]:
         "statistics become (1 - momentum) * old + momentum * batch, so they hold little more than the last batch "
         "and evaluation uses noisy statistics (Keras/TF momentum=0.99 means PyTorch momentum=0.01)",
         "MODE-004", {"modules": names, "momentum": momenta},
+    )]
+
+
+#: a drop probability at or above this zeroes most activations: a keep probability passed as PyTorch's p
+_DROP_LIMIT = 0.8
+
+
+@check("dropout_rate", emits=("MODE-007",), static=True)
+def check_dropout_rate(ctx: AuditContext) -> Iterable[Finding]:
+    """MODE-007: a dropout layer that drops most of its input (TensorFlow's keep_prob=0.9 passed as p=0.9)."""
+    high = [(n, float(m.p)) for n, m in ctx.model.named_modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd) and float(m.p) >= _DROP_LIMIT and float(m.p) < 1.0]
+    if not high:
+        return []
+    names = [n for n, _ in high]
+    rates = sorted({p for _, p in high})
+    return [Finding(
+        "dropout_rate", Severity.WARN,
+        f"{len(high)} dropout layer(s) drop with p={rates}: {fmt_names(names)}; PyTorch's p is the probability of "
+        "zeroing an activation, so they keep only a tenth or so of the signal in training and scale it up "
+        "tenfold (TensorFlow's keep_prob=0.9 means p=0.1)",
+        "MODE-007", {"modules": names, "p": rates},
     )]

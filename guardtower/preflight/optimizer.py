@@ -138,14 +138,14 @@ def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
-@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007", "OPT-015", "OPT-017"), static=True)
+@check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007", "OPT-015", "OPT-017", "OPT-018"), static=True)
 def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights, OPT-015 a
-    momentum the size of a weight decay."""
+    momentum the size of a weight decay, OPT-017 an empty group with its own lr, OPT-018 Adam's betas swapped."""
     if ctx.optimizer is None:
         return []
     names = {id(p): n for n, p in ctx.model.named_parameters()}
-    findings = list(_tiny_momentum(ctx.optimizer)) + list(_empty_groups(ctx.optimizer))
+    findings = [*_tiny_momentum(ctx.optimizer), *_empty_groups(ctx.optimizer), *_swapped_betas(ctx.optimizer)]
     # a weight_decay=0 group holding 1-D tensors says the user meant to exclude them all from decay
     no_decay_group = any(
         not group.get("weight_decay", 0.0) and any(isinstance(p, torch.Tensor) and p.requires_grad and p.dim() <= 1
@@ -214,6 +214,23 @@ def _tiny_momentum(optimizer: torch.optim.Optimizer) -> Iterable[Finding]:
                     "momentum= and weight_decay= by keyword",
                     "OPT-015", {"group": gi, key: value, "weight_decay": group.get("weight_decay")},
                 )
+
+
+def _swapped_betas(optimizer: torch.optim.Optimizer) -> Iterable[Finding]:
+    """OPT-018: betas=(b1, b2) with b1 > b2, e.g. (0.999, 0.9): the second-moment average forgets faster than the
+    first, so the per-tensor step size follows the latest squared gradients and a spike is barely damped."""
+    for gi, group in enumerate(optimizer.param_groups):
+        betas = group.get("betas")
+        if (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(isinstance(b, float) for b in betas)
+                and betas[0] > betas[1]):
+            yield Finding(
+                "optimizer_hparams", Severity.WARN,
+                f"param group {gi} has betas={tuple(betas)}: the first-moment beta is larger than the second's, "
+                "the reverse of every published setting ((0.9, 0.999), (0.9, 0.95)); the variance estimate then "
+                f"averages over ~{1 / (1 - betas[1]):.0f} steps and the momentum over ~{1 / (1 - betas[0]):.0f}: "
+                "swap them",
+                "OPT-018", {"group": gi, "betas": list(betas)},
+            )
 
 
 def _empty_groups(optimizer: torch.optim.Optimizer) -> Iterable[Finding]:
