@@ -142,9 +142,12 @@ def test_bad_incident_arguments_raise_config_errors_naming_them(tmp_path: Path) 
     with pytest.raises(ConfigError, match="closure"):
         guard.step()
     assert guard.step_count == 0  # nothing changed
-    for kwargs, name in (({"index": -1}, "index"), ({"epoch": 1.5}, "epoch"), ({"indices": 3}, "indices")):
+    for kwargs, name in (({"index": -1}, "index"), ({"epoch": 1.5}, "epoch"), ({"indices": 3}, "indices"),
+                         ({"micro_batches": 0}, "micro_batches")):
         with pytest.raises(ConfigError, match=name):
             guard.observe_batch(None, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="closure"):
+        guard.observe_recompute("not callable")  # type: ignore[arg-type]
     state = guard.state_dict()
     state["guardtower"]["quarantine"] = [{"step": "x"}]
     with pytest.raises(ConfigError, match="state_dict"):
@@ -173,10 +176,33 @@ def test_lightning_names_the_rejected_batch_and_triage_recomputes_it(tmp_path: P
     callback.close()
 
 
-def test_the_hf_callback_refuses_triage_it_cannot_recompute() -> None:
-    pytest.importorskip("transformers")
-    from guardtower.integrations.huggingface import StabilityGuardCallback
-
-    with pytest.raises(ConfigError, match="triage"):
-        StabilityGuardCallback(triage=True)
-    StabilityGuardCallback(triage=False).close()
+def test_a_replayed_step_is_skipped_unjudged_and_accumulated_batches_are_quarantined_together(tmp_path: Path) -> None:
+    net, guard, sink = make(tmp_path, warmup_steps=0)
+    x, y = batch(1)
+    ((net(x) - y) ** 2).mean().backward()
+    guard.step()
+    before = [p.detach().clone() for p in net.parameters()]
+    for p in net.parameters():  # whatever the gradients hold, a replayed step neither judges nor applies them
+        p.grad = torch.full_like(p, float("nan"))
+    calls: list[int] = []
+    guard.observe_batch(x, index=6, epoch=1, micro_batches=2)
+    guard.skip_quarantined()
+    assert guard.step(lambda: calls.append(1) or torch.tensor(0.0)) is not None and calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    guard.flush()
+    (skip,) = [e for e in sink.events if isinstance(e, SkipEvent)]
+    assert (skip.step, skip.reason, skip.batch) == (2, "quarantined", {"step": 2, "epoch": 1, "index": 6,
+                                                                       "micro_batches": 2})
+    assert (guard.step_count, guard.total_skips, guard.total_spikes) == (2, 1, 0) and not guard.quarantine.entries
+    # a rejected step that accumulated two loader batches quarantines both; trainers replay it as one step
+    guard.zero_grad()
+    bad_x, bad_y = batch(3, bad=True)
+    ((net(bad_x) - bad_y) ** 2).mean().backward()
+    guard.observe_batch([x, bad_x], index=2, epoch=0, micro_batches=2)
+    guard.step()
+    quarantine = Quarantine.read(tmp_path)
+    assert quarantine.positions() == {(0, 2), (0, 3)} and quarantine.contains(2, 0, micro_batches=2)
+    assert not quarantine.contains(4, 0, micro_batches=2) and quarantine.contains(3, 0)
+    assert [i for i, _ in quarantine.skip("abcdef", epoch=0)] == [0, 1, 4, 5]
+    assert len(quarantine.merged(guard.quarantine)) == 1 and quarantine.agreed() is quarantine
+    guard.close()

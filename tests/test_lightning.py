@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -113,17 +117,70 @@ def test_importing_without_lightning_names_the_extra() -> None:
     assert 'missing: lightning is not installed; install it with: pip install "guardtower[lightning]"' in out.stdout
 
 
-def test_ddp_preflight_sees_the_wrapper_and_a_rank_local_spike_keeps_the_replicas_identical(tmp_path: Path) -> None:
-    worker = Path(__file__).with_name("_lightning_ddp_worker.py")
-    out = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=240,
-                         cwd=str(tmp_path))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    assert [r["skipped"] for r in ranks] == [1, 1]  # rank 0's gradients were fine; it skipped with rank 1
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+    """tests/_lightning_ddp_worker.py: a 2-rank run killed with SIGKILL at step 13, after its end-of-epoch
+    checkpoint at step 8 and a bad batch at step 10, then the run resumed from that checkpoint (what each rank
+    saw, per scenario)."""
+    out = tmp_path_factory.mktemp("ddp")
+    worker = str(Path(__file__).with_name("_lightning_ddp_worker.py"))
+    with open(out / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, worker, str(out), "first"], cwd=out, stdout=log,
+                                 stderr=subprocess.STDOUT)
+        files = [out / f"first-rank{r}.pt" for r in (0, 1)]
+        deadline = time.monotonic() + 300
+        while not all(f.exists() for f in files) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            assert all(f.exists() for f in files), (out / "first.log").read_text()[-4000:]
+            killed = [torch.load(f, weights_only=False) for f in files]
+            os.kill(killed[1]["pid"], signal.SIGKILL)  # rank 1 (Lightning started it), then rank 0
+        finally:
+            first.kill()
+            first.wait(timeout=60)
+    assert first.returncode == -signal.SIGKILL
+    resume = subprocess.run([sys.executable, worker, str(out), "resume"], cwd=out, capture_output=True, text=True,
+                            timeout=300)
+    assert resume.returncode == 0, resume.stdout[-3000:] + resume.stderr[-3000:]
+    return out, killed, [torch.load(out / f"resume-rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_ddp_preflight_sees_the_wrapper_and_a_rank_local_spike_keeps_the_replicas_identical(
+        ddp_runs: tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]) -> None:
+    _, ranks, _ = ddp_runs
+    for rank in ranks:  # rank 0's gradients were fine at step 5; it skipped with rank 1 (8 and 10: rank 0's Inf)
+        assert [(step, reason) for step, reason, _ in rank["skips"]] == [(5, "spike"), (8, "nonfinite"),
+                                                                          (10, "nonfinite")]
     assert same(ranks[0]["weights"], ranks[1]["weights"])
     assert same(ranks[1]["after"], ranks[1]["before"])
     for rank in ranks:  # audited through DDP's wrapper on both ranks: no "process group but model not wrapped"
         assert rank["preflight"] != "FAIL" and "dist_wrap" in rank["checks"] and "DDP-003" not in rank["ids"]
+
+
+def test_a_killed_ddp_run_resumes_with_each_ranks_guard_and_past_its_quarantined_batch(
+        ddp_runs: tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]) -> None:
+    out, killed, resumed = ddp_runs
+
+    def detector(section: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {k: v.nan_to_num(1234.5) for k, v in section["detector"]["state"].items()}
+
+    for rank in (0, 1):  # each rank restored its own guard state, not rank 0's (Lightning saves rank 0's only)
+        saved, restored = killed[rank]["at_checkpoint"], resumed[rank]["restored"]
+        assert same(detector(restored), detector(saved)) and restored["quarantine"] == saved["quarantine"]
+        assert {e["rank"] for e in restored["quarantine"]} == {rank}
+    assert not same(detector(killed[0]["at_checkpoint"]), detector(killed[1]["at_checkpoint"]))  # the loss slot
+    for rank in (0, 1):  # the batch quarantined after the checkpoint (and before the kill) is left out alike
+        assert resumed[rank]["skips"] == [(10, "quarantined", {"step": 10, "epoch": 1, "index": 1})]
+        assert resumed[rank]["spikes"] == [] and resumed[rank]["bad_forwards"] == 0
+        # up to the kill, the resumed run is the run that never stopped; the replicas stay identical
+        assert same(resumed[rank]["weights_at_kill"], killed[rank]["weights_at_kill"])
+    assert same(resumed[0]["weights"], resumed[1]["weights"])
+
+    # a world-size change: one process resumes the 2-rank checkpoint with rank 0's guard state
+    guard = guard_callback(out / "single")
+    lightning_trainer(out / "single", callbacks=[guard], max_steps=9).fit(TinyModule(), ckpt_path=out / "epoch0.ckpt")
+    assert {e["rank"] for e in guard.guards[0].quarantine.entries} == {0}
+    guard.close()
 
 
 def test_resuming_from_a_checkpoint_restores_the_guards_state(tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ from guardtower.guard.actions import (CLIP_MODES, ActionPolicy, LowerLR, RepeatT
                                       resolve_on_repeat, scaled_lr, supports_device_skip)
 from guardtower.guard.budget import BudgetCounter, SkipBudget, resolve_skip_budget
 from guardtower.guard.detector import Detector, Explanation, make_detector
-from guardtower.guard.quarantine import BatchRef, Quarantine, batch_identity, batch_ref, check_entries, make_entry, write_entry
+from guardtower.guard.quarantine import (BatchRef, Quarantine, batch_identity, batch_ref, check_entries, make_entry,
+                                         without_content, write_entry)
 from guardtower.guard.reports import SpikeReportSink, report_filename
 from guardtower.guard.snapshots import SnapshotStore
 from guardtower.guard.triage import Outcome, RngState, capture_rng, retriage
@@ -243,6 +244,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.triage = triage
         self._triaged: dict[int, Outcome] = {}  # step -> its triage, until the step's incident is reported
         self._pending_batch: BatchRef | None = None
+        self._pending_recompute: tuple[Callable[[], Any], RngState] | None = None  # observe_recompute, for triage
+        self._replaying = False  # skip_quarantined: the next step is a quarantined one, skipped unjudged
         self._batches: dict[int, BatchRef] = {}  # step -> the batch it stepped on, until its record is read
         self._quarantine: list[dict[str, Any]] = []  # this run's rejected batches (and those restored)
         self._snapshots = (SnapshotStore(model, base_optimizer, rollback_every, keep)
@@ -511,12 +514,32 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._pending_loss = loss
 
     def observe_batch(self, batch: Any = None, *, index: int | None = None, epoch: int | None = None,
-                      indices: Any = None) -> None:
+                      indices: Any = None, micro_batches: int = 1) -> None:
         """Say which batch the next ``step()`` steps on: its position ``index`` in the ``epoch`` (what a resumed
         run replays the quarantine by), its sample ``indices`` when the sampler exposes them, and the batch
         itself (hashed into a fingerprint only if the step is rejected and no indices were given). Nothing is
-        read or copied now; the batch is referenced until the step's record is read."""
-        self._pending_batch = batch_ref(batch, index, epoch, indices)
+        read or copied now; the batch is referenced until the step's record is read. Under gradient
+        accumulation, ``index`` is the step's first loader batch and ``micro_batches`` how many it accumulated
+        (``batch`` may then be the list of them); all are quarantined."""
+        self._pending_batch = batch_ref(batch, index, epoch, indices, micro_batches)
+
+    def observe_recompute(self, closure: Callable[[], Any]) -> None:
+        """For loops whose ``step()`` gets no closure because forward and backward ran before it (the HF
+        Trainer): ``closure`` recomputes the next step's gradients (forward and backward of the same
+        micro-batches, returning the loss) and the RNG state is copied now, so call this before the step's
+        first forward. ``triage=True`` calls it for a rejected step only; without triage nothing is kept."""
+        if not callable(closure):
+            raise ConfigError("closure", f"expected a callable, got {type(closure).__name__}",
+                              "pass a function that runs forward and backward of the step's batches")
+        self._pending_recompute = (closure, capture_rng()) if self.triage else None
+
+    def skip_quarantined(self) -> None:
+        """The next ``step()`` steps on a quarantined batch (a resumed run replaying its quarantine, for trainers
+        that must take every step): it is skipped without being judged (no measurement, no collective, nothing
+        folded into the baselines, the update not applied), counted in ``step_count`` and ``total_skips``, and
+        published as a ``skip`` event with reason ``"quarantined"``. Call it on every rank alike (the positions
+        were agreed: ``Quarantine.agreed``). A closure given to that step still runs (the loop expects it)."""
+        self._replaying = True
 
     @property
     def quarantine(self) -> Quarantine:
@@ -533,14 +556,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._closed or (self._accelerated is not None and not self._accelerated.steps):
             # closed, or an accumulation micro-step that Accelerate's wrapper does not step: nothing to judge
             return self._base.step(closure) if closure is not None else self._base.step()
+        if self._replaying:
+            return self._replay_step(closure)
         rng: RngState | None = None
+        recompute: Callable[[], Any] | None = closure
+        pending, self._pending_recompute = self._pending_recompute, None
         if self.triage:
-            if closure is None:
+            if closure is not None:
+                rng = capture_rng()
+            elif pending is not None:  # observe_recompute: the RNG was copied before the step's forward
+                recompute, rng = pending
+            else:
                 raise ConfigError("closure", "triage=True recomputes a rejected step, so step() needs the closure "
                                   "that computes the loss and the gradients",
                                   "call guard.step(closure) (the closure zeroes the gradients, runs forward and "
-                                  "backward, returns the loss), or construct the guard with triage=False")
-            rng = capture_rng()
+                                  "backward, returns the loss), or guard.observe_recompute(closure) before the "
+                                  "step's forward, or construct the guard with triage=False")
         if loss is None:
             loss = self._pending_loss
         self._pending_loss = None
@@ -577,8 +608,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._host_decides:
             # the one host sync of non-fused optimizers / raise / rollback (skip == reject unless clipping)
             if bool(skip):
-                if rng is not None and closure is not None:
-                    self._triaged[step] = retriage(closure, rng, self._base.zero_grad, self._reproduces,
+                if rng is not None and recompute is not None:
+                    self._triaged[step] = retriage(recompute, rng, self._base.zero_grad, self._reproduces,
                                                    self.process_group, self._distributed(), current_rank())
                 self._drain(block=True)  # publishes this step's events; rolls back or raises
                 if self._report_sink is not None and self._last_report is not None:
@@ -589,6 +620,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 out = self._base_step(found_inf, grad_scale, base_closure)
         else:
             out = self._base_step(found_inf, grad_scale, base_closure)
+        self._after_step(step, watch)
+        return result if closure is not None else out
+
+    def _after_step(self, step: int, watch: LoopWatch | None) -> None:
         # a step that rolled back holds the snapshot it restored: not a new one (a repeat returns to the same)
         if self._snapshots is not None and self._snapshots.due(step) and self._rolled_back_at != step:
             self._snapshots.take(step)
@@ -596,7 +631,35 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.heartbeat.beat(step)
         if watch is not None:
             watch.after_step(step)  # device values only on its sample steps, read back asynchronously
-        return result if closure is not None else out
+
+    def _replay_step(self, closure: Callable[[], Any] | None) -> Any:
+        """A quarantined step (``skip_quarantined``): not judged, not applied, published as a ``skip``."""
+        self._replaying = False
+        self._pending_loss = self._pending_recompute = None
+        result: Any = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        if not self._started:
+            self._start()
+        self._track_params()
+        self._drain(block=False)
+        self._step_count += 1
+        step = self._step_count
+        ref, self._pending_batch = self._pending_batch, None
+        if self._snapshots is not None and not self._snapshots.snapshots:
+            self._snapshots.take(step - 1)
+        watch = self.watch if self.watch is not None and self.watch.active else None
+        if watch is not None:
+            watch.before_step(step)
+        self._total_skips += 1
+        self._publish(SkipEvent(**self._run_kw, step=step, severity=Severity.INFO, layer="", reason="quarantined",
+                                total_skips=self._total_skips, consecutive_skips=self.consecutive_rejections,
+                                batch=batch_identity(without_content(ref), step)))
+        if self._accelerated is not None:
+            self._accelerated.skipped()
+        self._after_step(step, watch)
+        return result
 
     def _reproduces(self, loss: Any) -> Tensor:
         """bool 0-d: the gradients now in ``.grad`` (a triage recompute) would be rejected against the same
@@ -987,6 +1050,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._history.clear()
             self._batches.clear()
             self._triaged.clear()
+            self._pending_batch = self._pending_recompute = None
 
     # ------------------------------------------------------------------ names
     @staticmethod

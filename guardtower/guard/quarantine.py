@@ -10,6 +10,12 @@ On resume, ``Quarantine.read(log_dir)`` (every rank's file) or the guard's resto
 to leave out; ``Quarantine.skip(loader, epoch=e)`` yields ``(index, batch)`` for every other batch, so every
 rank skips the same positions (the decision that rejected them was agreed by all ranks). Incidents triaged
 ``transient`` are recorded but never replayed: their batch was fine.
+
+A step that accumulated several loader batches (gradient accumulation) is named by its first batch's
+``index`` and ``micro_batches``, the number of consecutive batches it stepped on; all of them are quarantined.
+Trainers that must take every step (the HF and Lightning callbacks) replay by whole steps instead:
+``contains(first, epoch, micro_batches=n)`` says whether a step's batches are quarantined, and
+``agreed()`` makes every rank replay the same set.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, TypeVar
 
@@ -30,7 +36,7 @@ from guardtower.errors import ConfigError
 from guardtower.events import _encode
 
 __all__ = ["QUARANTINE_FORMAT", "BatchRef", "Quarantine", "batch_ref", "batch_identity", "fingerprint",
-           "quarantine_filename", "make_entry", "write_entry", "check_entries"]
+           "quarantine_filename", "make_entry", "write_entry", "check_entries", "without_content"]
 
 QUARANTINE_FORMAT = "guardtower.quarantine/1"
 _MAX_INDICES = 4096  # sample indices kept per entry; a larger batch keeps its fingerprint too
@@ -45,6 +51,7 @@ class BatchRef:
     index: int | None = None
     epoch: int | None = None
     indices: Any = None
+    micro_batches: int = 1
 
 
 def _optional_int(argument: str, value: Any) -> int | None:
@@ -56,14 +63,22 @@ def _optional_int(argument: str, value: Any) -> int | None:
     return value
 
 
-def batch_ref(batch: Any, index: Any, epoch: Any, indices: Any) -> BatchRef:
+def batch_ref(batch: Any, index: Any, epoch: Any, indices: Any, micro_batches: Any = 1) -> BatchRef:
     """Validate ``observe_batch``'s arguments cheaply (types only: a tensor of indices stays on its device)."""
     index = _optional_int("index", index)
     epoch = _optional_int("epoch", epoch)
     if indices is not None and not isinstance(indices, (Tensor, list, tuple, range)):
         raise ConfigError("indices", f"expected a tensor or a sequence of sample indices, got {type(indices).__name__}",
                           "pass the batch's sample indices (e.g. the list a batch sampler yielded) or None")
-    return BatchRef(batch, index, epoch, indices)
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ConfigError("micro_batches", f"must be a positive int, got {micro_batches!r}",
+                          "pass how many loader batches the step accumulated (1 without gradient accumulation)")
+    return BatchRef(batch, index, epoch, indices, micro_batches)
+
+
+def without_content(ref: BatchRef | None) -> BatchRef | None:
+    """The position alone: a replayed step's batch is named, never hashed (it was not computed)."""
+    return None if ref is None else replace(ref, batch=None)
 
 
 def _tensors(value: Any, out: list[tuple[str, Tensor]], where: str = "", depth: int = 0) -> None:
@@ -110,6 +125,8 @@ def batch_identity(ref: BatchRef | None, step: int) -> dict[str, Any]:
         identity["epoch"] = ref.epoch
     if ref.index is not None:
         identity["index"] = ref.index
+        if ref.micro_batches > 1:
+            identity["micro_batches"] = ref.micro_batches
     if ref.indices is not None:
         values = ref.indices.reshape(-1).tolist() if isinstance(ref.indices, Tensor) else list(ref.indices)
         identity["indices"] = [int(v) for v in values[:_MAX_INDICES]]
@@ -151,6 +168,23 @@ def check_entries(entries: Any, argument: str = "state_dict") -> list[dict[str, 
     return out
 
 
+def _micro_batches(batch: Mapping[str, Any]) -> int:
+    count = batch.get("micro_batches", 1)
+    return count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= _MAX_INDICES else 1
+
+
+def _unique(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Entries in order, each once (the same incident is in a checkpoint's state and in the rank's file)."""
+    seen: set[str] = set()
+    out = []
+    for entry in entries:
+        key = json.dumps(_encode(dict(entry)), sort_keys=True, allow_nan=False)
+        if key not in seen:
+            seen.add(key)
+            out.append(dict(entry))
+    return out
+
+
 class Quarantine:
     """Rejected batches to leave out on resume: ``(epoch, index)`` positions, agreed by every rank.
 
@@ -161,8 +195,9 @@ class Quarantine:
     def __init__(self, entries: Iterable[Mapping[str, Any]] = ()) -> None:
         self.entries: list[dict[str, Any]] = check_entries(list(entries), "entries")
         self._positions = frozenset(
-            (e["batch"].get("epoch"), e["batch"]["index"]) for e in self.entries
-            if isinstance(e["batch"].get("index"), int) and e.get("triage") != "transient")
+            (e["batch"].get("epoch"), e["batch"]["index"] + k) for e in self.entries
+            if isinstance(e["batch"].get("index"), int) and e.get("triage") != "transient"
+            for k in range(_micro_batches(e["batch"])))
 
     @classmethod
     def read(cls, log_dir: str | os.PathLike[str]) -> "Quarantine":
@@ -180,8 +215,26 @@ class Quarantine:
         """The ``(epoch, index)`` of every batch to leave out (epoch None: the loop gave none)."""
         return self._positions
 
-    def contains(self, index: int, epoch: int | None = None) -> bool:
-        return (epoch, index) in self._positions
+    def contains(self, index: int, epoch: int | None = None, *, micro_batches: int = 1) -> bool:
+        """Whether a batch at ``index`` of ``epoch`` is quarantined; any of ``micro_batches`` batches from there
+        (a step that accumulates them: the trainers replay whole steps)."""
+        return any((epoch, index + k) in self._positions for k in range(micro_batches))
+
+    def merged(self, other: "Quarantine") -> "Quarantine":
+        """This quarantine and ``other`` (e.g. a checkpoint's and the run folder's files), each entry once."""
+        return Quarantine(_unique([*self.entries, *other.entries]))
+
+    def agreed(self, process_group: Any = None) -> "Quarantine":
+        """Every rank's entries, on every rank: one ``all_gather_object``, called on every rank once (at a resume),
+        so that all ranks replay the same steps even when their files differ (a kill between two ranks' writes,
+        a log folder per node). Outside ``torch.distributed`` the quarantine itself."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
+            return self
+        gathered: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, self.entries, group=process_group)
+        return Quarantine(_unique([entry for entries in gathered for entry in entries or []]))
 
     def skip(self, batches: Iterable[T], *, epoch: int | None = None, start: int = 0) -> Iterator[tuple[int, T]]:
         """``(index, batch)`` for every batch of ``batches`` not quarantined, numbered from ``start``

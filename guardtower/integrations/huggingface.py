@@ -16,12 +16,14 @@ set the callback moves the clipping behind the guard's decision (same norm, appl
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import sys
 import types
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -33,6 +35,7 @@ from guardtower._runs import run_name
 from guardtower._validate import flag, no_unknown_kwargs
 from guardtower.bus import EventBus, Sink, check_bus_args
 from guardtower.errors import ConfigError, MissingDependencyError, PreflightFailed
+from guardtower.guard.quarantine import Quarantine
 from guardtower.integrations._clip import deferred_clipper
 from guardtower.integrations._preflight import PreflightCallbackBase
 from guardtower.integrations._run_status import fail_mlflow_runs, failing_runs_on_halt
@@ -249,6 +252,16 @@ class StabilityGuardCallback(TrainerCallback):
     next to the Trainer's, as ``guardtower-rank<r>.pt``; a run resumed with ``resume_from_checkpoint`` loads
     it, so the guard decides as if training had never stopped. A rank without a file of its own (more ranks
     than were saved) loads rank 0's.
+
+    Batches: each optimizer step's batch reaches the guard (``observe_batch``) as the Trainer's epoch and the
+    index of the step's first micro-batch in it (``micro_batches`` of them under gradient accumulation; the
+    same numbering the Trainer resumes by), so a rejected step is named and quarantined. A resumed run replays
+    the quarantine (the checkpoint's and the run folder's ``quarantine-rank*.jsonl``, agreed by every rank):
+    each micro-batch of a quarantined step is not computed (the wrapped ``training_step`` backpropagates a
+    zero loss instead, so DDP, GradScaler and the Trainer's counting see an ordinary step) and the guard skips
+    the step unjudged. The Trainer still counts it and steps its scheduler, as it did when the step was
+    rejected. With ``triage=True`` the wrapped ``training_step`` keeps the step's micro-batches and gives the
+    guard a closure that recomputes them with the RNG restored (``observe_recompute``).
     """
 
     def __init__(
@@ -272,9 +285,6 @@ class StabilityGuardCallback(TrainerCallback):
             raise ConfigError("clip_in_guard", f"expected True or False, got {clip_in_guard!r}",
                               "pass clip_in_guard=False to keep the Trainer's own clipping")
         flag("fail_mlflow_run", fail_mlflow_run)
-        if guard_kwargs.get("triage") is True:  # it would fail at the first step instead
-            raise ConfigError("triage", "the Trainer steps the optimizer without a closure, so a rejected step "
-                              "cannot be recomputed", "drop triage=True (Lightning and step(closure) loops support it)")
         no_unknown_kwargs("StabilityGuardCallback", guard_kwargs,
                           [name for name in inspect.signature(GuardedOptimizer).parameters if name not in ("base_optimizer", "model")])
         user_sinks = check_bus_args(bus, sinks)
@@ -296,7 +306,14 @@ class StabilityGuardCallback(TrainerCallback):
         self._loss_count = 0
         self._saved_max_grad_norm: float | None = None
         self._args: TrainingArguments | None = None
-        self._trainer: Any = None  # the Trainer whose training_step finishes the guard on an exception
+        self._trainer: Any = None  # the Trainer whose training_step is wrapped (batches, replay, triage, exceptions)
+        self._steps_per_epoch: int | None = None  # optimizer steps per epoch (None: a loader without a length)
+        self._batches_per_epoch = 0
+        self._accumulation = 1
+        self._replay = Quarantine()  # the quarantined steps a resumed run leaves out
+        self._current: _Step | None = None  # the optimizer step under way
+        self._recomputing = False  # a triage recompute runs: its forwards' losses are not the step's
+        self._step_fn: Callable[..., Any] | None = None  # the Trainer's own training_step, unwrapped
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -324,7 +341,18 @@ class StabilityGuardCallback(TrainerCallback):
                                 accumulation=int(args.gradient_accumulation_steps), total_steps=state.max_steps)
         self._holder = holder
         self._args = args
-        self._finish_on_exception(_running_trainer())
+        self._accumulation = int(args.gradient_accumulation_steps)
+        self._batches_per_epoch, self._steps_per_epoch = _epoch_length(kwargs.get("train_dataloader"),
+                                                                       self._accumulation)
+        self._replay = Quarantine()
+        if state.global_step > 0:  # resumed: leave out what the checkpoint and the run folder quarantined
+            self._replay = self.guard.quarantine.merged(Quarantine.read(self.guard.log_dir)).agreed(
+                self.guard.process_group)
+            if self._replay.positions() and getattr(args, "ignore_data_skip", False):
+                logger.warning("guardtower: ignore_data_skip=True restarts the epoch from its first batch, so the "
+                               "quarantine's positions do not name the same batches; nothing is replayed")
+                self._replay = Quarantine()
+        self._wrap_training_step(_running_trainer())
         if model is not None and self._loss_handle is None:
             self._loss_handle = model.register_forward_hook(self._record_loss)
         if self.clip_in_guard and args.max_grad_norm and args.max_grad_norm > 0 and not _trainer_shards(args):
@@ -333,18 +361,26 @@ class StabilityGuardCallback(TrainerCallback):
             self._clip_handle = self.guard.base_optimizer.register_step_pre_hook(
                 deferred_clipper(self.guard.base_optimizer, self._saved_max_grad_norm))
 
-    def _finish_on_exception(self, trainer: Any) -> None:
-        """Wrap this run's ``trainer.training_step`` so that an exception out of a step (HF has no exception
-        callback) still publishes the guard's final summary before it propagates; undone then or at the end of training.
-        """
+    def _wrap_training_step(self, trainer: Any) -> None:
+        """Wrap this run's ``trainer.training_step`` (undone at the end of training or on an exception): it keeps
+        the step's micro-batches (the batch identity, triage's recompute), computes nothing for a quarantined
+        step, and on an exception out of a step (HF has no exception callback) still publishes the guard's final
+        summary before it propagates."""
         if trainer is None or self._trainer is not None:
             return
         step = trainer.training_step
         guard = self.guard
 
-        def training_step(*args: Any, **kwargs: Any) -> Any:
+        def training_step(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                return step(*args, **kwargs)
+                current = self._current
+                if current is None:
+                    return step(model, inputs, *args, **kwargs)
+                current.batches.append(inputs)
+                current.calls.append((model, args, kwargs))
+                if current.replayed:
+                    return _zero_backward(trainer, model)
+                return step(model, inputs, *args, **kwargs)
             except BaseException:
                 self._unwrap_training_step()
                 if guard is not None:
@@ -353,11 +389,53 @@ class StabilityGuardCallback(TrainerCallback):
 
         trainer.training_step = training_step
         self._trainer = trainer
+        self._step_fn = step
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        """An optimizer step begins (before its first micro-batch's forward): name its batches for the guard,
+        replay the quarantine, and give triage its recompute."""
+        if self.guard is None or self._trainer is None:
+            return
+        current = self._current = _Step()
+        epoch = first = None
+        count = self._accumulation
+        if self._steps_per_epoch is not None:  # the Trainer's own numbering: it resumes by the same arithmetic
+            epoch, update = divmod(state.global_step, self._steps_per_epoch)
+            first = update * self._accumulation
+            count = max(1, min(self._accumulation, self._batches_per_epoch - first))
+        self.guard.observe_batch(current.batches, index=first, epoch=epoch, micro_batches=count)
+        if first is not None and self._replay.contains(first, epoch, micro_batches=count):
+            current.replayed = True
+            self.guard.skip_quarantined()
+        elif self.guard.triage:
+            self.guard.observe_recompute(lambda: self._recompute(current))
+
+    def _recompute(self, current: _Step) -> Any:
+        """Triage's closure: forward and backward of the step's micro-batches again, synchronising gradients
+        on the last one only, as the Trainer did; returns the step's loss."""
+        assert self._trainer is not None and self._step_fn is not None
+        total = None
+        self._recomputing = True
+        try:
+            for k, (inputs, (model, args, kwargs)) in enumerate(zip(current.batches, current.calls)):
+                last = k == len(current.batches) - 1
+                with contextlib.nullcontext() if last else self._trainer.accelerator.no_sync(model=model):
+                    loss = self._step_fn(model, inputs, *args, **kwargs)
+                total = loss if total is None else total + loss
+        finally:
+            self._recomputing = False
+        return total
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._current = None  # the guard keeps what it needs of the step (its batch, until the record is read)
 
     def _unwrap_training_step(self) -> None:
         if self._trainer is not None:
             vars(self._trainer).pop("training_step", None)
             self._trainer = None
+        self._current = None
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Write this rank's guard state into the checkpoint folder the Trainer just wrote (atomically)."""
@@ -385,7 +463,7 @@ class StabilityGuardCallback(TrainerCallback):
 
     def _record_loss(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook: add a training forward's loss (a device tensor) to this accumulation window's sum."""
-        if not module.training or not torch.is_grad_enabled():
+        if not module.training or not torch.is_grad_enabled() or self._recomputing:
             return
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -450,6 +528,38 @@ class StabilityGuardCallback(TrainerCallback):
         if self._saved_max_grad_norm is not None and self._args is not None:
             self._args.max_grad_norm = self._saved_max_grad_norm
             self._saved_max_grad_norm = None
+
+
+@dataclass
+class _Step:
+    """One optimizer step of the Trainer: its micro-batches and the arguments ``training_step`` got for each."""
+
+    batches: list[Any] = field(default_factory=list)
+    calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    replayed: bool = False  # quarantined: nothing computed, the guard skips it
+
+
+def _epoch_length(loader: Any, accumulation: int) -> tuple[int, int | None]:
+    """(micro-batches, optimizer steps) per epoch, as ``Trainer.set_initial_training_values`` counts them;
+    (0, None) for a loader without a length (the steps are then named by their content only)."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        return 0, None
+    if batches < 1:
+        return 0, None
+    return batches, max(batches // accumulation + int(batches % accumulation > 0), 1)
+
+
+def _zero_backward(trainer: Any, model: nn.Module) -> torch.Tensor:
+    """A quarantined micro-batch: backpropagate a zero loss through every trainable parameter instead, so
+    the gradients are zeros and GradScaler, DDP's no_sync and the Trainer see a step with gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return torch.zeros((), device=trainer.args.device)
+    loss = torch.stack([p.sum().float() for p in params]).sum() * 0.0
+    trainer.accelerator.backward(loss)
+    return loss.detach()
 
 
 def _resumed_from() -> str | None:

@@ -18,6 +18,7 @@ before each accepted update.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from guardtower._runs import run_name
 from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, GradientSpikeError, MissingDependencyError, PreflightFailed
+from guardtower.guard.quarantine import Quarantine
 from guardtower.integrations._clip import deferred_clipper
 from guardtower.integrations._preflight import PreflightCallbackBase
 from guardtower.integrations._run_status import fail_mlflow_runs
@@ -49,6 +51,8 @@ logger = logging.getLogger("guardtower.integrations.lightning")
 
 #: the metric names the guard's counters are logged under
 COUNTER_KEYS = ("guardtower/spikes", "guardtower/skipped_steps", "guardtower/rollbacks")
+#: the checkpoint key of every rank's guard states (a list over ranks of a list over optimizers)
+_RANKS_KEY = "guardtower_ranks"
 
 
 class GuardtowerPreflight(PreflightCallbackBase, Callback):
@@ -133,6 +137,18 @@ class GuardtowerGuard(Callback):
     batch is named and quarantined; Lightning's closure lets ``triage=True`` recompute a rejected step.
     ``clip_in_guard=False`` leaves Lightning's gradient clipping before the guard. A halt
     (``nan_action="raise"``) sets the MLflow runs FAILED unless ``fail_mlflow_run=False``.
+
+    Under gradient accumulation a step is named by its first batch's index and ``micro_batches``. A run
+    resumed with ``fit(ckpt_path=...)`` replays the quarantine (the checkpoint's and the run folder's
+    ``quarantine-rank*.jsonl``, agreed by every rank): each batch of a quarantined step is not computed (the
+    module's ``training_step`` returns a zero loss over its parameters, so Lightning's backward, DDP and its
+    step counting see an ordinary step) and the guards skip the step unjudged; with manual optimization the
+    step runs and the guards skip it. The positions are Lightning's ``(current_epoch, batch_idx)``: exact when
+    it resumes from an end-of-epoch checkpoint or a resumable loader (it warns otherwise).
+
+    Checkpoints: Lightning saves rank 0's optimizer states, so ``on_save_checkpoint`` (which runs on every
+    rank) gathers every rank's guard state into the checkpoint, and a resumed rank restores its own (rank 0's
+    when it has none: more ranks than were saved).
     """
 
     def __init__(
@@ -169,6 +185,11 @@ class GuardtowerGuard(Callback):
         self._clip_handles: list[Any] = []
         self._saved_clip: tuple[Any, Any] | None = None
         self._counters_bridged = False
+        self._own_state: list[dict[str, Any]] | None = None  # this rank's guard states from the checkpoint
+        self._replay = Quarantine()  # the quarantined steps a resumed run leaves out
+        self._batches: list[Any] = []  # the batches of the optimizer step under way
+        self._replaying = False  # that step is quarantined
+        self._module: pl.LightningModule | None = None  # whose training_step is wrapped
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from guardtower.guard import GuardedOptimizer
@@ -185,6 +206,7 @@ class GuardtowerGuard(Callback):
                                total_steps=_planned_steps(trainer))
         # a TensorBoardBridge on the logger's own writer writes these tags at the guard's steps: not twice
         self._counters_bridged = _bridged_writer(self._bus, trainer)
+        self._wrap_training_step(pl_module)
         clip_val = trainer.gradient_clip_val
         if self.clip_in_guard and clip_val:
             algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
@@ -199,12 +221,72 @@ class GuardtowerGuard(Callback):
             # the guard numbers its steps from step_count; this update is the Trainer's global_step + 1
             self.guards[0].step_count = trainer.global_step
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After Lightning restored the checkpoint: this rank's own guard state, and the quarantine to replay."""
+        if self._own_state is not None:
+            for guard, section in zip(self.guards, self._own_state):
+                guard.load_state_dict({"guardtower": section})
+            self._own_state = None
+        self._replay = Quarantine()
+        if trainer.ckpt_path is not None and self.guards:  # resumed: every rank calls this, so agreeing is safe
+            found = Quarantine()
+            for guard in self.guards:
+                found = found.merged(guard.quarantine).merged(Quarantine.read(guard.log_dir))
+            self._replay = found.agreed(self.guards[0].process_group)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        # the batch's identity, by reference: read only if its step is rejected (its epoch and batch index,
+        # the step's identity, by reference: read only if it is rejected (its epoch and first batch's index,
         # else a fingerprint), and into the quarantine then
-        for guard in self.guards:
-            guard.observe_batch(batch, index=batch_idx, epoch=trainer.current_epoch)
+        accumulation = max(1, int(trainer.accumulate_grad_batches))
+        if batch_idx % accumulation == 0 or not self._batches:  # the first batch of an optimizer step
+            epoch = trainer.current_epoch
+            left = trainer.num_training_batches - batch_idx
+            count = int(min(accumulation, left)) if left >= 1 else accumulation
+            self._batches = []
+            self._replaying = self._replay.contains(batch_idx, epoch, micro_batches=count)
+            for guard in self.guards:
+                guard.observe_batch(self._batches, index=batch_idx, epoch=epoch, micro_batches=count)
+                if self._replaying:
+                    guard.skip_quarantined()
+        self._batches.append(batch)
+
+    def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
+        """Wrap the module's ``training_step`` (undone at the end of fit): a quarantined step's batches are not
+        computed under automatic optimization; a zero loss over the trainable parameters takes their place."""
+        if self._module is not None:
+            return
+        step = pl_module.training_step
+
+        @functools.wraps(step)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            if self._replaying and pl_module.automatic_optimization:
+                return _zero_loss(pl_module)
+            return step(*args, **kwargs)
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+        self._module = pl_module
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Every rank's guard states into the checkpoint that rank 0 writes (this runs on every rank: one
+        ``all_gather_object`` per checkpoint, none per step)."""
+        own = [guard.state_dict()["guardtower"] for guard in self.guards]
+        gathered: list[Any] = [own]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, own)
+        checkpoint[_RANKS_KEY] = gathered
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Keep this rank's guard states (rank 0's when the checkpoint has fewer ranks) for ``on_train_start``:
+        Lightning loads the optimizer states, rank 0's, after this."""
+        saved = checkpoint.get(_RANKS_KEY)
+        if not isinstance(saved, list) or not saved:
+            return
+        own = saved[trainer.global_rank] if trainer.global_rank < len(saved) else saved[0]
+        self._own_state = list(own) if isinstance(own, list) else None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -226,7 +308,12 @@ class GuardtowerGuard(Callback):
             fail_mlflow_runs(exception, _mlflow_logger_runs(trainer))
 
     def _finish(self, trainer: pl.Trainer) -> None:
-        """Publish what is pending, stop the guards' watchdogs and give the Trainer its clipping back."""
+        """Publish what is pending, stop the guards' watchdogs, give the Trainer its clipping and the module its
+        ``training_step`` back."""
+        if self._module is not None:
+            vars(self._module).pop("training_step", None)
+            self._module = None
+        self._batches, self._replaying = [], False
         for handle in self._clip_handles:
             handle.remove()
         self._clip_handles = []
@@ -242,6 +329,12 @@ class GuardtowerGuard(Callback):
             guard.close()
         if self._owns_bus:
             self._bus.close(5.0)
+
+
+def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
+    """Zero, with a gradient path through every trainable parameter (DDP expects a gradient for each)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.stack([p.sum().float() for p in params]).sum() * 0.0
 
 
 def _planned_steps(trainer: pl.Trainer) -> int | None:
