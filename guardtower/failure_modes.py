@@ -12,7 +12,7 @@ from typing import Mapping
 
 from guardtower.severity import Severity
 
-__all__ = ["FailureMode", "CATALOG", "catalog", "catalog_markdown"]
+__all__ = ["FailureMode", "CATALOG", "FAMILIES", "catalog", "catalog_markdown"]
 
 
 @dataclass(frozen=True)
@@ -1402,12 +1402,42 @@ def catalog() -> list[FailureMode]:
     return sorted(CATALOG.values(), key=lambda m: m.id)
 
 
+#: how the audit finds the entries: each family measures something the step does and compares it with what the
+#: setup declares, so a bug nobody listed is still caught when it breaks the invariant (CATALOG.md's preface)
+FAMILIES: tuple[tuple[str, str], ...] = (
+    ("what the loss supervises", "the gradient reaching the model's output, per position, against masks, pad "
+     "ids, class counts and micro-batches (DATA-005..009, LOOP-004/005/011)"),
+    ("what each loss receives", "each loss call's input and target against the domain its function documents: "
+     "log-probabilities over the class dim, targets in range, prediction first, unbounded logits, 32-bit "
+     "softmax (LOSS-004/005/008, LOSS-010..015, AMP-005)"),
+    ("what the first layers receive", "embedding padding rows against the batch's padding, the first layer's "
+     "input scale, distinct samples (INPUT-008/009, DATA-012)"),
+    ("what a prediction reads", "a prediction's dependence on later tokens in a next-token setup, and on other "
+     "samples (INPUT-002, INPUT-010)"),
+    ("what the update does", "each tensor before and after an optimizer step against its gradient and the "
+     "optimizer's state (OPT-008, GRAD-005, AMP-002/004, INIT-001)"),
+    ("what the loop calls", "the order of zero_grad, backward, clip, step and scheduler calls (LOOP-001..013)"),
+    ("the whole schedule", "the scheduler walked over the planned run at the real cadence (SCHED-001..005)"),
+    ("modes and randomness", "which parts are stochastic, frozen, in eval mode, updating statistics "
+     "(MODE-001..007)"),
+    ("inputs and labels against the model", "padding side, masks, special-token ids, EOS in the labels "
+     "(INPUT-003..007, DATA-001..004, DATA-010/011)"),
+    ("the setup's own flags", "freeze flags, param groups, optimizer hyper-parameters (OPT-001..018)"),
+)
+
+
 def catalog_markdown() -> str:
     """The text of ``CATALOG.md``."""
     lines = [
         "# guardtower catalog of silent training bugs",
         "",
         "Generated from `guardtower/failure_modes.py` by `guardtower catalog`; do not edit by hand.",
+        "",
+        "The audit measures what one training step does and judges it by families of invariants; an entry is "
+        "one way a family's invariant breaks. Blind-batch figures (reports nobody building the checks had read) "
+        "are in README.md; reproduce them with `python bench/blind.py --batch N`.",
+        "",
+        *[f"- **{name}**: {what}" for name, what in FAMILIES],
         "",
         "| id | severity | title |",
         "| --- | --- | --- |",
