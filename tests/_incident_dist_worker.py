@@ -1,9 +1,9 @@
 """One rank of the multi-GPU incident tests (tests/test_guard_incidents_dist.py): which rank, which batch, triage.
 
-Usage (launched by tests/_dist_launch.launch, env:// on 127.0.0.1): python tests/_incident_dist_worker.py SCENARIO OUT
-Scenarios: ``ranks`` (DDP, NaN on rank 2 of 4), ``first`` / ``resume`` (a run killed after a checkpoint, then
-resumed past its quarantine), ``triage`` (a transient and a deterministic incident, recomputed).
-Writes OUT/<scenario>-rank{RANK}.pt.
+Usage: torchrun --nproc_per_node N tests/_incident_dist_worker.py SCENARIO OUT (tests/_dist_launch.torchrun;
+RANK, LOCAL_RANK and WORLD_SIZE come from torchrun). Scenarios: ``ranks`` (DDP, NaN on rank 2 of 4), ``first`` /
+``resume`` (a run whose whole torchrun job is killed after a checkpoint, then resumed past its quarantine),
+``triage`` (a transient and a deterministic incident, recomputed). Writes OUT/<scenario>-rank{RANK}.pt.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from guardtower.testing import InMemorySink  # noqa: E402
 BATCH = 4
 BATCHES = 16  # per rank per epoch
 CHECKPOINT_AT, KILL_AT = 8, 14  # steps of the run that is killed
+KILLABLE = "killable"  # written into OUT at KILL_AT, once every rank's quarantine is on disk
 BAD_POSITIONS = (3, 11)  # rank 1's batches at these positions hold an Inf sample (a bad batch: deterministic)
 
 
@@ -150,8 +151,11 @@ def quarantine_run(out: Path, rank: int, world: int, resume: bool) -> dict[str, 
                            checkpoint)
             dist.barrier()
         if not resume and position + 1 == KILL_AT:
-            dist.barrier()
-            os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no close(), no flush
+            dist.barrier()  # every rank's quarantine is written: the test SIGKILLs the whole job now
+            if rank == 0:
+                (out / KILLABLE).touch()
+            time.sleep(120)  # a real kill: no close(), no flush (and a bound if the kill never came)
+            raise SystemExit(f"rank {rank} was not killed")
     skipped = sorted(set(range(start, BATCHES)) - set(trained))
     guard.close()
     return {"trained": trained, "skipped": skipped, "restored": restored,
@@ -194,7 +198,7 @@ def triage_run(out: Path, rank: int, world: int) -> dict[str, Any]:
 
 def main(scenario: str, out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # env://, as torchrun set it
     torch.set_num_threads(1)
     if scenario == "ranks":
         result = ranks(out, rank, world)
@@ -202,6 +206,7 @@ def main(scenario: str, out: Path) -> None:
         result = quarantine_run(out, rank, world, resume=scenario == "resume")
     else:
         result = triage_run(out, rank, world)
+    result["env"] = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     torch.save(result, out / f"{scenario}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

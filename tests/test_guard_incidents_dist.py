@@ -1,4 +1,5 @@
-"""Incidents at scale with real processes (gloo, 127.0.0.1): which rank, which batch (killed and resumed), triage."""
+"""Incidents at scale with real processes under torchrun (gloo, 127.0.0.1): which rank, which batch (the whole
+job killed and resumed), triage."""
 
 from __future__ import annotations
 
@@ -10,19 +11,26 @@ from typing import Any
 import pytest
 import torch
 
-from tests._dist_launch import launch
+from tests._dist_launch import torchrun
+from tests._incident_dist_worker import KILLABLE
 
 WORKER = Path(__file__).with_name("_incident_dist_worker.py")
 
 
 def run(scenario: str, out: Path, world: int, *, killed: bool = False) -> list[dict[str, Any]]:
-    results = launch([str(WORKER), scenario, str(out)], world, timeout=300,
-                     env={"OMP_NUM_THREADS": "1", "GUARDTOWER_RUN": f"incident-{scenario}"})
+    """``torchrun --nproc_per_node world`` the worker; ``killed``: SIGKILL the whole job once it is killable."""
+    results = torchrun([str(WORKER), scenario, str(out)], world, timeout=300, kill_when=out / KILLABLE if killed else None,
+                       env={"OMP_NUM_THREADS": "1", "GUARDTOWER_RUN": f"incident-{scenario}"})
     for rank, (code, log) in enumerate(results):
         assert code == (-9 if killed else 0), f"rank {rank} exited {code}:\n{log[-4000:]}"
     if killed:
+        assert (out / KILLABLE).exists(), "killed by the timeout, not at KILL_AT"
         return []
-    return [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(world)]
+    loaded = [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(world)]
+    # RANK, LOCAL_RANK, WORLD_SIZE (and LOCAL_WORLD_SIZE, which only torchrun sets) came from torchrun
+    assert [r["env"] for r in loaded] == [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                                           "LOCAL_WORLD_SIZE": str(world)} for r in range(world)]
+    return loaded
 
 
 def same_params(results: list[dict[str, Any]]) -> bool:
@@ -57,7 +65,7 @@ def test_a_nan_on_rank_2_of_4_is_named_on_every_rank(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_past_its_quarantined_batches(tmp_path: Path) -> None:
-    run("first", tmp_path, 2, killed=True)  # checkpoint at position 8, incidents at 3 and 11, killed at 14
+    run("first", tmp_path, 2, killed=True)  # checkpoint at position 8, incidents at 3 and 11, job killed at 14
     files = sorted(p.name for p in (tmp_path / "logs").glob("quarantine-rank*.jsonl"))
     assert files == ["quarantine-rank0.jsonl", "quarantine-rank1.jsonl"]
     lines = [json.loads(line) for line in (tmp_path / "logs" / "quarantine-rank1.jsonl").read_text().splitlines()]
