@@ -63,31 +63,53 @@ def test_a_nan_on_rank_2_of_4_is_named_on_every_rank(tmp_path: Path) -> None:
     assert all(r["calls_per_step"] == 1 and r["bytes_per_step"] == (2 + 4 * 4) * 4 for r in results)
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """Two torchrun launches of 2 ranks: a run whose whole job is SIGKILLed after its checkpoint (position 8),
+    incidents at 3 and 11 and the step at 14; then its resume, the uninterrupted run and triage in one launch.
+    Returns each rank's quarantine file as the kill left it, and the second launch's results."""
+    out = tmp_path_factory.mktemp("incidents-two-ranks")
+    run("first", out, 2, killed=True)
+    quarantined = {p.name: p.read_text() for p in sorted((out / "logs").glob("quarantine-rank*.jsonl"))}
+    return quarantined, run("resume", out, 2)
+
+
 @pytest.mark.slow
-def test_a_killed_run_resumes_past_its_quarantined_batches(tmp_path: Path) -> None:
-    run("first", tmp_path, 2, killed=True)  # checkpoint at position 8, incidents at 3 and 11, job killed at 14
-    files = sorted(p.name for p in (tmp_path / "logs").glob("quarantine-rank*.jsonl"))
-    assert files == ["quarantine-rank0.jsonl", "quarantine-rank1.jsonl"]
-    lines = [json.loads(line) for line in (tmp_path / "logs" / "quarantine-rank1.jsonl").read_text().splitlines()]
+def test_a_killed_run_resumes_past_its_quarantined_batches(two_ranks: tuple[dict[str, str], list[dict[str, Any]]]) -> None:
+    quarantined, results = two_ranks
+    assert list(quarantined) == ["quarantine-rank0.jsonl", "quarantine-rank1.jsonl"]
+    lines = [json.loads(line) for line in quarantined["quarantine-rank1.jsonl"].splitlines()]
     assert [(e["step"], e["batch"]["index"], e["ranks"], e["reason"]) for e in lines] == [
         (4, 3, [1], "nonfinite"), (12, 11, [1], "nonfinite")]
     assert all(len(e["batch"]["indices"]) == 4 and "fingerprint" not in e["batch"] for e in lines)
     assert 1 + 2 * 4 * 3 in lines[0]["batch"]["indices"]  # the sample that holds the Inf
 
-    r0, r1 = run("resume", tmp_path, 2)
-    for r in (r0, r1):
-        assert r["restored"] == [(0, 3)]  # the checkpoint's own quarantine
-        assert r["replay"] == [(0, 3), (0, 11)]  # every rank's file, also after the checkpoint
-        assert r["skipped"] == [11]  # exactly the quarantined batch after the resume point
-        assert r["trained"] == [p for p in range(8, 16) if p != 11]
-        assert r["spikes"] == {}  # the bad batch was never computed again
-        assert r["counters"][1:] == (1, 1)  # the counters carried over from the checkpoint
-    assert same_params([r0, r1])
+    for rank, r in enumerate(results):
+        resumed, full = r["resumed"], r["uninterrupted"]
+        assert resumed["restored"] == [(0, 3)]  # the checkpoint's own quarantine
+        assert resumed["replay"] == [(0, 3), (0, 11)]  # every rank's file, also after the checkpoint
+        assert resumed["skipped"] == [11]  # exactly the quarantined batch after the resume point
+        assert resumed["trained"] == [p for p in range(8, 16) if p != 11]
+        assert resumed["spikes"] == {}  # the bad batch was never computed again
+        assert resumed["counters"][1:] == (1, 1)  # the counters carried over from the checkpoint
+        # the uninterrupted run computed every batch and rejected the same two; after the resume point the
+        # resumed run left out exactly the one it rejected, and ends with the same detector and weights
+        assert full["trained"] == list(range(16)) and full["counters"] == (16, 2, 2)
+        assert [(s["batch"]["index"], s["reason"]) for s in full["spikes"].values()] == [(3, "nonfinite"), (11, "nonfinite")]
+        # the baselines (the rejected step left them); the last slot is the rank's own loss, and every rank
+        # resumed from rank 0's checkpoint
+        slots = slice(None) if rank == 0 else slice(None, -1)
+        assert full["detector"].keys() == resumed["detector"].keys() == {"state", "ring"}
+        assert all(torch.equal(full["detector"][k][:, slots].nan_to_num(1234.5),
+                               resumed["detector"][k][:, slots].nan_to_num(1234.5)) for k in full["detector"])
+        assert same_params([full, resumed])
+    assert same_params([r["resumed"] for r in results])
 
 
 @pytest.mark.slow
-def test_triage_labels_transient_and_deterministic_incidents_on_two_ranks(tmp_path: Path) -> None:
-    results = run("triage", tmp_path, 2)
+def test_triage_labels_transient_and_deterministic_incidents_on_two_ranks(
+        two_ranks: tuple[dict[str, str], list[dict[str, Any]]]) -> None:
+    results = [r["triage"] for r in two_ranks[1]]
     for r in results:
         assert r["counters"] == (15, 2, 2)
         assert r["calls"][5] == 2 and r["calls"][9] == 2 and r["calls"][1] == 1  # one recompute per incident
