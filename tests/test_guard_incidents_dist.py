@@ -19,7 +19,8 @@ WORKER = Path(__file__).with_name("_incident_dist_worker.py")
 
 def run(scenario: str, out: Path, world: int, *, killed: bool = False) -> list[dict[str, Any]]:
     """``torchrun --nproc_per_node world`` the worker; ``killed``: SIGKILL the whole job once it is killable."""
-    results = torchrun([str(WORKER), scenario, str(out)], world, timeout=300, kill_when=out / KILLABLE if killed else None,
+    results = torchrun([str(WORKER), scenario, str(out)], world, timeout=300,
+                       kill_when=out / KILLABLE if killed else None,
                        env={"OMP_NUM_THREADS": "1", "GUARDTOWER_RUN": f"incident-{scenario}"})
     for rank, (code, log) in enumerate(results):
         assert code == (-9 if killed else 0), f"rank {rank} exited {code}:\n{log[-4000:]}"
@@ -75,7 +76,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str],
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_past_its_quarantined_batches(two_ranks: tuple[dict[str, str], list[dict[str, Any]]]) -> None:
+def test_a_killed_run_resumes_past_its_quarantined_batches(
+        two_ranks: tuple[dict[str, str], list[dict[str, Any]]]) -> None:
     quarantined, results = two_ranks
     assert list(quarantined) == ["quarantine-rank0.jsonl", "quarantine-rank1.jsonl"]
     lines = [json.loads(line) for line in quarantined["quarantine-rank1.jsonl"].splitlines()]
@@ -95,7 +97,8 @@ def test_a_killed_run_resumes_past_its_quarantined_batches(two_ranks: tuple[dict
         # the uninterrupted run computed every batch and rejected the same two; after the resume point the
         # resumed run left out exactly the one it rejected, and ends with the same detector and weights
         assert full["trained"] == list(range(16)) and full["counters"] == (16, 2, 2)
-        assert [(s["batch"]["index"], s["reason"]) for s in full["spikes"].values()] == [(3, "nonfinite"), (11, "nonfinite")]
+        assert [(s["batch"]["index"], s["reason"]) for s in full["spikes"].values()] == [
+            (3, "nonfinite"), (11, "nonfinite")]
         # the baselines (the rejected step left them); the last slot is the rank's own loss, and every rank
         # resumed from rank 0's checkpoint
         slots = slice(None) if rank == 0 else slice(None, -1)
