@@ -1,15 +1,18 @@
-"""One rank of the 2-process gloo tests for GuardedOptimizer (run as a script by tests/test_guard_dist.py).
+"""One rank of the gloo tests for GuardedOptimizer (run under torchrun by tests/test_guard_dist.py).
 
-Usage: python tests/_guard_dist_worker.py {ddp|ddp_clip|fsdp2|hsdp} RANK WORLD INIT_FILE OUT_DIR
-Writes OUT_DIR/rank{RANK}.pt with the skip steps, spike layers, counters and final parameters. ``hsdp`` needs
-4 ranks: a (replicate 2) x (shard 2) mesh.
+Usage: torchrun --nproc_per_node N tests/_guard_dist_worker.py MODE[,MODE...] OUT_DIR, modes ddp, ddp_clip,
+fsdp2, hsdp (RANK and WORLD_SIZE come from the launcher). Runs the modes one after another and writes
+OUT_DIR/<mode>-rank{RANK}.pt with the skip steps, spike layers, counters and final parameters (the spike
+reports go to OUT_DIR/<mode>-logs). ``hsdp`` needs 4 ranks: a (replicate 2) x (shard 2) mesh.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,10 +55,7 @@ def unsharded_norm(wrapped: nn.Module, world: int, step: int) -> float:
     return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in plain.parameters()])))
 
 
-def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
+def run(mode: str, rank: int, world: int, out: Path) -> dict[str, Any]:
     model = make_model()
     if mode.startswith("ddp"):
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
@@ -72,7 +72,7 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
         wrapped = fully_shard(model, mesh=mesh)
         base = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     sink = InMemorySink()
-    guard = GuardedOptimizer(base, wrapped, log_dir=out / "logs", verbose=False, sinks=[sink], log_every=10,
+    guard = GuardedOptimizer(base, wrapped, log_dir=out / f"{mode}-logs", verbose=False, sinks=[sink], log_every=10,
                              nan_action="clip" if mode == "ddp_clip" else "skip")
     reference_norms: dict[int, float] = {}
     for step in range(STEPS):
@@ -94,7 +94,7 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
     final = {}
     for name, p in wrapped.named_parameters():
         final[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-    result = {
+    return {
         "skips": [e.step for e in sink.events if isinstance(e, SkipEvent)],
         "spikes": [(e.step, e.layer) for e in sink.events if isinstance(e, SpikeEvent)],
         "clips": [e.step for e in sink.events if isinstance(e, SpikeEvent) and e.action == "clip"],
@@ -103,10 +103,17 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
         "counters": (guard.step_count, guard.total_spikes, guard.total_skips, guard.total_clips),
         "params": final,
     }
-    torch.save(result, out / f"rank{rank}.pt")
+
+
+def main(modes: list[str], out: Path) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # env://: the launcher set it
+    torch.set_num_threads(1)
+    for mode in modes:
+        torch.save(run(mode, rank, world, out), out / f"{mode}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
+    main(sys.argv[1].split(","), Path(sys.argv[2]))

@@ -1,6 +1,7 @@
 """One rank of the distributed resume tests (run as a script by tests/test_guard_resume_dist.py).
 
-Usage: python tests/_guard_resume_worker.py {save|resume} RANK WORLD INIT_FILE OUT_DIR
+Usage: python tests/_guard_resume_worker.py {save|resume} OUT_DIR (RANK and WORLD_SIZE from the launcher:
+tests/_dist_launch.launch)
 
 ``save`` (2 ranks): an uninterrupted DDP run of ``STEPS`` steps, then a run stopped at ``SAVE_AT`` that writes
 ``OUT_DIR/ckpt-rank{RANK}.pt`` (model, and this rank's ``guard.state_dict()``), then a fresh model, optimizer
@@ -12,6 +13,7 @@ Writes OUT_DIR/<mode>-world{WORLD}-rank{RANK}.pt with each part's decisions, cou
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,9 +88,9 @@ def resume(out: Path, rank: int) -> tuple[dict[str, Any], int | None]:
     return result(model, guard, sink), saved["optimizer"]["guardtower"].get("world_size")
 
 
-def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def main(mode: str, out: Path) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # env://: the launcher set it
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     if mode == "save":
@@ -107,4 +109,4 @@ def main(mode: str, rank: int, world: int, init_file: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
+    main(sys.argv[1], Path(sys.argv[2]))

@@ -1,9 +1,10 @@
 """One rank of the multi-GPU incident tests (tests/test_guard_incidents_dist.py): which rank, which batch, triage.
 
-Usage (launched by tests/_dist_launch.launch, env:// on 127.0.0.1): python tests/_incident_dist_worker.py SCENARIO OUT
-Scenarios: ``ranks`` (DDP, NaN on rank 2 of 4), ``first`` / ``resume`` (a run killed after a checkpoint, then
-resumed past its quarantine), ``triage`` (a transient and a deterministic incident, recomputed).
-Writes OUT/<scenario>-rank{RANK}.pt.
+Usage: torchrun --nproc_per_node N tests/_incident_dist_worker.py SCENARIO OUT (tests/_dist_launch.torchrun;
+RANK, LOCAL_RANK and WORLD_SIZE come from torchrun). Scenarios: ``ranks`` (DDP, NaN on rank 2 of 4); ``first``
+(a run whose whole torchrun job is killed after a checkpoint) and ``resume`` (the same run resumed past its
+quarantine, then the run uninterrupted, then ``triage``: a transient and a deterministic incident, recomputed;
+in one launch, which costs more than the steps). Writes OUT/<scenario>-rank{RANK}.pt.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from guardtower.testing import InMemorySink  # noqa: E402
 BATCH = 4
 BATCHES = 16  # per rank per epoch
 CHECKPOINT_AT, KILL_AT = 8, 14  # steps of the run that is killed
+KILLABLE = "killable"  # written into OUT at KILL_AT, once every rank's quarantine is on disk
 BAD_POSITIONS = (3, 11)  # rank 1's batches at these positions hold an Inf sample (a bad batch: deterministic)
 
 
@@ -116,12 +118,15 @@ def loader(world: int, rank: int) -> DataLoader[Any]:
     return DataLoader(Samples(world), batch_size=BATCH, sampler=sampler)
 
 
-def quarantine_run(out: Path, rank: int, world: int, resume: bool) -> dict[str, Any]:
-    """A plain DDP loop that checkpoints at CHECKPOINT_AT and (first run) is killed at KILL_AT; the resumed run
-    loads the checkpoint, reads every rank's quarantine file and skips those batches."""
+def quarantine_run(out: Path, rank: int, world: int, mode: str) -> dict[str, Any]:
+    """A plain DDP loop: ``first`` checkpoints at CHECKPOINT_AT and is killed at KILL_AT; ``resume`` loads the
+    checkpoint, reads every rank's quarantine file and skips those batches; ``uninterrupted`` runs every batch
+    (in a folder of its own)."""
+    resume = mode == "resume"
     net = nn.parallel.DistributedDataParallel(model())
     sink = InMemorySink()
-    guard = GuardedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), net, log_dir=out / "logs", verbose=False,
+    log_dir = out / ("uninterrupted-logs" if mode == "uninterrupted" else "logs")
+    guard = GuardedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), net, log_dir=log_dir, verbose=False,
                              sinks=[sink])
     checkpoint = out / "checkpoint.pt"
     start = 0
@@ -144,28 +149,31 @@ def quarantine_run(out: Path, rank: int, world: int, resume: bool) -> dict[str, 
         loss.backward()
         guard.observe_batch((x, y), index=position, epoch=0, indices=idx)
         guard.step(loss=loss)
-        if not resume and position + 1 == CHECKPOINT_AT:
+        if mode == "first" and position + 1 == CHECKPOINT_AT:
             if rank == 0:
                 torch.save({"model": net.state_dict(), "optimizer": guard.state_dict(), "position": position + 1},
                            checkpoint)
             dist.barrier()
-        if not resume and position + 1 == KILL_AT:
-            dist.barrier()
-            os.kill(os.getpid(), signal.SIGKILL)  # a real kill: no close(), no flush
+        if mode == "first" and position + 1 == KILL_AT:
+            dist.barrier()  # every rank's quarantine is written: the test SIGKILLs the whole job now
+            if rank == 0:
+                (out / KILLABLE).touch()
+            time.sleep(120)  # a real kill: no close(), no flush (and a bound if the kill never came)
+            raise SystemExit(f"rank {rank} was not killed")
     skipped = sorted(set(range(start, BATCHES)) - set(trained))
     guard.close()
     return {"trained": trained, "skipped": skipped, "restored": restored,
             "replay": sorted(replay.positions(), key=lambda p: p[1]),
             "spikes": spikes(sink), "counters": (guard.step_count, guard.total_spikes, guard.total_skips),
-            "params": final_params(net)}
+            "params": final_params(net), "detector": guard.detector.state_dict()["state"]}
 
 
-def triage_run(out: Path, rank: int, world: int) -> dict[str, Any]:
+def triage_run(log_dir: Path, rank: int) -> dict[str, Any]:
     """Closure steps with triage=True: step 5's first computation gets a NaN gradient on rank 1 only (transient);
     step 9's batch holds Inf on rank 1 (deterministic: the recompute reproduces it)."""
     net = nn.parallel.DistributedDataParallel(model())
     sink = InMemorySink()
-    guard = GuardedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), net, log_dir=out / "logs",
+    guard = GuardedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), net, log_dir=log_dir,
                              verbose=False, sinks=[sink], triage=True)
     calls: dict[int, int] = {}
     for step in range(1, 16):
@@ -186,7 +194,7 @@ def triage_run(out: Path, rank: int, world: int) -> dict[str, Any]:
         guard.observe_batch(x, index=step - 1)
         guard.step(closure)
     guard.close()
-    entries = Quarantine.read(out / "logs").entries
+    entries = Quarantine.read(log_dir).entries
     return {"spikes": spikes(sink), "calls": calls, "counters": (guard.step_count, guard.total_spikes, guard.total_skips),
             "params": final_params(net), "entries": [e for e in entries if e["rank"] == rank],
             "positions": sorted(guard.quarantine.positions(), key=lambda p: p[1])}
@@ -194,14 +202,17 @@ def triage_run(out: Path, rank: int, world: int) -> dict[str, Any]:
 
 def main(scenario: str, out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # env://, as torchrun set it
     torch.set_num_threads(1)
     if scenario == "ranks":
         result = ranks(out, rank, world)
-    elif scenario in ("first", "resume"):
-        result = quarantine_run(out, rank, world, resume=scenario == "resume")
+    elif scenario == "first":
+        result = quarantine_run(out, rank, world, "first")
     else:
-        result = triage_run(out, rank, world)
+        result = {"resumed": quarantine_run(out, rank, world, "resume"),
+                  "uninterrupted": quarantine_run(out, rank, world, "uninterrupted"),
+                  "triage": triage_run(out / "triage-logs", rank)}
+    result["env"] = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     torch.save(result, out / f"{scenario}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests._dist_launch import launch as launch_ranks
 from tests._guard_resume_worker import SAVE_AT, STEPS
-from tests.test_guard_dist import run_world
 
 WORKER = Path(__file__).with_name("_guard_resume_worker.py")
 #: the injected incidents after the save: NaN right after the resume, a shared spike, a rank-local spike
@@ -19,7 +19,11 @@ AFTER = [31, 34, 45]
 
 
 def launch(mode: str, out: Path, world: int) -> list[dict[str, Any]]:
-    return run_world(mode, out, world, worker=WORKER, result=f"{mode}-world{world}-rank{{rank}}.pt")
+    results = launch_ranks([str(WORKER), mode, str(out)], world,
+                           env={"OMP_NUM_THREADS": "1", "GUARDTOWER_RUN": f"dist-{mode}"})
+    for rank, (code, log) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{log[-4000:]}"
+    return [torch.load(out / f"{mode}-world{world}-rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
