@@ -1263,13 +1263,23 @@ _STEP: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "MODE-007", "Dropout drops most activations", Severity.WARN,
-        "A dropout layer has p >= 0.8.",
+        "A dropout layer has p >= 0.8 (p = 1 zeroes everything).",
         "PyTorch's p is the probability of zeroing an element; TensorFlow's old keep_prob is the probability of "
         "keeping it. p=0.9 copied from keep_prob=0.9 keeps a tenth of each activation and multiplies it by ten: "
         "training is dominated by noise, the loss falls slowly, evaluation (no dropout) looks unrelated.",
         "Use p = 1 - keep_prob (0.1 for keep_prob=0.9); typical values are 0.0-0.5.",
         "https://pytorch.org/docs/stable/generated/torch.nn.Dropout.html",
         ("modes",),
+    ),
+    FailureMode(
+        "OPT-019", "One module listed several times in a container", Severity.WARN,
+        "An nn.ModuleList or nn.Sequential holds the same module object at several positions.",
+        "nn.ModuleList([Block()] * n) repeats a reference: the n-layer stack is one layer applied n times, with "
+        "one set of weights. It trains, with a fraction of the intended capacity, and nothing warns.",
+        "Build each entry anew: nn.ModuleList(Block() for _ in range(n)), or copy.deepcopy(block) per entry; "
+        "share weights on purpose by calling one module in a loop.",
+        "https://github.com/zalandoresearch/pytorch-vq-vae/issues/2",
+        ("optimizer", "architecture"),
     ),
     FailureMode(
         "INIT-001", "Identical units that stay identical", Severity.WARN,

@@ -884,19 +884,24 @@ CASES: list[BlindCase] = [
               "its weights", _c02_build, _c02_proof),
     BlindCase("b6-case-03", "https://github.com/andri27-ts/Reinforcement-Learning/issues/14", "target network",
               "update_target copies the weights, then rebinds target_nn to moving_nn: the Bellman targets move "
-              "with every step", _c03_build, _c03_proof),
+              "with every step", _c03_build, _c03_proof,
+              known_miss="held-out batch 6: the target network is the online network itself: no invariant compares a Bellman target's source with the trained model"),
     BlindCase("b6-case-04", "https://github.com/open-mmlab/mmselfsup/issues/159", "contrastive",
               "the views are stacked view-major but the positive index assumes interleaved pairs: SimCLR's "
-              "positives are other images", _c04_build, _c04_proof),
+              "positives are other images", _c04_build, _c04_proof,
+              known_miss="held-out batch 6: the positive pairs' index is a layout convention of the batch; no invariant knows which rows are two views of one image"),
     BlindCase("b6-case-05", "https://github.com/pytorch/vision/issues/2497", "data / labels",
               "ToTensor on the class-id mask divides it by 255: after .long() every pixel's label is 0",
-              _c05_build, _c05_proof),
+              _c05_build, _c05_proof,
+              known_miss="held-out batch 6: the mask's labels collapse to class 0 before the batch reaches the model; a one-class batch of a segmentation map is not judged"),
     BlindCase("b6-case-06", "https://github.com/thuanz123/realfill/issues/4", "data / augmentation",
               "the target image and its mask get separate RandomCrop draws: the loss weighting is misaligned "
-              "with the image", _c06_build, _c06_proof),
+              "with the image", _c06_build, _c06_proof,
+              known_miss="held-out batch 6: the misaligned crop is a data-pipeline draw; one step cannot tell an aligned weighting from a misaligned one"),
     BlindCase("b6-case-07", "https://github.com/nikhilsinghmus/image2reverb/issues/37", "GAN / gradient flow",
               "the generator step feeds fake.detach() to the discriminator: the adversarial term gives the "
-              "generator no gradient", _c07_build, _c07_proof),
+              "generator no gradient", _c07_build, _c07_proof,
+              known_miss="held-out batch 6: the generator still gets gradient from its reconstruction term; no invariant asks whether every loss term reaches the parameters it should"),
     BlindCase("b6-case-08", "https://github.com/nyu-mll/jiant/issues/925", "losses / ignore_index",
               "the tagger's cross entropy ignores the pad index 0, which is also the id of a real tag: that tag "
               "is never trained", _c08_build, _c08_proof),
@@ -905,20 +910,25 @@ CASES: list[BlindCase] = [
               "divergence", _c09_build, _c09_proof),
     BlindCase("b6-case-10", "https://github.com/labmlai/annotated_deep_learning_paper_implementations/issues/66",
               "distillation loss", "both sides of the distillation KL are computed from the teacher's logits: "
-              "the student gets no distillation signal", _c10_build, _c10_proof),
+              "the student gets no distillation signal", _c10_build, _c10_proof,
+              known_miss="held-out batch 6: both sides of the KL come from the frozen teacher: a loss term with nothing to train is not judged"),
     BlindCase("b6-case-11", "https://github.com/md-mohaiminul/ViS4mer/issues/4", "lr schedule",
               "ReduceLROnPlateau at its default mode='min' is stepped with validation accuracy: the lr is cut "
-              "while accuracy improves", _c11_build, _c11_proof),
+              "while accuracy improves", _c11_build, _c11_proof,
+              known_miss="held-out batch 6: ReduceLROnPlateau is stepped outside the step with a metric; its mode against the metric's direction is not judged"),
     BlindCase("b6-case-12", "https://github.com/hassony2/kinetics_i3d_pytorch/issues/6", "dropout",
               "nn.Dropout is given the keep probability 1.0 as p: in training every feature reaching the logits "
               "is zeroed", _c12_build, _c12_proof),
     BlindCase("b6-case-13", "https://github.com/pytorch/examples/issues/1029", "checkpoint loading",
               "a checkpoint whose keys carry a 'model.' prefix is loaded with strict=False: nothing loads and "
-              "fine-tuning starts from random weights", _c13_build, _c13_proof),
+              "fine-tuning starts from random weights", _c13_build, _c13_proof,
+              known_miss="held-out batch 6: a checkpoint loaded with strict=False happens before the audit; the audit sees randomly initialised weights as a fresh model"),
     BlindCase("b6-case-14", "https://github.com/BAAI-DCAI/M3D/issues/52", "contrastive",
               "the CLIP logits are scaled by logit_scale instead of logit_scale.exp(): the contrastive "
-              "temperature is 1/2.66, not 0.07", _c14_build, _c14_proof),
+              "temperature is 1/2.66, not 0.07", _c14_build, _c14_proof,
+              known_miss="held-out batch 6: the temperature is a learned scalar; logit_scale vs logit_scale.exp() is not judged"),
     BlindCase("b6-case-15", "https://github.com/hsgodhia/hred/issues/2", "data / batching",
               "the collate function sorts each utterance slot by its own lengths: contexts and responses in a "
-              "row come from different dialogues", _c15_build, _c15_proof),
+              "row come from different dialogues", _c15_build, _c15_proof,
+              known_miss="held-out batch 6: the per-slot sort mismatches rows across tensors; no invariant checks that a row's context and response belong together"),
 ]

@@ -2,7 +2,7 @@
 someone who did not write the checks. Every reproduction proves its bug without the audit, every fixed twin
 gets no WARN or FAIL, and every case is caught at WARN or above except the misses written down in the case
 (``known_miss``), and every twin is quiet except the false alarms written down (``known_alarm``). The figures come
-from ``python bench/blind.py --batch N``. Batch 6 is held out: until it is measured only its proofs are checked."""
+from ``python bench/blind.py --batch N``."""
 
 from __future__ import annotations
 
@@ -12,24 +12,15 @@ from tests._blind import BlindCase, load, outcome
 
 pytestmark = pytest.mark.slow
 
-CASES = [case for batch in (1, 2, 3, 4, 5) for case in load(batch)]
-PROOF_ONLY = load(6)  # batch 6: held out, its proofs are checked here; figures: measured by the auditor
+BATCHES = (1, 2, 3, 4, 5, 6)
+CASES = [case for batch in BATCHES for case in load(batch)]
 
 
 def test_each_batch_holds_fifteen_reports_with_unique_keys() -> None:
-    for batch in (1, 2, 3, 4, 5, 6):
+    for batch in BATCHES:
         assert len(load(batch)) == 15
-    keys = [c.key for c in CASES + PROOF_ONLY]
+    keys = [c.key for c in CASES]
     assert len(set(keys)) == len(keys)
-
-
-@pytest.mark.parametrize("case", PROOF_ONLY, ids=lambda c: c.key)
-def test_the_bug_is_real_and_both_sides_train(case: BlindCase) -> None:
-    assert case.proof(True), "the reproduction does not show the bug"
-    assert not case.proof(False), "the fixed twin shows the bug too"
-    for bug in (True, False):
-        _, step, _ = case.build(bug)
-        assert step() is not None
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.key)

@@ -940,6 +940,16 @@ def _keep_prob_as_drop_prob(bug: bool) -> Case:
     return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
 
 
+@case("OPT-019")
+def _one_block_listed_n_times(bug: bool) -> Case:
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 8)] * 3 if bug else [nn.Linear(8, 8) for _ in range(3)]
+    m = nn.Sequential(*blocks, nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
+
+
 @case("INIT-001")
 def _constant_initialisation(bug: bool) -> Case:
     m = _classifier()

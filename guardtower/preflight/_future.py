@@ -27,31 +27,39 @@ _NEXT_TOKEN_SHARE = 0.9
 _MIN_POSITIONS = 4
 
 
-def _next_token_ids(ctx: AuditContext) -> torch.Tensor | None:
-    """The token-id argument of the model's first call whose next token is what the loss pulls each position to."""
+def _next_token_ids(ctx: AuditContext) -> tuple[torch.Tensor, int] | None:
+    """The token-id argument of the model's first call whose next token (along its sequence axis: 1 for
+    batch-first, 0 for sequence-first) is what the loss pulls each position towards, and that axis."""
     trace = ctx.trace
     if trace is None or not trace.calls:
         return None
     sup = next((s for s in trace.supervision if s.call == 0 and s.target is not None and s.target.dim() == 2), None)
-    if sup is None or sup.target is None or sup.target.shape[1] < 3:
+    if sup is None or sup.target is None:
         return None
     call = trace.calls[0]
     for _, ids in iter_tensors((call.args, call.kwargs), skip_keys=NOT_INPUT_KEYS):
         if ids.is_floating_point() or ids.dtype == torch.bool or tuple(ids.shape) != tuple(sup.target.shape):
             continue
-        target, ids_cpu = sup.target[:, :-1], ids.detach().cpu()
-        supervised = (sup.magnitude[:, :-1] > 0) & (target >= 0)
-        n = int(supervised.sum())
-        if n >= _MIN_POSITIONS and int(((target == ids_cpu[:, 1:]) & supervised).sum()) >= _NEXT_TOKEN_SHARE * n:
-            return ids
+        ids_cpu = ids.detach().cpu()
+        for axis in (1, 0):
+            if ids.shape[axis] < 3:
+                continue
+            length = ids.shape[axis]
+            target = sup.target.narrow(axis, 0, length - 1)
+            supervised = (sup.magnitude.narrow(axis, 0, length - 1) > 0) & (target >= 0)
+            n = int(supervised.sum())
+            following = ids_cpu.narrow(axis, 1, length - 1)
+            if n >= _MIN_POSITIONS and int(((target == following) & supervised).sum()) >= _NEXT_TOKEN_SHARE * n:
+                return ids, axis
     return None
 
 
 def measure_future_leak(ctx: AuditContext, restore_rng: Callable[[], None]) -> FutureLeak | None:
     """The gradient one mid-sequence prediction of sample 0 sends to earlier and to later token embeddings."""
-    ids = _next_token_ids(ctx)
-    if ids is None or ctx.trace is None:
+    found = _next_token_ids(ctx)
+    if found is None or ctx.trace is None:
         return None
+    ids, axis = found
     from guardtower.preflight._step import primary_output
 
     call = ctx.trace.calls[0]
@@ -76,14 +84,16 @@ def measure_future_leak(ctx: AuditContext, restore_rng: Callable[[], None]) -> F
             out = primary_output(ctx.model(*call.args, **call.kwargs))
         if not captured or out is None or out.dim() < 3 or tuple(out.shape[:2]) != tuple(ids.shape):
             return None
-        t = (ids.shape[1] - 1) // 2
-        weights = torch.randn(out.shape[2:], generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
-        (grad,) = torch.autograd.grad((out[0, t] * weights).float().sum(), captured[0], allow_unused=True)
+        length = ids.shape[axis]
+        t = (length - 1) // 2
+        first = out.movedim(axis, 1)[0]  # (positions, ...) of sample 0
+        weights = torch.randn(first.shape[1:], generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
+        (grad,) = torch.autograd.grad((first[t] * weights).float().sum(), captured[0], allow_unused=True)
         if grad is None:
             return None
-        per_position = grad[0].detach().float().reshape(ids.shape[1], -1).norm(dim=1)
+        per_position = grad.detach().movedim(axis, 1)[0].float().reshape(length, -1).norm(dim=1)
         return FutureLeak(position=t, past=float(per_position[:t + 1].sum()), future=float(per_position[t + 1:].sum()),
-                          length=int(ids.shape[1]))
+                          length=int(length))
     except Exception:  # noqa: BLE001 - the audit's own pass never fails the audit
         return None
     finally:

@@ -8,6 +8,7 @@ import statistics
 from typing import Iterable
 
 import torch
+from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._trace import UpdateStats
@@ -186,7 +187,10 @@ def check_grad_norms(ctx: AuditContext) -> Iterable[Finding]:
     findings = []
     # the ratio is judged on weight matrices only: a bias initialised at (or near) zero has a tiny norm, so any
     # healthy gradient is "100x its weight"
-    exploding = [(n, gn, pn) for n, gn, pn, nd in norms if nd >= 2 and pn > 0 and gn / pn > EXPLODING_RATIO]
+    # nor on embedding tables: a table of a few rows (token types, positions) sums the gradient of every token
+    tables = {f"{n}.weight" if n else "weight" for n, m in ctx.model.named_modules() if isinstance(m, nn.Embedding)}
+    exploding = [(n, gn, pn) for n, gn, pn, nd in norms
+                 if nd >= 2 and pn > 0 and gn / pn > EXPLODING_RATIO and n not in tables]
     if total > EXPLODING_GLOBAL_NORM or exploding:
         worst = max(exploding, key=lambda e: e[1] / e[2], default=None)
         findings.append(Finding(

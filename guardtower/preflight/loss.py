@@ -36,6 +36,8 @@ _ASYMMETRIC = ("kl_div", "cross_entropy", "binary_cross_entropy_with_logits", "b
 #: losses that normalise over a class dimension, and lose precision when it runs in 16 bits
 _SOFTMAX_FAMILY = ("cross_entropy", "nll_loss", "kl_div", "ctc_loss")
 _HALF = (torch.float16, torch.bfloat16)
+#: losses that apply their own softmax/sigmoid to unbounded logits
+_LOGITS = ("cross_entropy", "binary_cross_entropy_with_logits")
 
 
 @dataclass
@@ -176,9 +178,11 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable:
             call.input_values = _values(x, call.class_dim)
         if target.is_floating_point() and target.numel() > 0 and fn in _ASYMMETRIC:
             call.target_values = _values(target.detach().float(), None)
-        bounded = _bounding_activation(inp) if fn in _REGRESSION and target.is_floating_point() else None
-        if bounded is not None and target.numel() > 0:
-            call.bound, lo, hi = bounded
+        bounded = _bounding_activation(inp) if fn in _REGRESSION + _LOGITS else None
+        if bounded is not None:
+            call.bound = bounded[0]
+        if bounded is not None and fn in _REGRESSION and target.is_floating_point() and target.numel() > 0:
+            _, lo, hi = bounded
             y = target.detach().float()
             call.outside = float(((y < lo - 1e-3) | (y > hi + 1e-3)).float().mean())
         if fn in ("cross_entropy", "nll_loss") and not target.is_floating_point() and target.numel() > 0:
@@ -370,19 +374,19 @@ def _contract(call: LossCall) -> list[Finding]:
             "trained model's output first",
             "LOSS-013", {"fn": call.fn, "input_shape": shape},
         ))
-    if (call.fn in ("cross_entropy", "binary_cross_entropy_with_logits") and call.input_min is not None
-            and call.input_min >= 0.0 and _numel(call.input_shape) >= 16 and not call.rows_sum_to_one
+    if (call.fn in _LOGITS and call.bound and call.input_min is not None and call.input_min >= 0.0
+            and not call.rows_sum_to_one
             and not (call.fn == "binary_cross_entropy_with_logits" and (call.input_max or 0.0) <= 1.0)):
         floor = "0.5" if call.fn != "cross_entropy" else "uniform"
         findings.append(Finding(
             "loss_inputs", Severity.WARN,
-            f"{call.fn} received only non-negative values (min {call.input_min:.3g}, shape {tuple(shape)}): an "
-            f"activation (ReLU, sigmoid, softplus) before a loss that applies its own "
+            f"{call.fn} received the output of a {call.bound} (min {call.input_min:.3g}, shape {tuple(shape)}): an "
+            f"activation before a loss that applies its own "
             f"{'softmax' if call.fn == 'cross_entropy' else 'sigmoid'} bounds what it can express (no prediction "
             f"below {floor}); feed the raw output of the last linear layer",
             "LOSS-014", {"fn": call.fn, "input_shape": shape, "min": call.input_min},
         ))
-    if call.bound and call.outside >= 0.05:
+    if call.fn in _REGRESSION and call.bound and call.outside >= 0.05:
         findings.append(Finding(
             "loss_inputs", Severity.WARN,
             f"{call.fn}'s prediction comes straight from a {call.bound}, yet {call.outside:.0%} of its targets lie "

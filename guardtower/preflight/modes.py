@@ -272,7 +272,7 @@ _DROP_LIMIT = 0.8
 def check_dropout_rate(ctx: AuditContext) -> Iterable[Finding]:
     """MODE-007: a dropout layer that drops most of its input (TensorFlow's keep_prob=0.9 passed as p=0.9)."""
     high = [(n, float(m.p)) for n, m in ctx.model.named_modules()
-            if isinstance(m, nn.modules.dropout._DropoutNd) and float(m.p) >= _DROP_LIMIT and float(m.p) < 1.0]
+            if isinstance(m, nn.modules.dropout._DropoutNd) and float(m.p) >= _DROP_LIMIT]
     if not high:
         return []
     names = [n for n, _ in high]
@@ -280,7 +280,7 @@ def check_dropout_rate(ctx: AuditContext) -> Iterable[Finding]:
     return [Finding(
         "dropout_rate", Severity.WARN,
         f"{len(high)} dropout layer(s) drop with p={rates}: {fmt_names(names)}; PyTorch's p is the probability of "
-        "zeroing an activation, so they keep only a tenth or so of the signal in training and scale it up "
-        "tenfold (TensorFlow's keep_prob=0.9 means p=0.1)",
+        "zeroing an activation, so they keep a tenth of the signal or less in training (p=1 keeps nothing) "
+        "(TensorFlow's keep_prob=0.9 means p=0.1)",
         "MODE-007", {"modules": names, "p": rates},
     )]

@@ -17,11 +17,13 @@ from guardtower.severity import Severity
 __all__: list[str] = []
 
 
-@check("registration", emits=("OPT-016",), static=True)
+@check("registration", emits=("OPT-016", "OPT-019"), static=True)
 def check_registration(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-016: submodules kept in a plain list, tuple or dict attribute, which nn.Module does not register."""
+    """OPT-016: submodules kept in a plain list, tuple or dict attribute, which nn.Module does not register;
+    OPT-019: one module object listed at several positions of a container (``nn.ModuleList([block] * n)``)."""
     registered = {id(p) for p in ctx.model.parameters()}
     hidden = []
+    findings = list(_repeated_children(ctx.model))
     for name, module in ctx.model.named_modules():
         for attribute, value in vars(module).items():
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
@@ -32,16 +34,40 @@ def check_registration(ctx: AuditContext) -> Iterable[Finding]:
                     and not any(id(p) in registered for p in m.parameters())]
             if held and len(held) == len(items):
                 hidden.append(f"{name}.{attribute}" if name else attribute)
-    if not hidden:
-        return []
-    return [Finding(
-        "registration", Severity.WARN,
-        f"{len(hidden)} attribute(s) hold submodules in a plain Python list/tuple/dict: {fmt_names(hidden)}; "
-        "nn.Module does not register them, so their parameters are missing from model.parameters() (the "
-        "optimizer never updates them), from state_dict() (checkpoints drop them) and from .to(device); use "
-        "nn.ModuleList / nn.ModuleDict",
-        "OPT-016", {"attributes": hidden[:50]},
-    )]
+    if hidden:
+        findings.append(Finding(
+            "registration", Severity.WARN,
+            f"{len(hidden)} attribute(s) hold submodules in a plain Python list/tuple/dict: {fmt_names(hidden)}; "
+            "nn.Module does not register them, so their parameters are missing from model.parameters() (the "
+            "optimizer never updates them), from state_dict() (checkpoints drop them) and from .to(device); use "
+            "nn.ModuleList / nn.ModuleDict",
+            "OPT-016", {"attributes": hidden[:50]},
+        ))
+    return findings
+
+
+def _repeated_children(model: nn.Module) -> Iterable[Finding]:
+    """OPT-019 per container whose children repeat one module object (with parameters)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = [(key, child) for key, child in module._modules.items() if child is not None]
+        seen: dict[int, str] = {}
+        repeats = []
+        for key, child in children:
+            if id(child) in seen and any(True for _ in child.parameters()):
+                repeats.append(key)
+            seen.setdefault(id(child), key)
+        if repeats:
+            where = name or "the model"
+            yield Finding(
+                "registration", Severity.WARN,
+                f"{where} lists one module object at {len(repeats) + 1} positions (entries "
+                f"{fmt_names([seen[id(module._modules[repeats[0]])], *repeats])}): [layer] * n repeats a reference, "
+                "so the stack shares one set of weights instead of n; build each entry anew "
+                "(nn.ModuleList(Block() for _ in range(n)), or copy.deepcopy)",
+                "OPT-019", {"container": name, "entries": repeats[:50]},
+            )
 
 
 @check("optimizer_coverage", emits=("OPT-001", "OPT-003"), static=True)
