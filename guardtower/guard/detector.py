@@ -45,8 +45,9 @@ _TINY = 1e-30
 class Verdict(NamedTuple):
     """One step's judgement, on the device; what the host needs to explain it travels in ``report``.
 
-    ``report`` holds 1-d tensors that the guard copies into its step record as they are (no extra op); the
-    host reads them back with ``Detector.explain`` only when an incident or a summary needs the detail.
+    ``report`` holds 1-d tensors that the guard copies into its step record as they are (no extra op), before
+    it calls ``update``: they may be the detector's own buffers, which ``update`` overwrites. The host reads
+    them back with ``Detector.explain`` only when an incident or a summary needs the detail.
     """
 
     spike: Tensor  # bool 0-d: a gradient series or the loss tripped: the step is rejected
