@@ -6,15 +6,16 @@ forward, backward, optimizer step) through each variant — plain ``base.step()`
 default ``detector="ratio"`` (for comparison) —
 interleaved (the order rotates every repeat, so machine load hits every variant alike; a device synchronize
 ends each block on CUDA). Reported per variant: the median over repeats of (its block time / the plain block
-of the same repeat), and the guard's own cost isolated (interleaved ``base.step()``/``guard.step()`` pairs on
-the same gradients). Then the cost of BatchNorm protection (a BatchNorm CNN: the guard with and without
+of the same repeat) with its quartiles (the spread a loaded machine adds), and the guard's own cost isolated
+(interleaved ``base.step()``/``guard.step()`` pairs on the same gradients). Then the cost of BatchNorm protection (a BatchNorm CNN: the guard with and without
 ``model=``), the tensor ops the guard adds to a step, counted with a ``TorchDispatchMode`` at 30 and 250
 parameter tensors (must not grow), and on CUDA the host syncs per guarded step, counted with
 ``torch.cuda.set_sync_debug_mode("warn")``, then one step under ``"error"`` mode.
 
     python bench/overhead.py                       # CPU: ~7M and launch-bound ~0.2M GPT-2, BN CNN, op counts
     python bench/overhead.py --device cuda         # GPT-2 small (124M), bf16 autocast, fused AdamW, 8 x 1024
-    python bench/overhead.py --models tiny --repeats 30
+    python bench/overhead.py --models tiny --repeats 30 --variants skip   # the launch-bound model, default guard only
+    python bench/overhead.py --clock cpu ...       # blocks timed by this process's CPU time (a shared machine)
 """
 
 from __future__ import annotations
@@ -142,13 +143,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+# what a block is timed with: wall time, or with ``--clock cpu`` this process's CPU time, which leaves out the
+# time other processes hold the cores (on an oversubscribed machine that is most of the wall-clock spread)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def time_block(fn: Callable[[], Any], steps: int, device: torch.device) -> float:
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         fn()
     sync(device)
-    return (time.perf_counter() - start) / steps
+    return (clock() - start) / steps
 
 
 def count_syncs(fn: Callable[[], None]) -> int:
@@ -185,19 +192,35 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, steps: int, dev
     return times
 
 
-def ratios(times: dict[str, list[float]], reference: str) -> dict[str, float]:
-    """Per variant: the median over repeats of its block time / the reference block of the same repeat."""
-    return {name: statistics.median(t / p for t, p in zip(values, times[reference]))
-            for name, values in times.items() if name != reference}
+class Ratio(NamedTuple):
+    """A variant's per-repeat ratios (its block time / the reference block of the same repeat), summarised."""
+
+    median: float
+    low: float  # first quartile
+    high: float  # third quartile
+
+    def __str__(self) -> str:
+        return f"{self.median:.4f} (quartiles {self.low:.3f}-{self.high:.3f})"
 
 
-def gpt_overhead(name: str, device: torch.device, repeats: int, steps: int) -> None:
+def ratios(times: dict[str, list[float]], reference: str) -> dict[str, Ratio]:
+    """Per variant: the median and quartiles over repeats of its block time / the reference block of the same repeat."""
+    out: dict[str, Ratio] = {}
+    for name, values in times.items():
+        if name != reference:
+            each = [t / p for t, p in zip(values, times[reference])]
+            low, _, high = statistics.quantiles(each, n=4) if len(each) > 1 else (each[0],) * 3
+            out[name] = Ratio(statistics.median(each), low, high)
+    return out
+
+
+def gpt_overhead(name: str, device: torch.device, repeats: int, steps: int, variants: list[str]) -> None:
     model, tokens = build(name, device)
     n_params = sum(p.numel() for p in model.parameters())
     base = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     guards = {variant: GuardedOptimizer(base, model, log_dir=tempfile.mkdtemp(prefix="gt-overhead-"),
-                                        verbose=False, log_every=10**9, **kwargs)
-              for variant, kwargs in VARIANTS.items()}
+                                        verbose=False, log_every=10**9, **VARIANTS[variant])
+              for variant in variants}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def forward_backward() -> None:
@@ -227,9 +250,10 @@ def gpt_overhead(name: str, device: torch.device, repeats: int, steps: int) -> N
     own = {v: statistics.median(time_block(g.step, 1, device) - time_block(base.step, 1, device) for _ in range(30))
            for v, g in guards.items()}
     print(f"\n== {name}: GPT-2, {n_params / 1e6:.2f}M params, {device.type}, threads {torch.get_num_threads()}, "
+          f"{'CPU time' if clock is CLOCKS['cpu'] else 'wall clock'}, "
           f"{repeats} repeats x {steps} steps; plain step {1e3 * plain:.2f} ms (median)")
     for variant in guards:
-        print(f"  {variant:16s} step ratio {step_ratios[variant]:.4f} (median of per-repeat ratios)   guard's own "
+        print(f"  {variant:16s} step ratio {step_ratios[variant]} (median of per-repeat ratios)   guard's own "
               f"cost {1e3 * own[variant]:7.3f} ms -> {1 + own[variant] / plain:.4f}")
     if device.type == "cuda":
         for variant, guard in guards.items():
@@ -283,8 +307,8 @@ def batchnorm_overhead(device: torch.device, repeats: int, steps: int) -> None:
     print(f"\n== BatchNorm CNN, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {n_buffers} BN "
           f"buffers; plain step {1e3 * statistics.median(times['plain']):.2f} ms")
     for name, value in step_ratios.items():
-        print(f"  {name:20s} step ratio {value:.4f}")
-    print(f"  BN protection alone: {step_ratios['guard_bn_protected'] / step_ratios['guard_no_model']:.4f}; "
+        print(f"  {name:20s} step ratio {value}")
+    print(f"  BN protection alone: {step_ratios['guard_bn_protected'].median / step_ratios['guard_no_model'].median:.4f}; "
           f"ops it adds per step: {count_ops(training_step(protected)) - count_ops(training_step(unprotected))}")
     protected.close()
     unprotected.close()
@@ -297,8 +321,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="guard variants to time against the plain step (fewer: each repeat is shorter)")
+    parser.add_argument("--clock", default="wall", choices=list(CLOCKS),
+                        help="time blocks by wall clock or by this process's CPU time (CPU only: a shared machine)")
     parser.add_argument("--no-bn", action="store_true", help="skip the BatchNorm protection measurement")
     args = parser.parse_args(argv)
+    global clock
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu times CPU work; on CUDA the step's time is the device's: use --clock wall")
+    clock = CLOCKS[args.clock]
     device = torch.device(args.device)
     names = args.models or (["gpt2"] if device.type == "cuda" else list(CPU_MODELS))
     repeats = args.repeats or (20 if device.type == "cuda" else 12)
@@ -307,12 +339,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     print("tensor ops the guard adds to one fused-AdamW step (guarded minus plain; must not grow with tensors):")
-    for variant, kwargs in VARIANTS.items():
+    for variant in args.variants:
+        kwargs = VARIANTS[variant]
         small, large = added_ops(30, **kwargs), added_ops(250, **kwargs)
         print(f"  {variant:16s} 30 tensors: {small.total:3d} ({small.detector} in the detector)   "
               f"250 tensors: {large.total:3d} ({large.detector} in the detector)")
     for name in names:
-        gpt_overhead(name, device, repeats, steps)
+        gpt_overhead(name, device, repeats, steps, args.variants)
     if not args.no_bn:
         batchnorm_overhead(device, repeats, steps)
 

@@ -45,8 +45,9 @@ _TINY = 1e-30
 class Verdict(NamedTuple):
     """One step's judgement, on the device; what the host needs to explain it travels in ``report``.
 
-    ``report`` holds 1-d tensors that the guard copies into its step record as they are (no extra op); the
-    host reads them back with ``Detector.explain`` only when an incident or a summary needs the detail.
+    ``report`` holds 1-d tensors that the guard copies into its step record as they are (no extra op), before
+    it calls ``update``: they may be the detector's own buffers, which ``update`` overwrites. The host reads
+    them back with ``Detector.explain`` only when an incident or a summary needs the detail.
     """
 
     spike: Tensor  # bool 0-d: a gradient series or the loss tripped: the step is rejected
@@ -412,7 +413,7 @@ class AutoDetector(Detector):
         gate = unit * log_t
         gate[-1] = math.log(self.loss_ratio)
         self._gate = gate.to(device)
-        self._decay = (unit * self._PEAK_DECAY).to(device)
+        self._decay = torch.stack([unit * self._PEAK_DECAY, torch.zeros(m)]).to(device)  # peak, scale
         # a tensor's share is judged no lower than ``floor``; the global norm and the loss no lower than their
         # all-time scale (the ``scale`` row) over _SCALE_FLOORS
         floor = torch.full((m,), 2 * math.log(self.floor) if self.floor > 0 else -self._BIG)
@@ -451,32 +452,55 @@ class AutoDetector(Detector):
         self._set_state(state, ring)
 
     def _set_state(self, state: Tensor, ring: Tensor) -> None:
+        """Adopt ``state`` and make the views and buffers every step writes into.
+
+        The state is updated in place from now on, so views of its rows made here stay valid; each step
+        writes its intermediate and derived values into these buffers (``out=``) instead of allocating and
+        stacking new tensors. That keeps the step at a fixed, small number of ops (``bench/overhead.py``).
+        """
         self._state = {"state": state, "ring": ring}
-        self._derive(state)
+        m = state.shape[1]
+        self._rows = state.unbind(0)  # level, spread, peak, count, scale
+        self._moving = state[0:2]  # level and spread: each moves toward its target by its rate
+        self._enveloped = state[2::2]  # peak and scale: each the maximum of its (decayed) self and the value
+        self._candidate = torch.empty_like(state)
+        self._candidate_moving, self._candidate_enveloped = self._candidate[0:2], self._candidate[2::2]
+        self._candidate_count = self._candidate[3]
+        self._targets = torch.empty((2, m), device=state.device)
+        self._value, self._deviation = self._targets.unbind(0)
+        self._bounds = torch.empty((2, m), device=state.device)
+        self._cap, self._ceiling = self._bounds.unbind(0)
+        self._base = torch.empty(m, device=state.device)
+        self._count = self._rows[3]
+        self._x = torch.empty(m, device=state.device)
+        self._x_shares, self._x_scalars = self._x[:-2], self._x[-2:]
+        self._derive()
         self._pending = None
 
-    def _derive(self, state: Tensor) -> None:
+    def _derive(self) -> None:
         """What the next step is judged against, from the state (computed once, after each update)."""
-        self._rows = level, spread, peak, count, scale = state.unbind(0)
-        base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale))
+        level, spread, peak, count, scale = self._rows
+        base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale), out=self._base)
         gated = base + self._gate
         outlier = torch.maximum(gated, torch.addcmul(level, spread, self._sigma))
-        ceiling = torch.minimum(outlier, torch.maximum(peak, base) + self._margin)
+        ceiling = torch.minimum(outlier, torch.maximum(peak, base).add_(self._margin))
         # within threshold x the peak envelope (up to threshold^2 x the base): a heavy tail it has shown
-        ceiling = torch.maximum(ceiling, torch.minimum(peak, gated) + self._gate)
+        ceiling = torch.maximum(ceiling, torch.minimum(peak, gated).add_(self._gate))
         # what enters a baseline is capped at the ceiling from the second value on (warmup included), so one
         # outlier accepted early moves it by a bounded amount; it is judged only once warm
-        self._cap, self._ceiling = torch.where(count < self._start_at, self._big, ceiling).unbind(0)
-        self._base, self._count = base, count
+        torch.where(count < self._start_at, self._big, ceiling, out=self._bounds)  # rows: cap, ceiling
 
     # -- the step -----------------------------------------------------------------------------------------
 
     def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
+        """The verdict; its report's tensors are this detector's buffers, valid until the next ``update``."""
         n2 = norms * norms
         g2 = torch.addcmul(self._tiny, global_norm, global_norm)  # never 0: no 0/0 when every gradient is zero
         rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS)  # the others' norm^2; > 0 wherever n2 > 0
+        torch.div(n2, rest, out=self._x_shares)
         # a negative loss (a log-likelihood, a reward) has no log: clamped to 0, its log -inf never trips
-        x = torch.log(torch.cat([n2 / rest, torch.stack([g2, loss]).clamp_min(0.0)]))
+        torch.stack([g2, loss], out=self._x_scalars).clamp_min_(0.0)
+        x = self._x.log_()
         ok = x <= self._ceiling  # NaN is not ok: it trips
         # the trip ring: this step's value where the slot tripped, NaN elsewhere; a slot whose last
         # ``absorb_after`` values all tripped, within the margin of each other, has shifted its level
@@ -498,20 +522,18 @@ class AutoDetector(Detector):
         self._pending = None
         self._state["ring"] = pending.ring  # the run of trips counts rejected steps too: that absorbs a shift
         self._tick += 1
-        level, spread, peak, count, scale = self._rows
+        state = self._state["state"]
+        level, count = self._rows[0], self._rows[3]
         fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
-        value = torch.where(absorb, x, torch.clamp_max(x, self._cap))
-        deviation = value - level
+        value = torch.where(absorb, x, torch.clamp_max(x, self._cap), out=self._value)
+        torch.abs(value - level, out=self._deviation)  # the targets: the value for the level, |deviation| for the spread
         rates = torch.where(absorb, self._rebase_rates,
-                            (count + self._rate_offset).reciprocal().clamp_min(self._rate_floor))
-        level_rate, spread_rate = rates.unbind(0)
-        candidate = torch.stack([torch.lerp(level, value, level_rate),
-                                 torch.lerp(spread, deviation.abs(), spread_rate),
-                                 torch.maximum(peak - self._decay, value), count + 1.0,
-                                 torch.maximum(scale, value)])
-        state = torch.where(fold, candidate, self._state["state"])
-        self._state["state"] = state
-        self._derive(state)
+                            torch.add(count, self._rate_offset).reciprocal_().clamp_min_(self._rate_floor))
+        torch.lerp(self._moving, self._targets, rates, out=self._candidate_moving)
+        torch.maximum(self._enveloped - self._decay, value, out=self._candidate_enveloped)
+        torch.add(count, 1.0, out=self._candidate_count)
+        torch.where(fold, self._candidate, state, out=state)
+        self._derive()
 
     def limits(self) -> tuple[Tensor, Tensor]:
         """Back from shares to norms: a tensor's limit is its ceiling share times the norm of the others."""

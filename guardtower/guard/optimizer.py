@@ -724,19 +724,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
                                                           global_norm, loss_t, has_loss)
                 skip = held & reject
                 overflow = torch.maximum(overflow, (held & ~reject).to(torch.float32))
+        # the record first: the verdict's report lives in the detector's buffers, which its update overwrites
+        header = torch.stack([reject, skip, verdict.absorbed, overflow, global_norm, loss_t,
+                              scale.amin() if scale.dim() else scale])  # stack promotes the flags to float32
+        body = torch.cat([norms, *verdict.report, *detail])  # detail: every rank's slot, read for incidents only
+        self._records.push(step, header, body, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor),
+                           tail=detail[0].shape[0] if detail else 0)
         unfolded = reject if scaler_found_inf is None else reject | (overflow > 0)  # kept out of the baselines
         detector.update(norms, global_norm, loss_t, unfolded)
         if self._buffers:
             self._buffers.settle(unfolded)
         if clipping:
             self._meter.scale(torch.where(skip, self._one, scale))
-
-        header = torch.stack([reject, skip, verdict.absorbed, overflow, global_norm, loss_t,
-                              scale.amin() if scale.dim() else scale])  # stack promotes the flags to float32
-        body = torch.cat([norms, *verdict.report, *detail])  # detail: every rank's slot, read for incidents only
-        self._records.push(step, header, body, len(self._params), self._lr(), loss_value, isinstance(loss, Tensor),
-                           tail=detail[0].shape[0] if detail else 0)
-        found_inf = skip.to(torch.float32) if scaler_found_inf is None else (skip | (overflow > 0)).to(torch.float32)
+        # the header's skip entry is already the exact 0.0/1.0 float32 flag the fused optimizer reads
+        found_inf = header[1] if scaler_found_inf is None else (skip | (overflow > 0)).to(torch.float32)
         if self._accelerated is not None:
             self._accelerated.agree(overflow)
         return skip, found_inf
