@@ -306,9 +306,11 @@ def check_symmetric_units(ctx: AuditContext) -> Iterable[Finding]:
     for name, p in ctx.params.items():
         grad = ctx.trace.grads.get(name)
         if (not p.requires_grad or grad is None or p.dim() < 2 or p.shape[0] < 2 or p.numel() < 8
-                or is_lora_factor(name) or not bool(grad.any())):  # a zero gradient is GRAD-004's finding
+                or is_lora_factor(name)):
             continue
         w, g = p.detach().reshape(p.shape[0], -1), grad.reshape(p.shape[0], -1)
+        if not torch.equal(w[0], w[1]) or not bool(g.any()):  # one row settles a random init; zero is GRAD-004's
+            continue
         if torch.equal(w, w[:1].expand_as(w)) and torch.equal(g, g[:1].expand_as(g)):
             stuck.append(name)
     if not stuck:
