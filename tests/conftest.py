@@ -2,6 +2,7 @@ import os
 from typing import Iterator
 
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -22,3 +23,12 @@ def _tracker_env() -> Iterator[None]:
         if key not in saved:
             del os.environ[key]
     os.environ.update(saved)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models on a shared CPU run faster on one thread than fighting over two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,15 +16,7 @@ from _hf_incident_run import KILL_AT, SAVE_AT, run
 from guardtower.events import SkipEvent, SpikeEvent
 from guardtower.guard.quarantine import Quarantine
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def spikes(events: list[Any]) -> dict[int, SpikeEvent]:

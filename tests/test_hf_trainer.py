@@ -19,16 +19,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from guardtower.integrations.huggingface import GuardtowerCallback, StabilityGuardCallback  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """Tiny models on a shared CPU run faster on one thread than fighting over two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 class _Recorder(TrainerCallback):  # type: ignore[misc]

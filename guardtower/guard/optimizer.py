@@ -582,12 +582,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 result = closure()
             loss = result if loss is None else loss
             base_closure = _replay_closure(closure, result)
-        if not self._started:
-            self._start()
-        self._track_params()
-        self._drain(block=False)
-        self._step_count += 1
-        step = self._step_count
+        step = self._next_step()
         if self._pending_batch is not None:
             self._batches[step] = self._pending_batch
             self._pending_batch = None
@@ -632,6 +627,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if watch is not None:
             watch.after_step(step)  # device values only on its sample steps, read back asynchronously
 
+    def _next_step(self) -> int:
+        """Start on the first step, follow the parameters, read finished records, and count this step."""
+        if not self._started:
+            self._start()
+        self._track_params()
+        self._drain(block=False)
+        self._step_count += 1
+        return self._step_count
+
     def _replay_step(self, closure: Callable[[], Any] | None) -> Any:
         """A quarantined step (``skip_quarantined``): not judged, not applied, published as a ``skip``."""
         self._replaying = False
@@ -640,12 +644,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        if not self._started:
-            self._start()
-        self._track_params()
-        self._drain(block=False)
-        self._step_count += 1
-        step = self._step_count
+        step = self._next_step()
         ref, self._pending_batch = self._pending_batch, None
         if self._snapshots is not None and not self._snapshots.snapshots:
             self._snapshots.take(step - 1)
