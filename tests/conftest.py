@@ -1,7 +1,12 @@
 import os
+from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from _forkserver import Forkserver
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -22,3 +27,12 @@ def _tracker_env() -> Iterator[None]:
         if key not in saved:
             del os.environ[key]
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def forkserver() -> Iterator[Forkserver]:
+    """One warm Python for the README blocks and the examples (their imports cost more than their runs)."""
+    server = Forkserver({**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_SILENT": "true", "MPLBACKEND": "Agg"})
+    yield server
+    server.close()
