@@ -97,7 +97,8 @@ class Forkserver:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
-    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str],
+            timeout: float) -> subprocess.CompletedProcess[str]:
         """Run ``python *argv`` in ``cwd`` with exactly ``env``; kill it after ``timeout`` seconds
         (``subprocess.TimeoutExpired``, as ``subprocess.run`` raises)."""
         assert env.get("OMP_NUM_THREADS") == "1", "the server's OpenMP setting is fixed: OMP_NUM_THREADS=1"

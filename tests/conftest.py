@@ -5,6 +5,7 @@ from typing import Iterator
 import pytest
 
 from _forkserver import Forkserver
+from _mlflow_server import MlflowServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,18 @@ def _tracker_env() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def forkserver() -> Iterator[Forkserver]:
     """One warm Python for the README blocks and the examples (their imports cost more than their runs)."""
-    server = Forkserver({**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_SILENT": "true", "MPLBACKEND": "Agg"})
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    server = Forkserver({**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                         "WANDB_SILENT": "true", "MPLBACKEND": "Agg"})
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One real ``mlflow server`` for every test that needs one (starting one costs seconds); tests use their
+    own runs or experiments in it. A test that stops it starts it again on the same port before it ends."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()

@@ -217,7 +217,8 @@ def test_a_failing_snippet_fails_and_names_its_readme_line(tmp_path: Path, forks
     done = run_block(Block(12, "python", "import torch\nmodel\n"), tmp_path, forkserver)
     assert done.returncode != 0 and 'README.md:12", line 2' in done.stderr and "NameError" in done.stderr
     # a setup hands over its objects, never its imports
-    done = run_block(Block(3, "python", "print(type(model).__name__)\ntorch\n", (("setup", "tiny-gpt2"),)), tmp_path, forkserver)
+    block = Block(3, "python", "print(type(model).__name__)\ntorch\n", (("setup", "tiny-gpt2"),))
+    done = run_block(block, tmp_path, forkserver)
     assert "GPT2LMHeadModel" in done.stdout and "name 'torch' is not defined" in done.stderr
 
 
