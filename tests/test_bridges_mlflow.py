@@ -26,22 +26,14 @@ from guardtower.report import Report
 P = "guardtower"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture()
-def tracking(server: MlflowServer) -> Iterator[str]:
+def tracking(mlflow_server: MlflowServer) -> Iterator[str]:
     """The server as the process-wide tracking URI for the test, restored afterwards."""
     import mlflow
 
     previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(server.url)
-    yield server.url
+    mlflow.set_tracking_uri(mlflow_server.url)
+    yield mlflow_server.url
     mlflow.set_tracking_uri(previous)
 
 
@@ -130,12 +122,12 @@ def test_incidents_become_metrics_spike_artifacts_and_a_last_incident_tag(tracki
 
 
 @pytest.mark.slow
-def test_explicit_run_id_works_without_an_active_run(server: MlflowServer, tmp_path: Path) -> None:
+def test_explicit_run_id_works_without_an_active_run(mlflow_server: MlflowServer, tmp_path: Path) -> None:
     from guardtower.bridges import MLflowBridge
 
-    client = _client(server.url)
+    client = _client(mlflow_server.url)
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
-    bridge = MLflowBridge(run.info.run_id, tracking_uri=server.url, spool_path=tmp_path / "spool.jsonl")
+    bridge = MLflowBridge(run.info.run_id, tracking_uri=mlflow_server.url, spool_path=tmp_path / "spool.jsonl")
     _publish_and_flush(bridge, [HaltEvent(step=7, layer="fc1.weight", reason="spike", ratio=99.0)])
     tags = client.get_run(run.info.run_id).data.tags
     assert tags[f"{P}.halted"] == tags[f"{P}.last_incident"] == "kind=halt step=7 layer=fc1.weight"
@@ -224,36 +216,36 @@ def test_credentials_in_the_tracking_uri_never_reach_logs_reprs_or_the_spool(
 
 
 @pytest.mark.slow
-def test_replay_command_sends_spooled_events_once(server: MlflowServer, tmp_path: Path) -> None:
+def test_replay_command_sends_spooled_events_once(mlflow_server: MlflowServer, tmp_path: Path) -> None:
     from guardtower.bridges import MLflowBridge
     from guardtower.cli import main as cli
 
-    client = _client(server.url)
+    client = _client(mlflow_server.url)
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
     dead = f"http://127.0.0.1:{free_port()}"
     spool = tmp_path / "spool.jsonl"
     bridge = MLflowBridge(run.info.run_id, tracking_uri=dead, spool_path=spool, retry_interval=60,
                           request_retries=0)
     assert _publish_and_flush_expect_backlog(bridge, [spike_event(s) for s in (5, 6, 7)])["spooled"] == 3
-    before = server.count_requests("/api/2.0/mlflow/runs/log-batch")
-    assert cli(["replay", str(spool), "--tracking-uri", server.url]) == 0
-    assert cli(["replay", str(spool), "--tracking-uri", server.url]) == 0  # nothing left: sends nothing
-    assert server.count_requests("/api/2.0/mlflow/runs/log-batch") - before == 3
-    assert _history(server.url, run.info.run_id, f"{P}.spike_ratio") == [(5, 42.0), (6, 42.0), (7, 42.0)]
+    before = mlflow_server.count_requests("/api/2.0/mlflow/runs/log-batch")
+    assert cli(["replay", str(spool), "--tracking-uri", mlflow_server.url]) == 0
+    assert cli(["replay", str(spool), "--tracking-uri", mlflow_server.url]) == 0  # nothing left: sends nothing
+    assert mlflow_server.count_requests("/api/2.0/mlflow/runs/log-batch") - before == 3
+    assert _history(mlflow_server.url, run.info.run_id, f"{P}.spike_ratio") == [(5, 42.0), (6, 42.0), (7, 42.0)]
 
 
 @pytest.mark.slow
-def test_a_new_bridge_first_replays_what_a_previous_process_left_in_the_spool(server: MlflowServer,
+def test_a_new_bridge_first_replays_what_a_previous_process_left_in_the_spool(mlflow_server: MlflowServer,
                                                                              tmp_path: Path) -> None:
     from guardtower.bridges import MLflowBridge
 
-    client = _client(server.url)
+    client = _client(mlflow_server.url)
     run_id = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
     spool = tmp_path / "spool.jsonl"
     crashed = MLflowBridge(run_id, tracking_uri=f"http://127.0.0.1:{free_port()}", spool_path=spool,
                            request_retries=0, retry_interval=60)
     _publish_and_flush_expect_backlog(crashed, [spike_event(1), spike_event(2)])
-    restarted = MLflowBridge(run_id, tracking_uri=server.url, spool_path=spool, retry_interval=0.1)
+    restarted = MLflowBridge(run_id, tracking_uri=mlflow_server.url, spool_path=spool, retry_interval=0.1)
     bus = EventBus([restarted])  # one bus: a second one around the same sink would replay the spool again
     assert bus.stats()["sinks"][restarted.name]["backlog"]  # the leftovers go first
     bus.publish(spike_event(3))
@@ -261,7 +253,7 @@ def test_a_new_bridge_first_replays_what_a_previous_process_left_in_the_spool(se
     bus.close(10)
     stats = bus.stats()["sinks"][restarted.name]
     assert stats["replayed"] >= 2 and stats["replayed"] + stats["delivered"] == 3 and not stats["backlog"]
-    assert [s for s, _ in _history(server.url, run_id, f"{P}.spike_ratio")] == [1, 2, 3]
+    assert [s for s, _ in _history(mlflow_server.url, run_id, f"{P}.spike_ratio")] == [1, 2, 3]
     assert client.get_run(run_id).data.tags[f"{P}.last_incident"].startswith("kind=spike step=3 ")
 
 
@@ -411,10 +403,10 @@ def _worker(rank: int, port: int, root: str, run_id: str, uri: str) -> None:
 
 
 @pytest.mark.slow
-def test_under_two_process_ddp_only_rank_zero_writes_to_wandb_and_mlflow(server: MlflowServer, tmp_path: Path) -> None:
+def test_under_two_process_ddp_only_rank_zero_writes_to_wandb_and_mlflow(mlflow_server: MlflowServer, tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    uri = server.url
+    uri = mlflow_server.url
     client = _client(uri)
     run_id = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
     ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path), run_id, uri), nprocs=WORLD,
@@ -437,25 +429,25 @@ def test_under_two_process_ddp_only_rank_zero_writes_to_wandb_and_mlflow(server:
     assert rank1.alerts == [] and not any(k.startswith("guardtower/") for k in rank1.summary)
 
 
-# -- outage: keep this test last in the module, it stops and restarts the shared server ---------------------
+# -- outage: it stops the shared server and starts it again (same port) -------------------------------------
 
 
 @pytest.mark.slow
 def test_server_outage_never_delays_training_and_every_event_arrives_exactly_once(
-    server: MlflowServer, tmp_path: Path
+    mlflow_server: MlflowServer, tmp_path: Path
 ) -> None:
     import torch
 
     from guardtower.bridges import MLflowBridge
 
-    client = _client(server.url)
+    client = _client(mlflow_server.url)
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
     rid = run.info.run_id
-    batches_before = server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST")
-    uploads_before = server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True)
+    batches_before = mlflow_server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST")
+    uploads_before = mlflow_server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True)
     # a stopped server refuses connections at once, so the outage shows without a short timeout; a short one
     # (2 s) made a loaded host's slow-but-successful request time out and be sent again: a duplicate
-    bridge = MLflowBridge(rid, tracking_uri=server.url, spool_path=tmp_path / "spool.jsonl",
+    bridge = MLflowBridge(rid, tracking_uri=mlflow_server.url, spool_path=tmp_path / "spool.jsonl",
                           request_timeout=30, request_retries=0, retry_interval=0.25, max_retry_interval=1.0)
     bus = EventBus([bridge])
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
@@ -487,10 +479,10 @@ def test_server_outage_never_delays_training_and_every_event_arrives_exactly_onc
     assert bus.flush(30)
     stats = lambda: bus.stats()["sinks"][bridge.name]  # noqa: E731
     assert stats()["spooled"] == 0
-    server.stop()
+    mlflow_server.stop()
     train(20)  # server down
     _wait_for(lambda: stats()["backlog"], 30, "the bridge to notice the outage")
-    restarter = threading.Thread(target=server.start)
+    restarter = threading.Thread(target=mlflow_server.start)
     restarter.start()
     while restarter.is_alive():  # training goes on while the server comes back
         train(1, every=10)
@@ -507,14 +499,14 @@ def test_server_outage_never_delays_training_and_every_event_arrives_exactly_onc
     spike_steps = [e.step for e in published if e.kind == "spike"]
     skips = [(e.step, float(e.total_skips)) for e in published if e.kind == "skip"]  # type: ignore[attr-defined]
     # every event exactly once, in the tracker ...
-    assert _history(server.url, rid, f"{P}.spike_ratio") == [(s, 42.0) for s in spike_steps]
-    assert _history(server.url, rid, f"{P}.skipped_steps") == skips
+    assert _history(mlflow_server.url, rid, f"{P}.spike_ratio") == [(s, 42.0) for s in spike_steps]
+    assert _history(mlflow_server.url, rid, f"{P}.skipped_steps") == skips
     names = sorted(Path(a.path).name for a in client.list_artifacts(rid, f"{P}/spikes"))
     assert names == sorted(Path(str(e.report_path)).name for e in published if e.kind == "spike")  # type: ignore[attr-defined]
     assert client.get_run(rid).data.tags[f"{P}.last_incident"] == f"kind=skip step={published[-1].step} layer=h.0.mlp.c_fc.weight"
     # ... and on the wire: one successful log-batch per event, one artifact upload per spike, over both lifetimes
-    batches = server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST") - batches_before
-    uploads = server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True) - uploads_before
+    batches = mlflow_server.count_requests("/api/2.0/mlflow/runs/log-batch", method="POST") - batches_before
+    uploads = mlflow_server.count_requests("/api/2.0/mlflow-artifacts/artifacts/", method="PUT", prefix=True) - uploads_before
     assert (batches, uploads) == (len(published), len(spike_steps))
 
 
@@ -563,22 +555,22 @@ def _new_run(uri: str) -> str:
 
 
 @pytest.mark.slow
-def test_an_event_mlflow_refuses_is_quarantined_and_the_rest_flows(server: MlflowServer, tmp_path: Path) -> None:
+def test_an_event_mlflow_refuses_is_quarantined_and_the_rest_flows(mlflow_server: MlflowServer, tmp_path: Path) -> None:
     """time=inf and step=10**20 cannot be stored: refused (quarantined with the reason), not "server down"."""
     import math
 
     from guardtower.bridges import MLflowBridge
     from guardtower.events import PreflightEvent, SummaryEvent
 
-    run_id = _new_run(server.url)
-    bridge = MLflowBridge(run_id, tracking_uri=server.url, spool_path=tmp_path / "spool.jsonl", retry_interval=0.05)
+    run_id = _new_run(mlflow_server.url)
+    bridge = MLflowBridge(run_id, tracking_uri=mlflow_server.url, spool_path=tmp_path / "spool.jsonl", retry_interval=0.05)
     poison = [SummaryEvent(step=1, time=math.inf, grad_norm=1.0), SummaryEvent(step=10**20, grad_norm=1.0)]
     report = PreflightEvent(report={"score": math.nan, "nested": {"x": [math.inf]}})  # strict JSON as $float tags
     healthy = [SummaryEvent(step=i, grad_norm=float(i)) for i in range(10, 20)]
     stats = _publish_and_flush(bridge, poison + [report] + healthy)
     assert stats["delivered"] == 11 and stats["failed"] == stats["quarantined"] == 2 and stats["spooled"] == 0
-    assert [s for s, _ in _history(server.url, run_id, f"{P}.grad_norm")] == list(range(10, 20))
-    assert _client(server.url).get_run(run_id).data.tags[f"{P}.preflight"] == "PASS"
+    assert [s for s, _ in _history(mlflow_server.url, run_id, f"{P}.grad_norm")] == list(range(10, 20))
+    assert _client(mlflow_server.url).get_run(run_id).data.tags[f"{P}.preflight"] == "PASS"
     spool = bridge.spool
     assert spool is not None and list(spool.entries()) == []
     refused = spool.refused()
@@ -587,15 +579,15 @@ def test_an_event_mlflow_refuses_is_quarantined_and_the_rest_flows(server: Mlflo
 
 
 @pytest.mark.slow
-def test_replay_quarantines_a_bad_spool_line_at_the_head_and_sends_the_rest(server: MlflowServer,
+def test_replay_quarantines_a_bad_spool_line_at_the_head_and_sends_the_rest(mlflow_server: MlflowServer,
                                                                           tmp_path: Path) -> None:
     from guardtower.bridges.mlflow import sink_name
     from guardtower.events import SummaryEvent
     from guardtower.spool import Spool
 
-    run_id = _new_run(server.url)
+    run_id = _new_run(mlflow_server.url)
     spool = Spool(tmp_path / "spool.jsonl")
-    sink = f"mlflow:{sink_name(run_id, P, server.url)}"
+    sink = f"mlflow:{sink_name(run_id, P, mlflow_server.url)}"
     bad = SummaryEvent(step=0, grad_norm=1.0).to_record()
     bad["step"] = "abc"
     spool.path.write_text(json.dumps({"reason": "x", "sink": sink, "time": 0, "event": bad}) + "\n")
@@ -604,7 +596,7 @@ def test_replay_quarantines_a_bad_spool_line_at_the_head_and_sends_the_rest(serv
                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert replay.returncode == 0, replay.stderr
     assert "sent 10, refused 1" in replay.stdout and "remaining 0" in replay.stdout
-    assert [s for s, _ in _history(server.url, run_id, f"{P}.grad_norm")] == list(range(1, 11))
+    assert [s for s, _ in _history(mlflow_server.url, run_id, f"{P}.grad_norm")] == list(range(1, 11))
     assert [e.event.event_id for e in spool.refused()] == [bad["event_id"]]
 
 

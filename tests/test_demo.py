@@ -41,9 +41,17 @@ def _strict(text: str) -> object:
     return json.loads(text, parse_constant=reject)
 
 
-def test_demo_shows_preflight_guarded_and_unguarded_runs_and_writes_everything(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
-    done = _run_demo(out, "--rollback")
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One demo run with every optional dependency and the rollback burst, read by the tests below."""
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    return out, _run_demo(out, "--rollback")
+
+
+def test_demo_shows_preflight_guarded_and_unguarded_runs_and_writes_everything(
+    demo: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    out, done = demo
     stdout = done.stdout
 
     # the story, in order
@@ -88,11 +96,12 @@ def _mlflow_runs(db: Path) -> dict[str, object]:
     return {run.info.run_name: run for run in client.search_runs([experiment.experiment_id])}
 
 
-def test_demo_trackers_keep_the_failed_preflight_visible_next_to_the_fix(tmp_path: Path) -> None:
+def test_demo_trackers_keep_the_failed_preflight_visible_next_to_the_fix(
+    demo: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
     from _wandb_reader import read_run
 
-    out = tmp_path / "demo"
-    _run_demo(out, "--no-progress")
+    out, _ = demo
     runs: dict[str, Any] = _mlflow_runs(out / "mlflow.db")
     assert sorted(runs) == ["1a-preflight-planted-bug", "1b-preflight-fixed", "2-guarded-training"]
     assert runs["1a-preflight-planted-bug"].data.tags["guardtower.preflight"] == "FAIL"

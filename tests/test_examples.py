@@ -1,13 +1,14 @@
-"""Every script in examples/ runs to completion on CPU, offline, in a subprocess with a bounded timeout."""
+"""Every script in examples/ runs to completion on CPU, offline, in its own process (forked from a warm one:
+tests/_forkserver.py) with a bounded timeout."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from _forkserver import Forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -21,7 +22,7 @@ def test_there_are_examples() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_runs(script: Path, tmp_path: Path) -> None:
+def test_example_runs(script: Path, tmp_path: Path, forkserver: Forkserver) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -33,6 +34,5 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
         "TMPDIR": str(tmp_path),
         "OMP_NUM_THREADS": "1",
     }
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = forkserver.run([str(script)], cwd=tmp_path, env=env, timeout=TIMEOUT_S)
     assert done.returncode == 0, f"{script.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

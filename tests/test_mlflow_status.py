@@ -17,25 +17,18 @@ from guardtower.integrations._run_status import FAILURE_TAG
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-status"))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture()
-def hf_mlflow(server: MlflowServer, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Any]:
+def hf_mlflow(mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch,
+              request: pytest.FixtureRequest) -> Iterator[Any]:
     """The Trainer's own MLflowCallback (report_to="mlflow") logging to the server; yields a client."""
     import mlflow
 
     experiment = f"status-{request.node.name}"[:200]
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
     previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(server.url)
-    client = mlflow.MlflowClient(tracking_uri=server.url)
+    mlflow.set_tracking_uri(mlflow_server.url)
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server.url)
     client.experiment_name = experiment
     yield client
     while mlflow.active_run() is not None:  # a test that failed half-way must not leak its run
@@ -102,12 +95,12 @@ def test_hf_failed_preflight_ends_the_users_run_failed_with_the_catalog_ids(hf_m
     assert ids == sorted({f.catalog_id for f in failed.value.report.errors})
 
 
-def test_lightning_halt_tags_the_mlflow_logger_run(server: MlflowServer, tmp_path: Path) -> None:
+def test_lightning_halt_tags_the_mlflow_logger_run(mlflow_server: MlflowServer, tmp_path: Path) -> None:
     from lightning.pytorch.loggers import MLFlowLogger
 
     from guardtower.integrations.lightning import GuardtowerGuard
 
-    logger = MLFlowLogger(experiment_name="lightning-halt", tracking_uri=server.url)
+    logger = MLFlowLogger(experiment_name="lightning-halt", tracking_uri=mlflow_server.url)
     module = TinyModule(spike_at=4)
     guard = GuardtowerGuard(nan_action="raise", warmup_steps=2, log_dir=str(tmp_path / "sg"), verbose=False)
     with pytest.raises(GradientSpikeError) as halted:
@@ -117,12 +110,12 @@ def test_lightning_halt_tags_the_mlflow_logger_run(server: MlflowServer, tmp_pat
     assert run.data.tags[FAILURE_TAG] == str(halted.value)
 
 
-def test_lightning_failed_preflight_tags_the_mlflow_logger_run(server: MlflowServer, tmp_path: Path) -> None:
+def test_lightning_failed_preflight_tags_the_mlflow_logger_run(mlflow_server: MlflowServer, tmp_path: Path) -> None:
     from lightning.pytorch.loggers import MLFlowLogger
 
     from guardtower.integrations.lightning import GuardtowerPreflight
 
-    logger = MLFlowLogger(experiment_name="lightning-preflight", tracking_uri=server.url)
+    logger = MLFlowLogger(experiment_name="lightning-preflight", tracking_uri=mlflow_server.url)
     module = TinyModule(forget_layer=True)
     with pytest.raises(PreflightFailed):
         lightning_trainer(tmp_path, callbacks=[GuardtowerPreflight(raise_on_error=True, verbose=False)],

@@ -1,7 +1,8 @@
 """Every fenced code block of README.md runs, each in a fresh temporary folder, so no snippet can rot.
 
-Python blocks run in a subprocess with ``PYTHONPATH`` set to this checkout, offline (HF, W&B) and with a
-timeout; shell blocks run under ``bash -e``. An HTML comment on the line right before a block changes that:
+Python blocks run in a fresh process (forked from a warm one that has imported torch, transformers...:
+tests/_forkserver.py) with ``PYTHONPATH`` set to this checkout, offline (HF, W&B) and with a timeout;
+shell blocks run under ``bash -e``. An HTML comment on the line right before a block changes that:
 
 - ``<!-- readme-test: skip (why) -->``: not runnable here (it installs packages, needs a GPU or an account);
   the reason is required.
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from _forkserver import Forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -166,7 +169,7 @@ def _base_env(tmp: Path) -> dict[str, str]:
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
 
 
-def run_block(block: Block, tmp: Path) -> subprocess.CompletedProcess[str]:
+def run_block(block: Block, tmp: Path, forkserver: Forkserver) -> subprocess.CompletedProcess[str]:
     """Run one block in ``tmp`` (after its setup, if any); the completed process."""
     setup, exports = SETUPS[block.mark("setup") or ""] if block.mark("setup") else ("", ())
     (tmp / "_setup.py").write_text(textwrap.dedent(setup))
@@ -175,12 +178,13 @@ def run_block(block: Block, tmp: Path) -> subprocess.CompletedProcess[str]:
     if block.lang in _PYTHON:
         (tmp / "_snippet.py").write_text(block.code)
         (tmp / "_driver.py").write_text(_DRIVER)
-        cmd = [sys.executable, "_driver.py", "_setup.py", ",".join(exports), "_snippet.py", label]
+        return forkserver.run(["_driver.py", "_setup.py", ",".join(exports), "_snippet.py", label], cwd=tmp, env=env,
+                              timeout=TIMEOUT_S)
     else:
         prelude = f'"{sys.executable}" _setup.py\n' if setup else ""
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         cmd = ["bash", "-e", "-o", "pipefail", "-c", prelude + block.code]
-    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
@@ -209,19 +213,20 @@ def test_a_mark_applies_to_the_next_block_only() -> None:
     assert (second.marks, second.lang, second.line) == ((), "bash", 8)
 
 
-def test_a_failing_snippet_fails_and_names_its_readme_line(tmp_path: Path) -> None:
-    done = run_block(Block(12, "python", "import torch\nmodel\n"), tmp_path)
+def test_a_failing_snippet_fails_and_names_its_readme_line(tmp_path: Path, forkserver: Forkserver) -> None:
+    done = run_block(Block(12, "python", "import torch\nmodel\n"), tmp_path, forkserver)
     assert done.returncode != 0 and 'README.md:12", line 2' in done.stderr and "NameError" in done.stderr
     # a setup hands over its objects, never its imports
-    done = run_block(Block(3, "python", "print(type(model).__name__)\ntorch\n", (("setup", "tiny-gpt2"),)), tmp_path)
+    block = Block(3, "python", "print(type(model).__name__)\ntorch\n", (("setup", "tiny-gpt2"),))
+    done = run_block(block, tmp_path, forkserver)
     assert "GPT2LMHeadModel" in done.stdout and "name 'torch' is not defined" in done.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
-def test_readme_block_runs(block: Block, tmp_path: Path) -> None:
-    done = run_block(block, tmp_path)
+def test_readme_block_runs(block: Block, tmp_path: Path, forkserver: Forkserver) -> None:
+    done = run_block(block, tmp_path, forkserver)
     output = f"README.md:{block.line} ({block.lang}) exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     if block.mark("expect-failure") is not None:
         assert done.returncode != 0, f"README.md:{block.line} passes now: remove its expect-failure mark\n{output}"
