@@ -582,15 +582,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 result = closure()
             loss = result if loss is None else loss
             base_closure = _replay_closure(closure, result)
-        step = self._next_step()
+        step, watch = self._next_step()
         if self._pending_batch is not None:
             self._batches[step] = self._pending_batch
             self._pending_batch = None
-        if self._snapshots is not None and not self._snapshots.snapshots:  # e.g. after load_state_dict
-            self._snapshots.take(step - 1)
-        watch = self.watch if self.watch is not None and self.watch.active else None
-        if watch is not None:
-            watch.before_step(step)  # host facts only
 
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         scaler_found_inf: Tensor | None = getattr(self, "found_inf", None)
@@ -627,14 +622,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if watch is not None:
             watch.after_step(step)  # device values only on its sample steps, read back asynchronously
 
-    def _next_step(self) -> int:
-        """Start on the first step, follow the parameters, read finished records, and count this step."""
+    def _next_step(self) -> tuple[int, LoopWatch | None]:
+        """Start on the first step, follow the parameters, read finished records, count this step, take the
+        snapshot a rollback needs when there is none (after ``load_state_dict``), and hand the loop watch its host
+        facts; returns the step and the active watch."""
         if not self._started:
             self._start()
         self._track_params()
         self._drain(block=False)
         self._step_count += 1
-        return self._step_count
+        step = self._step_count
+        if self._snapshots is not None and not self._snapshots.snapshots:
+            self._snapshots.take(step - 1)
+        watch = self.watch if self.watch is not None and self.watch.active else None
+        if watch is not None:
+            watch.before_step(step)  # host facts only
+        return step, watch
 
     def _replay_step(self, closure: Callable[[], Any] | None) -> Any:
         """A quarantined step (``skip_quarantined``): not judged, not applied, published as a ``skip``."""
@@ -644,13 +647,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        step = self._next_step()
+        step, watch = self._next_step()
         ref, self._pending_batch = self._pending_batch, None
-        if self._snapshots is not None and not self._snapshots.snapshots:
-            self._snapshots.take(step - 1)
-        watch = self.watch if self.watch is not None and self.watch.active else None
-        if watch is not None:
-            watch.before_step(step)
         self._total_skips += 1
         self._publish(SkipEvent(**self._run_kw, step=step, severity=Severity.INFO, layer="", reason="quarantined",
                                 total_skips=self._total_skips, consecutive_skips=self.consecutive_rejections,

@@ -377,7 +377,8 @@ class StabilityGuardCallback(TrainerCallback):
                 if current is None:
                     return step(model, inputs, *args, **kwargs)
                 current.batches.append(inputs)
-                current.calls.append((model, args, kwargs))
+                if guard is not None and guard.triage:  # what triage's recompute calls again
+                    current.calls.append((model, args, kwargs))
                 if current.replayed:
                     return _zero_backward(trainer, model)
                 return step(model, inputs, *args, **kwargs)

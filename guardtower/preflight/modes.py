@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -248,16 +248,14 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
 @check("norm_momentum", emits=("MODE-004",))
 def check_norm_momentum(ctx: AuditContext) -> Iterable[Finding]:
     """MODE-004: a normalisation layer's momentum keeps little more than the last batch's statistics."""
-    high = [(n, float(m.momentum)) for n, m in ctx.model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training
-            and m.momentum is not None and float(m.momentum) >= _MOMENTUM_LIMIT]
-    if not high:
+    names, momenta = _at_or_above(ctx.model, lambda m: float(m.momentum) if (
+        isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training
+        and m.momentum is not None) else None, _MOMENTUM_LIMIT)
+    if not names:
         return []
-    names = [n for n, _ in high]
-    momenta = sorted({mom for _, mom in high})
     return [Finding(
         "norm_momentum", Severity.WARN,
-        f"{len(high)} normalisation layer(s) use momentum {momenta}: {fmt_names(names)}; in PyTorch the running "
+        f"{len(names)} normalisation layer(s) use momentum {momenta}: {fmt_names(names)}; in PyTorch the running "
         "statistics become (1 - momentum) * old + momentum * batch, so they hold little more than the last batch "
         "and evaluation uses noisy statistics (Keras/TF momentum=0.99 means PyTorch momentum=0.01)",
         "MODE-004", {"modules": names, "momentum": momenta},
@@ -271,16 +269,21 @@ _DROP_LIMIT = 0.8
 @check("dropout_rate", emits=("MODE-007",), static=True)
 def check_dropout_rate(ctx: AuditContext) -> Iterable[Finding]:
     """MODE-007: a dropout layer that drops most of its input (TensorFlow's keep_prob=0.9 passed as p=0.9)."""
-    high = [(n, float(m.p)) for n, m in ctx.model.named_modules()
-            if isinstance(m, nn.modules.dropout._DropoutNd) and float(m.p) >= _DROP_LIMIT]
-    if not high:
+    names, rates = _at_or_above(ctx.model, lambda m: float(m.p) if isinstance(m, nn.modules.dropout._DropoutNd)
+                                else None, _DROP_LIMIT)
+    if not names:
         return []
-    names = [n for n, _ in high]
-    rates = sorted({p for _, p in high})
     return [Finding(
         "dropout_rate", Severity.WARN,
-        f"{len(high)} dropout layer(s) drop with p={rates}: {fmt_names(names)}; PyTorch's p is the probability of "
+        f"{len(names)} dropout layer(s) drop with p={rates}: {fmt_names(names)}; PyTorch's p is the probability of "
         "zeroing an activation, so they keep a tenth of the signal or less in training (p=1 keeps nothing) "
         "(TensorFlow's keep_prob=0.9 means p=0.1)",
         "MODE-007", {"modules": names, "p": rates},
     )]
+
+
+def _at_or_above(model: nn.Module, value: Callable[[nn.Module], float | None], limit: float) -> tuple[list[str],
+                                                                                                    list[float]]:
+    """The submodules whose ``value`` (None: not judged) is at least ``limit``, and the distinct values."""
+    found = [(n, v) for n, m in model.named_modules() if (v := value(m)) is not None and v >= limit]
+    return [n for n, _ in found], sorted({v for _, v in found})
