@@ -149,11 +149,15 @@ _CORE: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "INPUT-002", "Samples leak across the batch", Severity.WARN,
-        "The prediction for sample 0 has a non-zero gradient with respect to other samples' inputs.",
-        "A view/reshape/transpose that mixes the batch dimension with time or features produces the right "
-        "shapes and a decreasing loss; BatchNorm in train mode does the same by design.",
-        "Use permute instead of view to reorder dimensions, keep the batch dimension first; if the leak is "
-        "BatchNorm and samples must stay independent, use GroupNorm/LayerNorm.",
+        "The prediction for the first sample (and for the last, where the batch axis is unambiguous) has a "
+        "non-zero gradient with respect to other samples' inputs; measured on the step's own graph, or on the "
+        "audit's own eval-mode pass of the model when step_fn runs the backward itself.",
+        "A view/reshape/transpose that mixes the batch dimension with time or features, or a sequence-first "
+        "layer (an RNN or transformer built without batch_first=True) fed (batch, seq, ...) data, produces the "
+        "right shapes and a decreasing loss; BatchNorm in train mode mixes samples too, by design (INFO).",
+        "Use permute instead of view to reorder dimensions, keep the batch dimension first, build recurrent and "
+        "attention layers with batch_first=True for batch-first data; if the leak is BatchNorm and samples must "
+        "stay independent, use GroupNorm/LayerNorm.",
         "https://karpathy.github.io/2019/04/25/recipe/",
         ("wiring", "inputs", "shapes"),
     ),
@@ -951,10 +955,14 @@ _STEP: tuple[FailureMode, ...] = (
     FailureMode(
         "DATA-007", "The batch holds one class only", Severity.WARN,
         "Every sample of the audited batch has the same target class, with a batch large enough that a shuffled "
-        "draw would almost never do that.",
-        "A dataset sorted or grouped by label and loaded without shuffling gives batches of one class; the model "
-        "learns to predict the current class, the loss looks fine batch by batch, and accuracy is chance.",
-        "Shuffle the training data (DataLoader(shuffle=True), or a sampler that mixes classes per batch).",
+        "draw would almost never do that; or, over three classes or more, every supervised position (token, "
+        "pixel of a channels-first segmentation output) of the batch has the same class.",
+        "A dataset sorted or grouped by label and loaded without shuffling gives batches of one class; labels "
+        "that collapse on their way to the loss (a class-id mask through ToTensor, which divides by 255 before "
+        ".long() truncates every id to 0) give one class everywhere. The model learns to predict that class, "
+        "the loss falls, and accuracy is chance.",
+        "Shuffle the training data (DataLoader(shuffle=True), or a sampler that mixes classes per batch); keep "
+        "class-id masks out of image transforms (convert them with torch.as_tensor(mask, dtype=torch.long)).",
         "https://pytorch.org/docs/stable/data.html#data-loading-order-and-sampler",
         ("data",),
     ),

@@ -16,7 +16,7 @@ from guardtower.failure_modes import _STEP
 from guardtower.preflight import audit
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import VOCAB, Case, case_registry, gpt2, mlp, token_batch
+from tests._audit_core_helpers import VOCAB, Case, SmallCNN, case_registry, gpt2, mlp, token_batch
 
 CASES, case = case_registry()
 
@@ -1037,6 +1037,113 @@ def test_opt_002_is_info_without_optimizer_state_and_warn_with_it() -> None:
     m[0].requires_grad_(False)
     (stale,) = audit(m, lambda: F.cross_entropy(m(x), y), optimizer=opt).by_id("OPT-002")
     assert stale.severity == Severity.WARN and stale.details["with_state"]
+
+
+# --- samples that read each other, when step_fn runs the backward itself ---------------------------------------
+def _user_step(m: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Case:
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return m, step, {"optimizer": opt}
+
+
+class _LastStepHead(nn.Module):
+    """An LSTM over (batch, seq, feature) input and a head on each sample's last time step."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(8, 16, batch_first=batch_first)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+@case("INPUT-002/seq-first-lstm-own-backward")
+def _lstm_reads_the_batch_as_time(bug: bool) -> Case:
+    # without batch_first=True the LSTM runs along the batch: out[:, -1] is then the last *sample* of each step
+    m = _LastStepHead(batch_first=not bug)
+    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(1))  # (batch, seq, feature)
+    y = torch.randn(6, 3)
+    return _user_step(m, lambda: F.mse_loss(m(x), y))
+
+
+def test_input_002_own_pass_is_quiet_on_a_similarity_matrix_and_on_batchnorm() -> None:
+    class _DualEncoder(nn.Module):  # returns the batch x batch similarities: every row reads every sample
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 16)
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return F.normalize(self.a(x), dim=-1) @ F.normalize(self.b(z), dim=-1).T / 0.07
+
+    g = torch.Generator().manual_seed(2)
+    x, z = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    dual = _DualEncoder()
+    model, step, kwargs = _user_step(dual, lambda: F.cross_entropy(dual(x, z), torch.arange(6)))
+    report = audit(model, step, **kwargs)
+    assert not report.by_id("INPUT-002")
+    cnn = SmallCNN()
+    images, labels = torch.randn(4, 3, 8, 8, generator=g), torch.arange(4) % 5
+    model, step, kwargs = _user_step(cnn, lambda: F.cross_entropy(cnn(images), labels))
+    report = audit(model, step, **kwargs)
+    assert not report.by_id("INPUT-002")  # the own pass runs in eval mode: BatchNorm reads running statistics
+    assert any("reads only its own input" in n for n in report.notes)
+
+
+def test_input_002_probes_the_last_sample_of_a_causal_mix_along_the_batch() -> None:
+    class _CumulativeMix(nn.Module):  # sample i reads samples 0..i: sample 0 alone looks independent
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.cumsum(0))
+
+    m = _CumulativeMix()
+    x, y = torch.randn(5, 8), torch.randn(5, 2)
+    (finding,) = audit(m, lambda: F.mse_loss(m(x), y)).by_id("INPUT-002")
+    assert finding.severity == Severity.WARN and finding.details["leaking_samples"] == [1, 2, 3]
+
+
+# --- labels that collapsed to one class over every position ------------------------------------------------------
+class _TinySegmenter(nn.Module):
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, classes, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _segmentation(classes: int, masks: torch.Tensor) -> Case:
+    m = _TinySegmenter(classes)
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(4))
+    return _user_step(m, lambda: F.cross_entropy(m(images), masks))
+
+
+@case("DATA-007/segmentation-mask-through-to-tensor")
+def _mask_scaled_then_truncated(bug: bool) -> Case:
+    ids = torch.randint(0, 3, (4, 8, 8), generator=torch.Generator().manual_seed(5))
+    masks = (ids.float() / 255).long() if bug else ids  # ToTensor on the class-id mask: every id becomes 0
+    return _segmentation(3, masks)
+
+
+def test_data_007_leaves_a_binary_mask_of_background_alone() -> None:
+    # a batch with no foreground pixel at all is common in defect or lesion segmentation: not a finding
+    model, step, kwargs = _segmentation(2, torch.zeros(4, 8, 8, dtype=torch.long))
+    assert not audit(model, step, **kwargs).by_id("DATA-007")
 
 
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------

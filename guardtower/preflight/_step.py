@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from guardtower.preflight._registry import PROBES, AuditContext
+from guardtower.preflight._sample_leak import sample_leaks
 from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows
 from guardtower.preflight._supervision import first_call_output, supervision_hook
@@ -146,30 +147,13 @@ def primary_output(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _leak_analysis(calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
-    """Gradient of sample 0's prediction w.r.t. every sample's input; rows other than 0 must be zero."""
+def _leak_analysis(model: nn.Module, calls: list[RootCall], watch: _Watch) -> list[LeakEntry]:
+    """The cross-sample probe (``_sample_leak``) on the step's own graph, kept for the real backward."""
     if not calls:
         return []
-    out = primary_output(calls[0].output)
-    if out is None or not out.requires_grad or out.dim() == 0 or out.shape[0] < 2:
-        return []
-    batch = out.shape[0]
-    watched = [(label, t) for label, t in watch.tensors if t.requires_grad and t.dim() > 0 and t.shape[0] == batch]
-    if not watched:
-        return []
-    weights = torch.randn(out[0].shape, generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
-    probe = (out[0] * weights).float().sum()
-    grads = torch.autograd.grad(probe, [t for _, t in watched], retain_graph=True, allow_unused=True)
-    result = []
-    for (label, _), grad in zip(watched, grads):
-        if grad is None:
-            continue
-        g = grad.detach().float().reshape(batch, -1)
-        per_sample = g.norm(dim=1)
-        own = float(per_sample[0])
-        leaking = [int(j) for j in torch.nonzero(per_sample[1:] > 1e-6 * max(own, 1e-30)).flatten() + 1]
-        result.append(LeakEntry(label, own, float(per_sample[1:].norm()), leaking))
-    return result
+    call = calls[0]
+    return sample_leaks(model, primary_output(call.output), watch.tensors, (call.args, call.kwargs),
+                        retain_graph=True)
 
 
 #: marks an attribute the owner did not define itself (it was inherited, or looked up on the class)
@@ -375,7 +359,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         target = loss if loss.numel() == 1 else loss.float().mean()
         if leak_analysis:  # one extra backward from sample 0's prediction; only input_dependency reads it
             try:
-                trace.leak = _leak_analysis(calls, watch)
+                trace.leak = _leak_analysis(ctx.model, calls, watch)
             except RuntimeError:
                 # torch.autograd.grad is refused by reentrant checkpointing; the real backward below is not
                 trace.leak = []

@@ -1,7 +1,8 @@
 """What the loss supervises, measured from the real backward: the gradient that reaches the model's output.
 
 For every root call of the model during the step, a tensor hook on its primary output (``.logits``, else the
-first float tensor) reduces the output's gradient to one row per position (per sample, per token): its
+first float tensor) reduces the output's gradient to one row per position (per sample, per token, per pixel of a
+channels-first ``(N, C, H, W)`` output whose gradient sums to zero over the channels): its
 magnitude, and for class outputs the target class the loss pulls towards (the most negative gradient entry)
 and, when the gradient has the shape of softmax cross-entropy (it sums to zero over the classes), the weight
 the loss gives that position: ``-g[y] / (1 - p[y])``. Nothing of the full gradient is kept.
@@ -40,16 +41,24 @@ def supervision_hook(call: int, output: torch.Tensor, records: list[Supervision]
     return hook
 
 
+def _sums_to_zero(g: torch.Tensor, dim: int) -> bool:
+    magnitude = g.abs().sum(dim)
+    supervised = magnitude > 0
+    return bool(supervised.any()) and bool((g.sum(dim).abs()[supervised] <= _CE_TOLERANCE * magnitude[supervised]).all())
+
+
 def _reduce(call: int, output: torch.Tensor, grad: torch.Tensor) -> Supervision:
     g = grad if grad.dtype == torch.float32 else grad.float()
+    if g.dim() >= 3 and g.shape[1] >= 2 and not _sums_to_zero(g, -1) and _sums_to_zero(g, 1):
+        # channels-first class scores ((N, C, H, W) segmentation, (N, C, T) per-frame): classes to the end
+        g, output = g.movedim(1, -1), output.movedim(1, -1)
     if g.dim() < 2 or g.shape[-1] < 2:
         return Supervision(call, g.abs().reshape(g.shape[:1] + (-1,)).sum(-1).cpu() if g.dim() else g.abs().cpu(),
                            None, None, 0)
     magnitude = g.abs().sum(-1)
     target = g.argmin(-1)
-    total = g.sum(-1).abs()
     supervised = magnitude > 0
-    ce_like = bool(supervised.any()) and bool((total[supervised] <= _CE_TOLERANCE * magnitude[supervised]).all())
+    ce_like = _sums_to_zero(g, -1)
     weight = None
     if ce_like:
         probs = torch.softmax(output.float(), dim=-1)

@@ -95,6 +95,11 @@ def is_causal_lm(model: Any) -> bool:
     return "CausalLM" in name or name.endswith("LMHeadModel")
 
 
+def is_library_model(model: Any) -> bool:
+    """A model class from transformers or peft, used as it ships: its forward keeps the samples of a batch apart."""
+    return type(model).__module__.split(".")[0] in ("transformers", "peft")
+
+
 def fmt_names(names: list[str], limit: int = 5) -> str:
     """``a, b, c and 4 more``."""
     shown = ", ".join(names[:limit])

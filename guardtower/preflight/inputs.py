@@ -1,7 +1,8 @@
 """``input_dependency``: does the loss depend on the input, and does each sample depend only on itself?
 
 The step records the gradient reaching the model's input (float inputs, or the embedding output for token
-ids) and, separately, the gradient of sample 0's prediction with respect to every sample's input.
+ids) and, separately, the gradient of the first and last samples' predictions with respect to every sample's
+input (``_sample_leak``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Iterable
 from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
-from guardtower.preflight._util import iter_tensors
+from guardtower.preflight._sample_leak import sequence_first_layers
+from guardtower.preflight._util import fmt_names, iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -46,23 +48,29 @@ def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
     leaking = [entry for entry in trace.leak if entry.leaking_samples]
     if leaking:
         entry = leaking[0]
-        batchnorm = [n for n, m in ctx.model.named_modules()
-                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+        # the audit's own pass (step_fn ran the backward) is in eval mode: BatchNorm used running statistics there
+        batchnorm = [] if trace.user_backward else [
+            n for n, m in ctx.model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
         details = {"input": entry.input, "leaking_samples": entry.leaking_samples[:16],
                    "own_grad_norm": entry.own, "other_grad_norm": entry.other, "batchnorm": batchnorm[:16]}
         if batchnorm:
             findings.append(Finding(
                 "input_dependency", Severity.INFO,
-                f"sample 0's prediction depends on other samples of the batch through {len(batchnorm)} BatchNorm "
+                f"a sample's prediction depends on other samples of the batch through {len(batchnorm)} BatchNorm "
                 "layer(s) in train mode (expected from batch statistics; use GroupNorm/LayerNorm if samples must "
                 "stay independent, e.g. per-sample gradients or contrastive losses)",
                 "INPUT-002", details,
             ))
         else:
+            seq_first = sequence_first_layers(ctx.model)
+            why = (f"the sequence-first layer(s) {fmt_names(seq_first)} (batch_first=False) read (batch, seq, ...) "
+                   "input as (seq, batch, ...): pass batch_first=True or transpose the input" if seq_first else
+                   "a view/reshape/transpose, or a normalisation or attention over the batch axis, mixes the samples")
+            details["sequence_first"] = seq_first[:16]
             findings.append(Finding(
                 "input_dependency", Severity.WARN,
-                f"sample 0's prediction depends on samples {entry.leaking_samples[:8]} of the batch "
-                f"(via {entry.input}): a view/reshape/transpose mixes the batch dimension",
+                f"the predictions of the first and last samples depend on samples {entry.leaking_samples[:8]} of "
+                f"the batch (via {entry.input}): each sample is trained on the others' inputs; {why}",
                 "INPUT-002", details,
             ))
     return findings

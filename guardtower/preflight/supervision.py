@@ -25,6 +25,8 @@ _SUPERVISED = 1e-6
 COPY_SHARE = 0.3
 #: a batch of one class is reported when a uniform draw of its classes would give that with less chance
 ONE_CLASS_CHANCE = 1e-2
+#: per-position targets of one class need at least this many supervised positions to be judged
+_MIN_POSITIONS = 8
 #: per-micro-batch weights that differ by more than this factor weight the samples of one step unequally
 UNEQUAL = 1.2
 
@@ -140,22 +142,33 @@ def _per_sample(rec: Supervision) -> bool:
 
 
 def _one_class(rec: Supervision) -> Finding | None:
-    """DATA-007: every supervised sample of the batch has the same class."""
-    if not _per_sample(rec):
+    """DATA-007: every supervised sample of the batch has the same class, or every supervised position (token,
+    pixel) of a batch over three classes or more: labels that collapsed on their way to the loss (a class-id mask
+    scaled by an image transform, then truncated) look exactly like that."""
+    per_position = rec.magnitude.dim() >= 2 and rec.target is not None and rec.weight is not None and rec.classes >= 3
+    if not (_per_sample(rec) or per_position):
         return None
     assert rec.target is not None
     targets = rec.target[_supervised(rec)]
     n = int(targets.numel())
-    if n < 2 or int(targets.unique().numel()) != 1:
+    if n < (2 if _per_sample(rec) else _MIN_POSITIONS) or int(targets.unique().numel()) != 1 or int(targets[0]) < 0:
         return None
     chance = rec.classes * (1.0 / rec.classes) ** n
     if chance >= ONE_CLASS_CHANCE:
         return None
+    if _per_sample(rec):
+        what, fix = (f"all {n} samples of the batch have class {int(targets[0])} (of {rec.classes})",
+                     "shuffle the data (shuffle=True, or a sampler that mixes classes)")
+    else:
+        what, fix = (f"all {n} supervised positions of the batch (over {rec.magnitude.shape[0]} samples) have "
+                     f"class {int(targets[0])} (of {rec.classes})",
+                     "check the labels the loss receives (a class-id mask must not go through an image transform "
+                     "such as ToTensor, which divides by 255 before .long() truncates every id to 0)")
     return Finding(
         "supervision", Severity.WARN,
-        f"all {n} samples of the batch have class {int(targets[0])} (of {rec.classes}): batches of one class teach "
-        "the model to predict that class, whatever the input; shuffle the data (shuffle=True, or a sampler "
-        "that mixes classes)", "DATA-007", {"samples": n, "class": int(targets[0]), "classes": rec.classes},
+        f"{what}: batches of one class teach the model to predict that class, whatever the input; {fix}",
+        "DATA-007", {"samples": n if _per_sample(rec) else int(rec.magnitude.shape[0]), "class": int(targets[0]),
+                     "classes": rec.classes, "positions": None if _per_sample(rec) else n},
     )
 
 

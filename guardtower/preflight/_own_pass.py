@@ -1,0 +1,86 @@
+"""The audit's own pass of the model, for measurements the step's own backward cannot give.
+
+It runs the step's first call of the model again with the same arguments, under the RNG the step started from,
+in eval mode (no dropout, no running-statistics update) and with gradients on, with chosen inputs turned into
+gradient leaves: float arguments are replaced by leaf copies, and the output of an embedding that reads a chosen
+token-id argument is. A measurement then takes gradients of the output with respect to those leaves. Weights are
+never touched and everything is put back, also when the pass raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from guardtower.preflight._registry import AuditContext
+from guardtower.preflight._util import NOT_INPUT_KEYS
+
+__all__ = ["OwnPass", "own_pass"]
+
+
+@dataclass
+class OwnPass:
+    """The primary output of the audit's own call and the gradient leaves it was computed from."""
+
+    output: torch.Tensor | None
+    leaves: list[tuple[str, torch.Tensor]]
+
+
+@contextlib.contextmanager
+def own_pass(ctx: AuditContext, restore_rng: Callable[[], None],
+             chosen: Callable[[torch.Tensor], bool]) -> Iterator[OwnPass]:
+    """Run the first call again; ``chosen`` picks the (top-level) tensor arguments that become leaves."""
+    from guardtower.preflight._step import primary_output
+
+    assert ctx.trace is not None and ctx.trace.calls
+    call = ctx.trace.calls[0]
+    leaves: list[tuple[str, torch.Tensor]] = []
+    ids_shapes: dict[int, tuple[int, ...]] = {}  # storage of a chosen token-id argument -> its shape
+
+    def swap(value: Any, label: str, key: str | None = None) -> Any:
+        if key in NOT_INPUT_KEYS or not isinstance(value, torch.Tensor) or not chosen(value):
+            return value
+        if value.is_floating_point():
+            leaf = value.detach().clone().requires_grad_(True)
+            leaves.append((label, leaf))
+            return leaf
+        if value.dtype != torch.bool and not value.is_complex():
+            ids_shapes[value.untyped_storage().data_ptr()] = tuple(value.shape)
+        return value
+
+    args = tuple(swap(a, f"input args[{i}]") for i, a in enumerate(call.args))
+    kwargs = {k: swap(v, f"input {k}", k) for k, v in call.kwargs.items()}
+
+    def embedding_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], Any]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
+            ids = inputs[0] if inputs else None
+            label = f"embedding {name}"
+            if (isinstance(ids, torch.Tensor) and isinstance(output, torch.Tensor) and output.is_floating_point()
+                    and ids_shapes.get(ids.untyped_storage().data_ptr()) == tuple(ids.shape)
+                    and all(n != label for n, _ in leaves)):
+                leaf = output.detach().requires_grad_(True)
+                leaves.append((label, leaf))
+                return leaf
+            return None
+
+        return hook
+
+    modes = {m: m.training for m in ctx.model.modules()}
+    handles = [m.register_forward_hook(embedding_hook(n)) for n, m in ctx.model.named_modules()
+               if isinstance(m, nn.Embedding)] if ids_shapes else []
+    try:
+        restore_rng()
+        ctx.model.eval()
+        with torch.enable_grad():
+            out = primary_output(ctx.model(*args, **kwargs))
+        yield OwnPass(out, leaves)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+        restore_rng()

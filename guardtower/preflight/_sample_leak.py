@@ -1,0 +1,90 @@
+"""Does each sample's prediction depend only on its own input? The gradient of the first sample's prediction (and
+the last one's, where the layout allows) with respect to every sample's input must be zero outside those rows.
+
+Probing both ends catches a mix in either direction: a layer that runs along the batch as if it were time (a
+sequence-first RNN or a causal encoder fed batch-first data) makes the last sample read every earlier one while
+the first reads only itself. The last sample is probed only where the batch axis is unambiguous: the prediction
+is one row per sample (``(batch, classes)``), or no layer of the model declares itself sequence-first, whose
+correct use puts time first. A square output (a similarity matrix of the batch with itself) and a batch that is
+a graph (an ``(n, n)`` adjacency or a ``(2, edges)`` index among the call's tensors) mix samples by design and
+are not probed.
+
+When the audit runs the backward, the probe takes the step's own graph; when ``step_fn`` runs it, the audit's own
+pass of the model (``_own_pass``, eval mode) gives the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from guardtower.preflight._own_pass import own_pass
+from guardtower.preflight._registry import AuditContext
+from guardtower.preflight._trace import LeakEntry
+from guardtower.preflight._util import iter_tensors
+
+__all__ = ["sample_leaks", "measure_sample_leak", "sequence_first_layers"]
+
+
+def sequence_first_layers(model: nn.Module) -> list[str]:
+    """Layers that take (time, batch, ...) input: ``batch_first=False`` RNNs, attention and transformer layers."""
+    return [name for name, m in model.named_modules() if getattr(m, "batch_first", None) is False]
+
+
+def _graph_batch(call_tensors: list[torch.Tensor], batch: int) -> bool:
+    for t in call_tensors:
+        if t.dim() == 2 and tuple(t.shape) == (batch, batch):
+            return True
+        if t.dim() == 2 and t.shape[0] == 2 and not t.is_floating_point() and t.dtype != torch.bool:
+            return True
+    return False
+
+
+def sample_leaks(model: nn.Module, out: torch.Tensor | None, watched: list[tuple[str, torch.Tensor]],
+                 call: Any, retain_graph: bool) -> list[LeakEntry]:
+    """One gradient of the probed samples' predictions w.r.t. every watched input with a batch axis."""
+    if out is None or not out.requires_grad or out.dim() == 0 or out.shape[0] < 2:
+        return []
+    batch = out.shape[0]
+    if out.dim() >= 2 and out.shape[1] == batch:
+        return []
+    if _graph_batch([t for _, t in iter_tensors(call, depth=4)], batch):
+        return []
+    watched = [(label, t) for label, t in watched if t.requires_grad and t.dim() > 0 and t.shape[0] == batch]
+    if not watched:
+        return []
+    probed = [0]
+    if batch >= 3 and (out.dim() <= 2 or not sequence_first_layers(model)):
+        probed.append(batch - 1)
+    weights = torch.randn(out[0].shape, generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
+    probe = torch.stack([(out[i] * weights).float().sum() for i in probed]).sum()
+    grads = torch.autograd.grad(probe, [t for _, t in watched], retain_graph=retain_graph, allow_unused=True)
+    result = []
+    others = [j for j in range(batch) if j not in probed]
+    for (label, _), grad in zip(watched, grads):
+        if grad is None:
+            continue
+        per_sample = grad.detach().float().reshape(batch, -1).norm(dim=1)
+        own = float(per_sample[probed].norm())
+        other = per_sample[others]
+        leaking = [others[int(j)] for j in torch.nonzero(other > 1e-6 * max(own, 1e-30)).flatten()]
+        result.append(LeakEntry(label, own, float(other.norm()), leaking))
+    return result
+
+
+def measure_sample_leak(ctx: AuditContext, restore_rng: Callable[[], None]) -> list[LeakEntry]:
+    """The probe on the audit's own pass (``step_fn`` ran the backward, so the step's graph is gone)."""
+    if ctx.trace is None or not ctx.trace.calls:
+        return []
+    call = ctx.trace.calls[0]
+    tensors = [t for _, t in iter_tensors((call.args, call.kwargs), depth=2)]
+    batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
+    if batch is None or batch < 2:
+        return []
+    try:
+        with own_pass(ctx, restore_rng, lambda t: t.dim() > 0 and t.shape[0] == batch) as run:
+            return sample_leaks(ctx.model, run.output, run.leaves, (call.args, call.kwargs), retain_graph=False)
+    except Exception:  # noqa: BLE001 - the audit's own pass never fails the audit
+        return []
