@@ -1168,6 +1168,18 @@ _STEP: tuple[FailureMode, ...] = (
         ("loss", "activations"),
     ),
     FailureMode(
+        "LOSS-016", "A loss term carries no gradient", Severity.WARN,
+        "A loss function called with gradients on returns a result without gradient, and the trained loss adds "
+        "a term without gradient at its top-level sum.",
+        "Both sides of a distillation KL taken from the frozen teacher, or a generator's adversarial term on "
+        "fake.detach() judged by a discriminator frozen for that step: the loss value includes the term, the "
+        "run trains, and the term contributes no gradient at all.",
+        "Compute the learning side from the trained model (the student's logits, the generator's output without "
+        ".detach()); drop a term that is meant as a metric from the loss.",
+        "https://pytorch.org/docs/stable/notes/autograd.html#locally-disabling-gradient-computation",
+        ("loss", "gradients"),
+    ),
+    FailureMode(
         "AMP-005", "Softmax-family loss computed in 16 bits", Severity.WARN,
         "cross_entropy, nll_loss, kl_div or ctc_loss runs on float16/bfloat16 input outside autocast (bf16 "
         "weights, an FSDP bf16 parameter policy, logits cast to half).",
@@ -1277,6 +1289,18 @@ _STEP: tuple[FailureMode, ...] = (
         "training is dominated by noise, the loss falls slowly, evaluation (no dropout) looks unrelated.",
         "Use p = 1 - keep_prob (0.1 for keep_prob=0.9); typical values are 0.0-0.5.",
         "https://pytorch.org/docs/stable/generated/torch.nn.Dropout.html",
+        ("modes",),
+    ),
+    FailureMode(
+        "MODE-008", "Dropout that ignores eval mode", Severity.WARN,
+        "In the audit's own pass of the model with every module in eval mode, a functional dropout "
+        "(F.dropout, F.dropout2d, ...) ran with training=True.",
+        "F.dropout(x, p) defaults to training=True: called without training=self.training inside forward it keeps "
+        "dropping in model.eval(). Training is unaffected; validation scores are noisy and low, and the served "
+        "model is random.",
+        "Pass training=self.training to the functional dropout, or use an nn.Dropout module, which follows "
+        "model.train()/model.eval().",
+        "https://pytorch.org/docs/stable/generated/torch.nn.functional.dropout.html",
         ("modes",),
     ),
     FailureMode(

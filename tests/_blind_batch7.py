@@ -317,9 +317,7 @@ CASES: list[BlindCase] = [
               known_miss="held-out batch 7: the validation pass is outside the audited training step"),
     BlindCase("b7-case-03", "https://github.com/AndersonJo/dqn-pytorch/issues/1", "shapes / layout",
               "the LSTM lacks batch_first=True but is fed (batch, seq, feature): it recurs over the batch and the "
-              "samples leak into each other", _c03_build, _c03_proof,
-              known_miss="held-out batch 7: the step runs backward itself, and the audit measures cross-sample "
-                         "leaks (INPUT-002) only when it runs the backward"),
+              "samples leak into each other", _c03_build, _c03_proof),
     BlindCase("b7-case-04", "https://github.com/axolotl-ai-cloud/axolotl/pull/2227", "data / labels",
               "pretraining without sample packing copies input_ids to labels with the padding left in: the loss "
               "is computed over the pad tokens too", _c04_build, _c04_proof),

@@ -1146,6 +1146,71 @@ def test_data_007_leaves_a_binary_mask_of_background_alone() -> None:
     assert not audit(model, step, **kwargs).by_id("DATA-007")
 
 
+# --- a loss term without gradient --------------------------------------------------------------------------------
+class _StudentTeacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.teacher = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).requires_grad_(False).eval()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.student(x), self.teacher(x)
+
+
+@case("LOSS-016")
+def _distillation_against_itself(bug: bool) -> Case:
+    m = _StudentTeacher()
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(6)), torch.arange(8) % 4
+
+    def loss() -> torch.Tensor:
+        student, teacher = m(x)
+        learner = teacher if bug else student  # the KL's input taken from the teacher: KL(t || t) = 0
+        kd = F.kl_div(F.log_softmax(learner / 2, -1), F.log_softmax(teacher / 2, -1), reduction="batchmean",
+                      log_target=True)
+        return F.cross_entropy(student, y) + 0.5 * kd
+
+    return _user_step(m, loss)
+
+
+def test_loss_016_ignores_a_logged_metric_and_an_accumulator_that_starts_at_zero() -> None:
+    m = _StudentTeacher()
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(7)), torch.arange(8) % 4
+    logged: list[float] = []
+
+    def loss() -> torch.Tensor:
+        student, teacher = m(x)
+        logged.append(float(F.cross_entropy(teacher, y)))  # the teacher's loss, a metric: not added to the loss
+        total = torch.zeros(())
+        for term in (F.cross_entropy(student, y), F.mse_loss(student, teacher)):
+            total = total + term
+        return total
+
+    model, step, kwargs = _user_step(m, loss)
+    assert not audit(model, step, **kwargs).by_id("LOSS-016")
+
+
+# --- dropout that ignores eval mode --------------------------------------------------------------------------------
+class _FunctionalDropout(nn.Module):
+    def __init__(self, follows_mode: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.follows_mode = follows_mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        h = F.dropout(h, 0.3, training=self.training) if self.follows_mode else F.dropout(h, 0.3)
+        return self.fc2(h)
+
+
+@case("MODE-008")
+def _dropout_left_on(bug: bool) -> Case:
+    m = _FunctionalDropout(follows_mode=not bug)
+    x, y = _data()
+    return m, lambda: F.cross_entropy(m(x), y), {}
+
+
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_triggers(key: str) -> None:

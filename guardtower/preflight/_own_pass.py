@@ -3,17 +3,19 @@
 It runs the step's first call of the model again with the same arguments, under the RNG the step started from,
 in eval mode (no dropout, no running-statistics update) and with gradients on, with chosen inputs turned into
 gradient leaves: float arguments are replaced by leaf copies, and the output of an embedding that reads a chosen
-token-id argument is. A measurement then takes gradients of the output with respect to those leaves. Weights are
-never touched and everything is put back, also when the pass raises.
+token-id argument is. A measurement then takes gradients of the output with respect to those leaves. The pass
+also records every functional dropout that runs with ``training=True`` while the model is in eval mode. Weights
+are never touched and everything is put back, also when the pass raises.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from guardtower.preflight._registry import AuditContext
@@ -24,10 +26,39 @@ __all__ = ["OwnPass", "own_pass"]
 
 @dataclass
 class OwnPass:
-    """The primary output of the audit's own call and the gradient leaves it was computed from."""
+    """The primary output of the audit's own call, the gradient leaves it was computed from, and each dropout
+    call that ran with ``training=True`` although every module was in eval mode (``(function, p)``)."""
 
     output: torch.Tensor | None
     leaves: list[tuple[str, torch.Tensor]]
+    dropouts: list[tuple[str, float]] = field(default_factory=list)
+
+
+#: the functional dropouts; each takes ``(input, p, training)`` and defaults to ``training=True``
+_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+
+
+def _recording_dropout(name: str, original: Callable[..., Any], seen: list[tuple[str, float]]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        if training is True and isinstance(p, (int, float)) and p > 0:
+            seen.append((name, float(p)))
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _dropouts_recorded(seen: list[tuple[str, float]]) -> Iterator[None]:
+    originals = {name: getattr(F, name) for name in _DROPOUTS}
+    for name, fn in originals.items():
+        setattr(F, name, _recording_dropout(name, fn, seen))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(F, name, fn)
 
 
 @contextlib.contextmanager
@@ -75,9 +106,10 @@ def own_pass(ctx: AuditContext, restore_rng: Callable[[], None],
     try:
         restore_rng()
         ctx.model.eval()
-        with torch.enable_grad():
+        dropouts: list[tuple[str, float]] = []
+        with torch.enable_grad(), _dropouts_recorded(dropouts):
             out = primary_output(ctx.model(*args, **kwargs))
-        yield OwnPass(out, leaves)
+        yield OwnPass(out, leaves, dropouts)
     finally:
         for h in handles:
             h.remove()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._future import measure_future_leak
-from guardtower.preflight._sample_leak import measure_sample_leak
+from guardtower.preflight._sample_leak import eval_pass
 from guardtower.preflight._overfit import at_peak_lr, overfit_losses
 from guardtower.preflight._batch import batch_mapping, confirm_padded_labels_ignored, labelled_padding
 from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
@@ -239,13 +239,16 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                                     "loss predicts the next input token, so the audit checked that a prediction "
                                     "does not read later tokens")
             state.restore_values()
-        if ("leak" in needs and trace.error is None and trace.user_backward and trace.calls
-                and not is_library_model(model)):
-            # step_fn ran the backward, so its graph is gone: the cross-sample probe needs a graph of its own
-            trace.leak = measure_sample_leak(ctx, state.restore_rng)
-            report.notes.append("the model ran once more, in eval mode and without touching any weight: step_fn "
-                                "runs backward itself, so the audit took its own gradient to check that each "
-                                "sample's prediction reads only its own input")
+        probe = "leak" in needs and trace.user_backward
+        if (probe or "eval_mode" in needs) and trace.error is None and trace.calls and not is_library_model(model):
+            # dropout that ignores eval mode; and when step_fn ran the backward (its graph is gone), the
+            # cross-sample probe on a graph of the audit's own
+            leaks, trace.eval_dropouts = eval_pass(ctx, state.restore_rng, probe)
+            if probe:
+                trace.leak = leaks
+                report.notes.append("the model ran once more, in eval mode and without touching any weight: step_fn "
+                                    "runs backward itself, so the audit took its own gradient to check that each "
+                                    "sample's prediction reads only its own input")
             state.restore_values()
         padding = labelled_padding(model, batch_mapping(inputs, trace.calls)) if "padded_labels" in needs else None
         if padding is not None and isinstance(trace.loss, torch.Tensor) and trace.error is None:

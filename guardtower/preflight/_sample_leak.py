@@ -10,7 +10,7 @@ a graph (an ``(n, n)`` adjacency or a ``(2, edges)`` index among the call's tens
 are not probed.
 
 When the audit runs the backward, the probe takes the step's own graph; when ``step_fn`` runs it, the audit's own
-pass of the model (``_own_pass``, eval mode) gives the graph.
+pass of the model (``_own_pass``, eval mode) gives the graph. That pass also sees dropout that ignores eval mode.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from guardtower.preflight._registry import AuditContext
 from guardtower.preflight._trace import LeakEntry
 from guardtower.preflight._util import iter_tensors
 
-__all__ = ["sample_leaks", "measure_sample_leak", "sequence_first_layers"]
+__all__ = ["sample_leaks", "eval_pass", "sequence_first_layers"]
 
 
 def sequence_first_layers(model: nn.Module) -> list[str]:
@@ -74,17 +74,20 @@ def sample_leaks(model: nn.Module, out: torch.Tensor | None, watched: list[tuple
     return result
 
 
-def measure_sample_leak(ctx: AuditContext, restore_rng: Callable[[], None]) -> list[LeakEntry]:
-    """The probe on the audit's own pass (``step_fn`` ran the backward, so the step's graph is gone)."""
+def eval_pass(ctx: AuditContext, restore_rng: Callable[[], None],
+              probe: bool) -> tuple[list[LeakEntry], list[tuple[str, float]]]:
+    """One own pass of the model in eval mode: the cross-sample probe on its graph when ``probe`` (``step_fn``
+    ran the backward, so the step's graph is gone), and the dropouts that ignored eval mode."""
     if ctx.trace is None or not ctx.trace.calls:
-        return []
+        return [], []
     call = ctx.trace.calls[0]
     tensors = [t for _, t in iter_tensors((call.args, call.kwargs), depth=2)]
     batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
-    if batch is None or batch < 2:
-        return []
+    probe = probe and batch is not None and batch >= 2
     try:
-        with own_pass(ctx, restore_rng, lambda t: t.dim() > 0 and t.shape[0] == batch) as run:
-            return sample_leaks(ctx.model, run.output, run.leaves, (call.args, call.kwargs), retain_graph=False)
+        with own_pass(ctx, restore_rng, lambda t: probe and t.dim() > 0 and t.shape[0] == batch) as run:
+            leaks = sample_leaks(ctx.model, run.output, run.leaves, (call.args, call.kwargs),
+                                 retain_graph=False) if probe else []
+            return leaks, run.dropouts
     except Exception:  # noqa: BLE001 - the audit's own pass never fails the audit
-        return []
+        return [], []

@@ -10,14 +10,17 @@ import torch
 
 __all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "FutureLeak", "Supervision", "StepTrace"]
 
-#: extra work a check can declare: ``leak`` one more backward from sample 0's prediction (batch mixing),
+#: extra work a check can declare: ``leak`` one more backward from the first and last samples' predictions
+#: (batch mixing; an eval-mode pass of the model when step_fn runs backward itself),
 #: ``update`` a trial optimizer step on the audit's gradients (undone), ``input_independence`` a second,
 #: gradient-free run of ``step_fn`` on perturbed inputs when no gradient reached the input,
 #: ``padded_labels`` a gradient-free run with the labels on padding changed, when padding carries labels
 #: (does the loss drop padding itself?), ``overfit`` N optimizer steps on the one batch (``audit(steps=N)``),
-#: ``future`` one eval-mode pass of the model for a next-token setup (does a prediction see later tokens?)
-Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future"]
-NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future"})
+#: ``future`` one eval-mode pass of the model for a next-token setup (does a prediction see later tokens?),
+#: ``eval_mode`` one eval-mode pass of a model that is not a library one (does dropout still drop?)
+Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode"]
+NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future",
+                                    "eval_mode"})
 
 
 @dataclass
@@ -149,6 +152,9 @@ class StepTrace:
     input_grads: dict[str, float | None] | None = None
     """watched input (float input or embedding output) -> norm of the gradient the loss sent it, or None"""
     leak: list[LeakEntry] = field(default_factory=list)
+    eval_dropouts: list[tuple[str, float]] | None = None
+    """``(function, p)`` of each functional dropout that ran with ``training=True`` in the audit's eval-mode pass
+    of the model; None when that pass did not run"""
     ran: set[str] = field(default_factory=set)
     """names of the model's submodules whose forward ran during the step"""
     ran_with_grad: set[str] = field(default_factory=set)

@@ -29,6 +29,12 @@ __all__ = ["LossCall"]
 _CLASSIFICATION = ("cross_entropy", "binary_cross_entropy_with_logits", "binary_cross_entropy", "nll_loss")
 _REGRESSION = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss")
 _DIVERGENCE = ("kl_div", "ctc_loss")
+#: the other losses: watched only for a result that carries no gradient
+_OTHER = ("cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss", "hinge_embedding_loss",
+          "soft_margin_loss", "poisson_nll_loss", "gaussian_nll_loss", "multilabel_soft_margin_loss")
+#: the Tensor arithmetic a loss term goes through on its way into the total: scalings, then sums
+_SCALINGS = ("__mul__", "__rmul__", "__truediv__", "__neg__", "mul", "div")
+_SUMS = ("__add__", "__radd__", "__sub__", "__rsub__", "__iadd__", "__isub__", "add", "sub")
 #: losses whose input must be log-probabilities over one dimension
 _LOG_PROB_INPUT = ("nll_loss", "ctc_loss", "kl_div")
 #: losses whose (input, target) roles are not symmetric: the prediction is the input
@@ -81,6 +87,11 @@ class LossCall:
     """the activation the input comes straight from, when it bounds the prediction (``"sigmoid"`` ...)"""
     outside: float = 0.0
     """share of target elements outside that activation's range (regression losses)"""
+    dead: float | None = None
+    """the result's (mean) value when it was computed with gradients enabled yet reaches no trainable parameter:
+    nothing it compares trains (detached, computed under no_grad, or by frozen modules only)"""
+    dead_added: bool = False
+    """that dead result (or a scaling of it) was added to, or subtracted from, a tensor that trains"""
 
 
 #: autograd nodes of activations that bound a prediction, and the range they allow
@@ -198,28 +209,68 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
     ctx.probes["loss_calls"] = calls
     trainable = {id(p) for p in ctx.params.values() if p.requires_grad}
     originals: dict[str, Callable[..., Any]] = {name: getattr(F, name)
-                                                  for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE}
+                                                  for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE + _OTHER}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            described = None
             try:
                 described = _describe(name, args, kwargs, trainable)
                 if described is not None:
                     calls.append(described)
             except Exception:  # observing must never change what the step does
                 pass
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if (described is not None and torch.is_grad_enabled() and isinstance(result, torch.Tensor)
+                    and result.is_floating_point() and result.numel() > 0 and not _trains(result, trainable)):
+                described.dead = float(result.detach().float().mean())
+                dead[id(result)] = (result, described)
+            return result
 
         return wrapper
 
+    # a dead loss result, followed through scalings (0.5 * kd) until it is added to a tensor that trains
+    dead: dict[int, tuple[torch.Tensor, LossCall]] = {}
+    arithmetic = {name: getattr(torch.Tensor, name) for name in _SCALINGS + _SUMS}
+    own = {name for name in arithmetic if name in torch.Tensor.__dict__}  # the others are inherited from C
+
+    def follow(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(op)
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            result = op(self, *args, **kwargs)
+            if dead:
+                try:
+                    operands = [self, *args]
+                    source = next((dead[id(t)] for t in operands if isinstance(t, torch.Tensor) and id(t) in dead),
+                                  None)
+                    if source is not None and isinstance(result, torch.Tensor):
+                        if name in _SUMS and any(isinstance(t, torch.Tensor) and _trains(t, trainable)
+                                                 for t in operands):
+                            source[1].dead_added = True
+                        elif name in _SCALINGS and not _trains(result, trainable):
+                            dead[id(result)] = (result, source[1])
+                except Exception:  # observing must never change what the step does
+                    pass
+            return result
+
+        return method
+
     for name, fn in originals.items():
         setattr(F, name, wrap(name, fn))
+    for name, op in arithmetic.items():
+        setattr(torch.Tensor, name, follow(name, op))
     try:
         yield calls
     finally:
         for name, fn in originals.items():
             setattr(F, name, fn)
+        for name, op in arithmetic.items():
+            if name in own:
+                setattr(torch.Tensor, name, op)
+            else:
+                delattr(torch.Tensor, name)
+        dead.clear()
 
 
 @check("loss", emits=("LOSS-001", "LOSS-002", "LOSS-003", "LOSS-006", "LOSS-007"), always=True)
@@ -580,6 +631,29 @@ def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
                 "DATA-004", {"shifted_matches": shifted, "supervised": n},
             ))
     return findings
+
+
+@check("loss_terms", emits=("LOSS-016",))
+def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
+    """LOSS-016: a loss function's result reaches no trainable parameter, yet it (or a scaling of it) is added to
+    the loss that trains: that term (a distillation target compared with itself, an adversarial term on a detached
+    fake judged by a frozen discriminator) changes the loss value and trains nothing. A dead result that is only
+    logged, or a zero the total starts from, is not added that way."""
+    trace = ctx.trace
+    calls: list[LossCall] = ctx.probes.get("loss_calls", [])
+    added = [call for call in calls if call.dead_added]
+    if trace is None or trace.error is not None or not trace.loss_requires_grad or not added:
+        return []
+    first = added[0]
+    return [Finding(
+        "loss_terms", Severity.WARN,
+        f"{first.fn} (input {list(first.input_shape)}, value {first.dead:.4g}) was computed with gradients on, yet "
+        f"its result has no gradient: nothing it compares trains (both sides detached, computed under no_grad, or "
+        f"by frozen modules only), and it is added to the trained loss, where it trains "
+        "nothing; compute the side that should learn from the trained model (e.g. the student's logits, the "
+        "generator's fake without .detach()), or drop the term",
+        "LOSS-016", {"fn": first.fn, "value": first.dead, "dead_terms": [c.fn for c in added][:8]},
+    )]
 
 
 @check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011"),

@@ -282,6 +282,25 @@ def check_dropout_rate(ctx: AuditContext) -> Iterable[Finding]:
     )]
 
 
+@check("eval_dropout", emits=("MODE-008",), needs=("eval_mode",))
+def check_eval_dropout(ctx: AuditContext) -> Iterable[Finding]:
+    """MODE-008: a functional dropout called with ``training=True`` (the default of ``F.dropout``) keeps dropping in
+    eval mode: validation and inference are noisy and scored below what the model can do."""
+    dropouts = ctx.trace.eval_dropouts if ctx.trace is not None else None
+    if not dropouts:
+        return []
+    functions = sorted({name for name, _ in dropouts})
+    rates = sorted({p for _, p in dropouts})
+    return [Finding(
+        "eval_dropout", Severity.WARN,
+        f"with the whole model in eval mode, {len(dropouts)} call(s) of F.{', F.'.join(functions)} still dropped "
+        f"activations (p={rates}): their training argument is True (F.dropout's default), not self.training, so "
+        "evaluation and inference stay random and score below the model's real accuracy; pass "
+        "training=self.training or use an nn.Dropout module (if this is deliberate Monte Carlo dropout, ignore)",
+        "MODE-008", {"functions": functions, "p": rates, "calls": len(dropouts)},
+    )]
+
+
 def _at_or_above(model: nn.Module, value: Callable[[nn.Module], float | None], limit: float) -> tuple[list[str],
                                                                                                     list[float]]:
     """The submodules whose ``value`` (None: not judged) is at least ``limit``, and the distinct values."""
