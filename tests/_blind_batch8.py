@@ -947,11 +947,13 @@ CASES: list[BlindCase] = [
     BlindCase("b8-case-02", "https://github.com/HHousen/TransformerSum/pull/35", "tokenization / segment ids",
               "the segment flag is toggled before each [SEP] is appended: every [SEP] gets the next sentence's "
               "token_type_id, so the alternating segments are misaligned with the sentences", _c02_build,
-              _c02_proof),
+              _c02_proof,
+              known_miss="blind batch 8: the [SEP] tokens' segment ids are a tokenization convention; no invariant knows which segment a separator belongs to"),
     BlindCase("b8-case-03", "https://github.com/datawhalechina/easy-rl/pull/117", "RL / gradient flow",
               "the Double DQN target network is the policy network itself and the TD target is not detached: the "
               "update backpropagates through the bootstrap target instead of a semi-gradient", _c03_build,
-              _c03_proof),
+              _c03_proof,
+              known_miss="blind batch 8: a regression target that is computed by the trained network itself (no target network, not detached) is not judged; consistency losses do that on purpose"),
     BlindCase("b8-case-04", "https://github.com/allenai/allennlp/issues/5342", "masks / padding",
               "T5 targets padded with pad_token_id are passed as labels without replacing the pads by -100: the "
               "loss is also computed on the padding", _c04_build, _c04_proof),
@@ -966,7 +968,8 @@ CASES: list[BlindCase] = [
               "statistics keep updating during fine-tuning", _c07_build, _c07_proof),
     BlindCase("b8-case-08", "https://github.com/huggingface/cookbook/issues/248", "data pipeline / augmentation",
               "the random flips of the train transforms are applied to the images but not to the label maps: "
-              "flipped images are trained against unflipped masks", _c08_build, _c08_proof),
+              "flipped images are trained against unflipped masks", _c08_build, _c08_proof,
+              known_miss="blind batch 8: the flip is a data-pipeline draw applied to the image only; one step cannot tell an aligned label map from a flipped one"),
     BlindCase("b8-case-09", "https://github.com/GoogleCloudPlatform/vertex-ai-samples/issues/1599",
               "data preprocessing / normalization",
               "the per-feature max scaling loop indexes rows instead of columns: the first 13 samples are "

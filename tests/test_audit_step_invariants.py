@@ -1211,6 +1211,92 @@ def _dropout_left_on(bug: bool) -> Case:
     return m, lambda: F.cross_entropy(m(x), y), {}
 
 
+# --- what another optimizer, a non-shifting causal LM and a per-epoch decay mean ---------------------------------
+def test_sched_003_leaves_a_decay_without_a_length_stepped_per_epoch_alone() -> None:
+    # ExponentialLR has no planned length: not stepped in the step, it is stepped per epoch (say 50 of 10 batches)
+    model, step, kwargs = _scheduled(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.99), total=500, per_step=0)
+    assert not audit(model, step, **kwargs).by_id("SCHED-003")
+
+
+class _TwoPlayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+
+
+@case("OPT-001/second-optimizer-misses-a-part")
+def _gan_with_two_optimizers(bug: bool) -> Case:
+    m = _TwoPlayers()
+    opt_g = torch.optim.Adam(m.g.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam([m.d.weight] if bug else list(m.d.parameters()), lr=1e-3)  # bug: d.bias in neither
+    z, real = torch.randn(6, 8), torch.randn(6, 8)
+
+    def step() -> torch.Tensor:
+        opt_d.zero_grad()
+        d_loss = F.softplus(-m.d(real)).mean() + F.softplus(m.d(m.g(z).detach())).mean()
+        d_loss.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        g_loss = F.softplus(-m.d(m.g(z))).mean()
+        g_loss.backward()
+        opt_g.step()
+        return g_loss
+
+    return m, step, {"optimizer": opt_g}  # the generator's: the other optimizer is seen stepping
+
+
+def test_data_004_trusts_the_measured_shift_not_the_class_name() -> None:
+    from transformers import MBartConfig, MBartForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MBartConfig(vocab_size=40, d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32,
+                      encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, max_position_embeddings=32,
+                      pad_token_id=1, bos_token_id=0, eos_token_id=2, dropout=0.0)
+    m = MBartForCausalLM(cfg)
+    ids = torch.randint(3, 40, (4, 12), generator=torch.Generator().manual_seed(8))
+    shifted = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], dim=1)  # MBartForCausalLM does not shift labels
+    report = audit(m, lambda: m(input_ids=ids, labels=shifted).loss)
+    assert not [f for f in report if f.catalog_id in ("DATA-004", "DATA-006") and f.severity >= Severity.WARN]
+    assert report.by_id("DATA-006") == [] and audit(m, lambda: m(input_ids=ids, labels=ids).loss).by_id("DATA-006")
+
+
+def test_data_002_checks_a_loss_that_masks_padding_itself_also_when_step_fn_runs_backward() -> None:
+    class _MaskedTagger(nn.Module):  # the loss multiplies padding out, so labels there do not matter
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.out = nn.Embedding(20, 16, padding_idx=0), nn.Linear(16, 5)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            nll = F.cross_entropy(self.out(self.emb(input_ids)).transpose(1, 2), labels, reduction="none")
+            return (nll * attention_mask).sum() / attention_mask.sum()
+
+    m = _MaskedTagger()
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 6 + [0] * 2])
+    ids = torch.randint(1, 20, (3, 8), generator=torch.Generator().manual_seed(9)) * mask
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 5, (3, 8)) * mask}
+    model, step, kwargs = _user_step(m, lambda: m(**batch))
+    assert not audit(model, step, inputs=batch, **kwargs).by_id("DATA-002")
+
+
+@case("INPUT-008/one-id-per-sample")
+def _entity_zero_is_padding(bug: bool) -> Case:
+    class _Scorer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.entity = nn.Embedding(12, 8, **({"padding_idx": 0} if bug else {}))
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.entity(ids)).squeeze(-1)
+
+    m = _Scorer()
+    ids, y = torch.arange(16) % 12, torch.randn(16)  # entity 0 is a real entity
+    return m, lambda: F.mse_loss(m(ids), y), {}
+
+
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_triggers(key: str) -> None:

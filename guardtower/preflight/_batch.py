@@ -40,15 +40,17 @@ def labelled_padding(model: nn.Module, batch: Mapping[str, Any] | None) -> tuple
 
 
 def confirm_padded_labels_ignored(step_fn: Callable[[], Any], labels: torch.Tensor, leaked: torch.Tensor,
-                                  loss: torch.Tensor, rng: Callable[[], None]) -> bool | None:
-    """Re-run ``step_fn`` without gradients with the labels on padding changed in place (put back afterwards) and
-    the same RNG stream; True when the loss is bitwise unchanged: the loss drops padding itself (ELECTRA)."""
+                                  loss: torch.Tensor, rng: Callable[[], None], *, backward: bool) -> bool | None:
+    """Re-run ``step_fn`` with the labels on padding changed in place (put back afterwards) and the same RNG
+    stream; True when the loss is bitwise unchanged: the loss drops padding itself (ELECTRA, a CRF that masks).
+    Without gradients, unless ``step_fn`` runs ``backward()`` itself (the caller puts the weights back)."""
     saved = labels.detach().clone()
     try:
         with torch.no_grad():
             top = int(labels[labels != -100].max()) + 1
             labels[leaked] = (labels[leaked] + 1) % max(top, 2)
-            rng()
+        rng()
+        with torch.set_grad_enabled(backward):
             out = step_fn()
     except Exception:
         return None

@@ -252,11 +252,13 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             state.restore_values()
         padding = labelled_padding(model, batch_mapping(inputs, trace.calls)) if "padded_labels" in needs else None
         if padding is not None and isinstance(trace.loss, torch.Tensor) and trace.error is None:
-            report.notes.append("step_fn ran once more, without gradients and with the labels on padding changed "
-                                "(then put back): padding carries labels, so the audit checked whether the loss uses them")
+            how = "with its own backward (weights put back)" if trace.user_backward else "without gradients"
+            report.notes.append(f"step_fn ran once more, {how} and with the labels on padding changed (then put "
+                                "back): padding carries labels, so the audit checked whether the loss uses them")
             with state.isolated_optimizers():
                 trace.padded_labels_ignored = confirm_padded_labels_ignored(counted_step, *padding, trace.loss,
-                                                                            state.restore_rng)
+                                                                            state.restore_rng,
+                                                                            backward=trace.user_backward)
             state.restore_values()
         if steps and "overfit" in needs and trace.backward and trace.error is None:
             if trace.user_backward:

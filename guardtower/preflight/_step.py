@@ -258,7 +258,14 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
 
         return wrapper
 
+    def any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if all(opt is not seen for seen in trace.stepped_optimizers):
+            trace.stepped_optimizers.append(opt)
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in ctx.params.values() if p.requires_grad]
+    handles.append(register_optimizer_step_pre_hook(any_step))
     base = base_optimizer(ctx.optimizer)
     if base is not None:
         handles += [base.register_step_pre_hook(pre_step), base.register_step_post_hook(post_step)]

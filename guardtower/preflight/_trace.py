@@ -133,6 +133,8 @@ class StepTrace:
     backward and zero_grad merged)"""
     loss_weights: list[tuple[torch.Tensor, str]] = field(default_factory=list)
     """``(weight, reduction)`` of each class-weighted ``cross_entropy``/``nll_loss`` call ``step_fn`` made"""
+    stepped_optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    """every optimizer ``step_fn`` stepped (the one given as ``optimizer=`` and any other, e.g. a GAN's second)"""
     backward_versions: list[int] = field(default_factory=list)
     """for each ``"backward"`` of ``loop_events``: the summed in-place version counters of the trainable
     tensors when it began (equal across two backwards: no weight changed in between)"""

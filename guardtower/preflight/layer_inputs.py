@@ -100,6 +100,14 @@ def _layer_inputs(ctx: AuditContext) -> Iterator[LayerInputs]:
             h.remove()
 
 
+def _longest_run(hits: torch.Tensor) -> int:
+    longest = run = 0
+    for hit in hits.tolist():
+        run = run + 1 if hit else 0
+        longest = max(longest, run)
+    return longest
+
+
 def _interior(ids: torch.Tensor, pad: int) -> torch.Tensor:
     """Positions holding ``pad`` with a different token both before and after them in their row: a real token,
     not left or right padding."""
@@ -126,17 +134,34 @@ def _padded_with(ids: torch.Tensor, mask: Any) -> set[int]:
     return {q for q, lengths in runs.items() if len(lengths) >= 2 or max(lengths) >= 3}
 
 
+#: in a 1-d lookup, the padding id counts as a real id when it is at most this share of the ids, never 3 in a row
+_PER_SAMPLE_PAD_SHARE = 0.5
+
+
 @check("embedding_padding", emits=("INPUT-008",))
 def check_embedding_padding(ctx: AuditContext) -> Iterable[Finding]:
     """INPUT-008: an embedding's ``padding_idx`` is a token the batch uses inside its sequences while it pads
     with another id. The row of ``padding_idx`` gets no gradient by construction, so that token (an ``<unk>``, a
-    separator) never trains. Without visible padding the audit cannot tell a real token from a random test id."""
+    separator) never trains. Without visible padding the audit cannot tell a real token from a random test id, except
+    in a lookup of one id per sample (no sequence axis), which has no padding at all."""
     seen: LayerInputs | None = ctx.probes.get("layer_inputs")
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     mask = batch.get("attention_mask") if batch is not None else None
     findings = []
     for name, (pad, ids) in (seen.padding_ids.items() if seen else ()):
         if ids.is_floating_point() or ids.dim() == 0 or ids.shape[-1] < 3:
+            continue
+        if ids.dim() == 1:  # one id per sample (an entity, a user, a relation): no sequence, so no padding
+            hits = ids == pad
+            count = int(hits.sum())
+            if count and count <= _PER_SAMPLE_PAD_SHARE * ids.numel() and _longest_run(hits) < 3:
+                findings.append(Finding(
+                    "embedding_padding", Severity.WARN,
+                    f"{name} has padding_idx={pad} and is looked up with one id per sample, {count} of which are "
+                    f"{pad}: a batch of single ids has no padding, so id {pad} is a real entity whose row never gets "
+                    "a gradient and never trains; drop padding_idx (or shift the ids by one)",
+                    "INPUT-008", {"module": name, "padding_idx": pad, "inside": count, "pads_with": []},
+                ))
             continue
         interior = _interior(ids, pad)
         if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:

@@ -588,6 +588,23 @@ def _unsupervised_rows(ctx: AuditContext, labels: Any, mask: Any) -> list[Findin
     )]
 
 
+def _model_shifts(ctx: AuditContext, labels: torch.Tensor) -> bool | None:
+    """Whether the model's loss pulls position t towards ``labels[t+1]`` (it shifts the labels itself), as the
+    real backward measured it (``_supervision``); None when no measurement lines up with the labels. A model
+    named ``*ForCausalLM`` need not shift (``MBartForCausalLM`` scores position t against ``labels[t]``)."""
+    trace = ctx.trace
+    rec = next((r for r in (trace.supervision if trace is not None else []) if r.call == 0 and r.target is not None
+                and tuple(r.target.shape) == tuple(labels.shape)), None)
+    if rec is None or rec.target is None:
+        return None
+    target, lab = rec.target[:, :-1], labels.detach().cpu()
+    pulled = (rec.magnitude[:, :-1] > 0) & (target >= 0)
+    n = int(pulled.sum())
+    if n < 4:
+        return None
+    return int(((target == lab[:, 1:]) & pulled).sum()) >= 0.9 * n
+
+
 def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     """DATA-003 every real EOS masked to -100 (pad_token = eos_token), DATA-004 labels already shifted by the
     user and shifted again inside the model, DATA-010 no label is EOS."""
@@ -619,7 +636,7 @@ def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
             ))
     supervised = labels[:, :-1] != -100
     n = int(supervised.sum())
-    if n >= 4 and ids.shape[1] >= 3:
+    if n >= 4 and ids.shape[1] >= 3 and _model_shifts(ctx, labels) is not False:
         shifted = int(((labels[:, :-1] == ids[:, 1:]) & supervised).sum())
         same = int(((labels == ids) & (labels != -100)).sum())
         if shifted >= 0.9 * n and same < 0.5 * n:

@@ -82,6 +82,10 @@ def _judge(walk: Walk, gi: int, base_lr: float | None = None) -> tuple[str, str,
     return None
 
 
+#: schedules defined by a per-step factor or milestones alone, with no planned length that would tell their cadence
+_NO_HORIZON = ("ExponentialLR", "StepLR", "MultiStepLR", "MultiplicativeLR")
+
+
 @check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003", "SCHED-004", "SCHED-005"))
 def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
     """SCHED-001 the lr reaches ~0 early, SCHED-002 the run ends inside the warmup, SCHED-003 a per-step
@@ -114,7 +118,11 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
         fits = per_step is not None and all(_judge(per_step, gi) is None for gi in range(len(per_step.lrs)))
         moves = fits and per_step is not None and any(
             max(s) > MOVES * max(min(s), 1e-30) or max(s) > 0 == min(s) for s in per_step.lrs)
-        if cadence >= 2 or moves:
+        # a decay with no length of its own (ExponentialLR, StepLR) says nothing of its cadence: not stepped by a
+        # step of one optimizer step, it may well be stepped per epoch outside; a step_fn that runs several
+        # optimizer steps (an epoch) and no scheduler step leaves it unstepped
+        horizon = type(ctx.lr_scheduler).__name__ not in _NO_HORIZON
+        if cadence >= 2 or (moves and (horizon or opt_steps >= 2)):
             name = type(ctx.lr_scheduler).__name__
             findings.append(Finding(
                 "lr_schedule", Severity.WARN,

@@ -72,14 +72,18 @@ def _repeated_children(model: nn.Module) -> Iterable[Finding]:
 
 @check("optimizer_coverage", emits=("OPT-001", "OPT-003"), static=True)
 def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
-    """OPT-001 trainable parameters the optimizer does not update, OPT-003 a stale optimizer."""
+    """OPT-001 trainable parameters that neither the optimizer nor another one the step steps updates, OPT-003 a
+    stale optimizer."""
     if ctx.optimizer is None:
         return []
     in_opt = optimizer_tensors(ctx.optimizer)
     opt_ids = {id(t) for _, t in in_opt}
+    # a second optimizer the step also steps (a GAN's discriminator) updates its parameters
+    others = ctx.trace.stepped_optimizers if ctx.trace is not None else []
+    stepped = opt_ids | {id(p) for opt in others for g in opt.param_groups for p in g["params"]}
     all_model = {id(p) for p in ctx.model.parameters()}
     trainable = {n: p for n, p in ctx.params.items() if p.requires_grad}
-    missing = [n for n, p in trainable.items() if id(p) not in opt_ids]
+    missing = [n for n, p in trainable.items() if id(p) not in stepped]
     foreign = [t for _, t in in_opt if id(t) not in all_model]
     findings = []
     stale_all = bool(trainable) and bool(in_opt) and len(missing) == len(trainable)
@@ -107,7 +111,8 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
         else:
             findings.append(Finding(
                 "optimizer_coverage", Severity.ERROR,
-                f"{len(missing)} trainable parameter(s) are NOT in the optimizer (in no param group) and will never be "
+                f"{len(missing)} trainable parameter(s) are NOT in the optimizer (in no param group of any optimizer the step "
+                "steps) and will never be "
                 f"updated: {fmt_names(missing)}",
                 "OPT-001", {"params": missing},
             ))
