@@ -7,6 +7,7 @@ updates, LR-scheduler bookkeeping, guards) do not fire for an update that is rol
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ def _step_chunk(opt: torch.optim.Optimizer, raw: Any, chunk: list[torch.Tensor])
     try:
         raw(opt)
         with torch.no_grad():
-            return [_measure(p, before, moved_without_grad(p, before, grad_rows(p.grad))) for p, before in zip(chunk, befores)]
+            return [_measure(p, before) for p, before in zip(chunk, befores)]
     finally:
         for p, before, state, state_copy in zip(chunk, befores, saved, saved_copies):
             with torch.no_grad():
@@ -81,17 +82,21 @@ def _step_chunk(opt: torch.optim.Optimizer, raw: Any, chunk: list[torch.Tensor])
             _restore_state(opt, p, state, state_copy)
 
 
-def _measure(p: torch.Tensor, before: torch.Tensor, moved: Moved | None) -> UpdateStats:
+def _measure(p: torch.Tensor, before: torch.Tensor) -> UpdateStats:
+    """A few passes over the tensor: the step's delta, two norms, the gradient's non-zeros and the stuck ones.
+    A NaN or Inf the step wrote shows in the delta's norm (non-finite while the weights before were finite), and
+    an unchanged tensor has a zero delta."""
     delta = p.detach().float() - before.float()
-    p_norm = float(before.float().norm())
-    d_norm = float(delta.norm())
-    moving = p.grad != 0 if p.grad is not None else torch.zeros_like(p, dtype=torch.bool)
-    n_moving = int(moving.sum())
-    stuck = float(((delta == 0) & moving).sum()) / n_moving if n_moving else 0.0
+    p_norm = float(torch.linalg.vector_norm(before.float()))
+    d_norm = float(torch.linalg.vector_norm(delta))
+    grad = p.grad
+    n_moving = int(torch.count_nonzero(grad)) if grad is not None else 0
+    stuck = float(torch.count_nonzero((delta == 0) & (grad != 0))) / n_moving if n_moving and grad is not None else 0.0
     ratio = d_norm / p_norm if p_norm > 0 else (float("inf") if d_norm > 0 else 0.0)
-    finite = bool(torch.isfinite(p).all()) or not bool(torch.isfinite(before).all())
+    finite = math.isfinite(d_norm) or not math.isfinite(p_norm)
+    moved = moved_without_grad(p, before, grad_rows(grad), unchanged=d_norm == 0)
     return UpdateStats(ratio=ratio, stuck_fraction=stuck, dtype=str(p.dtype).replace("torch.", ""), ndim=p.dim(),
-                       finite=finite, moved_without_grad=moved, has_grad=p.grad is not None)
+                       finite=finite, moved_without_grad=moved, has_grad=grad is not None)
 
 
 def grad_rows(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -103,14 +108,14 @@ def grad_rows(grad: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def moved_without_grad(p: torch.Tensor, before: torch.Tensor, rows_with_grad: torch.Tensor | None,
-                       zeroed: torch.Tensor | None = None) -> Moved | None:
+                       zeroed: torch.Tensor | None = None, *, unchanged: bool | None = None) -> Moved | None:
     """How a step moved ``p`` where its gradient gave it nothing to follow: the whole tensor when it had no
     gradient at all (None: cut from the graph, run under no_grad), or the rows whose gradient the step zeroed
     between backward and ``optimizer.step()`` (``zeroed``: rows that had a gradient after backward and none
     at the step). An all-zero gradient from backward itself is left alone: LoRA factors and zero-initialised
-    gates have one at the first step by design."""
+    gates have one at the first step by design. ``unchanged``: whether ``p`` equals ``before``, when known."""
     with torch.no_grad():
-        if torch.equal(p, before):
+        if unchanged if unchanged is not None else torch.equal(p, before):
             return None
         if rows_with_grad is None:
             return Moved(whole=True)

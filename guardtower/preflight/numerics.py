@@ -209,12 +209,25 @@ def _record(ctx: AuditContext) -> ActivationRecord | None:
     return rec if isinstance(rec, ActivationRecord) else None
 
 
+def _nonfinite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating tensors holding a NaN or an Inf: one max-abs pass per tensor (the infinity norm,
+    which NaN and Inf both reach), batched per device and dtype, instead of a boolean copy of each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        if t.is_floating_point() and t.device.type != "meta" and t.numel() > 0:
+            groups.setdefault((t.device, t.dtype), []).append((name, t))
+    bad: set[str] = set()
+    for members in groups.values():
+        norms = torch.stack(torch._foreach_norm([t for _, t in members], float("inf"))).float()
+        bad.update(name for (name, _), ok in zip(members, torch.isfinite(norms).tolist()) if not ok)
+    return [name for name, _ in named if name in bad]
+
+
 @check("nonfinite", emits=("NAN-001", "NAN-002", "NAN-003"))
 def check_nonfinite(ctx: AuditContext) -> Iterable[Finding]:
     """NAN-003 parameters/buffers already non-finite, NAN-001 forward, NAN-002 gradients."""
     findings = []
-    bad_state = [n for n, t in (*ctx.model.named_parameters(), *ctx.model.named_buffers())
-                 if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t.detach()).all())]
+    bad_state = _nonfinite([(n, t.detach()) for n, t in (*ctx.model.named_parameters(), *ctx.model.named_buffers())])
     if bad_state:
         findings.append(Finding(
             "nonfinite", Severity.ERROR,
@@ -233,8 +246,7 @@ def check_nonfinite(ctx: AuditContext) -> Iterable[Finding]:
         ))
     trace = ctx.trace
     if trace is not None and trace.backward:
-        bad = [n for n, g in trace.grads.items()
-               if g is not None and g.is_floating_point() and not bool(torch.isfinite(g).all())]
+        bad = _nonfinite([(n, g) for n, g in trace.grads.items() if g is not None])
         if bad:
             findings.append(Finding(
                 "nonfinite", Severity.ERROR,
