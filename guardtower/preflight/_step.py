@@ -284,6 +284,14 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
             if isinstance(weight, torch.Tensor):
                 trace.loss_weights.append((weight.detach().float().cpu(), str(kwargs.get("reduction", "mean"))))
+                target = kwargs.get("target", args[1] if len(args) > 1 else None)
+                ignore = kwargs.get("ignore_index", -100)
+                if (isinstance(target, torch.Tensor) and not target.is_floating_point() and weight.dim() == 1
+                        and target.numel()):
+                    kept = target.detach()[target.detach() != ignore].flatten().cpu()
+                    if kept.numel() and int(kept.min()) >= 0 and int(kept.max()) < weight.shape[0]:
+                        trace.class_counts.append((weight.detach().float().cpu(),
+                                                   torch.bincount(kept, minlength=weight.shape[0])))
             return original(*args, **kwargs)
 
         return wrapper

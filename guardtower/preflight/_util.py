@@ -95,6 +95,15 @@ def is_causal_lm(model: Any) -> bool:
     return "CausalLM" in name or name.endswith("LMHeadModel")
 
 
+def stepped_elsewhere(ctx: Any) -> set[int]:
+    """Ids of the tensors held by optimizers ``step_fn`` stepped besides the one given (a GAN's discriminator
+    optimizer): they train, even though the given optimizer does not hold them."""
+    trace = getattr(ctx, "trace", None)
+    given = {id(ctx.optimizer), id(base_optimizer(ctx.optimizer))}
+    others = [opt for opt in (trace.stepped_optimizers if trace is not None else []) if id(opt) not in given]
+    return {id(p) for opt in others for g in opt.param_groups for p in g["params"]}
+
+
 def is_library_model(model: Any) -> bool:
     """A model class from transformers or peft, used as it ships: its forward keeps the samples of a batch apart."""
     return type(model).__module__.split(".")[0] in ("transformers", "peft")

@@ -23,7 +23,7 @@ from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight.positions import hf_config
 from guardtower.preflight._step import MODE_SENSITIVE
 from guardtower.preflight._trace import RootCall
-from guardtower.preflight._util import fmt_names, optimizer_tensors
+from guardtower.preflight._util import fmt_names, optimizer_tensors, stepped_elsewhere
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -217,8 +217,13 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
     if not isinstance(record, FrozenPartsRecord):
         return []
     findings = []
-    if record.stochastic:
-        parts = record.stochastic
+    # a part another optimizer of the step trains (a GAN's discriminator during the generator's update) is not frozen
+    elsewhere = stepped_elsewhere(ctx)
+    modules = dict(ctx.model.named_modules())
+    trains = {n for n in (*record.stochastic, *record.moved)
+              if n in modules and any(id(p) in elsewhere for p in modules[n].parameters())}
+    if [p for p in record.stochastic if p not in trains]:
+        parts = [p for p in record.stochastic if p not in trains]
         findings.append(Finding(
             "frozen_parts", Severity.WARN,
             f"frozen part(s) {fmt_names(parts)} (requires_grad=False) are stochastic in this step: their forward "
@@ -229,7 +234,7 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
         ))
     components = frozen_components(ctx)
     for own in (True, False):
-        parts = [p for p in record.moved if (p in components) == own]
+        parts = [p for p in record.moved if (p in components) == own and p not in trains]
         if not parts:
             continue
         layers = [n for p in parts for n in record.moved[p]]

@@ -10,7 +10,7 @@ from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._schedule import LOOKAHEAD_STEPS, peak_lrs
-from guardtower.preflight._util import base_optimizer, fmt_names, optimizer_tensors
+from guardtower.preflight._util import base_optimizer, fmt_names, optimizer_tensors, stepped_elsewhere
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -78,9 +78,7 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
         return []
     in_opt = optimizer_tensors(ctx.optimizer)
     opt_ids = {id(t) for _, t in in_opt}
-    # a second optimizer the step also steps (a GAN's discriminator) updates its parameters
-    others = ctx.trace.stepped_optimizers if ctx.trace is not None else []
-    stepped = opt_ids | {id(p) for opt in others for g in opt.param_groups for p in g["params"]}
+    stepped = opt_ids | stepped_elsewhere(ctx)  # a GAN's discriminator optimizer updates its parameters
     all_model = {id(p) for p in ctx.model.parameters()}
     trainable = {n: p for n, p in ctx.params.items() if p.requires_grad}
     missing = [n for n, p in trainable.items() if id(p) not in stepped]

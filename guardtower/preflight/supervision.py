@@ -173,7 +173,8 @@ def _one_class(rec: Supervision) -> Finding | None:
 
 
 def _weights_follow_frequency(rec: Supervision) -> Finding | None:
-    """DATA-008: per-class loss weights that grow with how often the class occurs in the batch."""
+    """DATA-008: per-class loss weights, measured per sample, that grow with how often the class occurs in the
+    batch."""
     if not _per_sample(rec):
         return None
     assert rec.target is not None and rec.weight is not None
@@ -184,6 +185,22 @@ def _weights_follow_frequency(rec: Supervision) -> Finding | None:
         return None
     counts = torch.stack([(targets == c).sum() for c in classes]).float()
     means = torch.stack([weights[targets == c].mean() for c in classes])
+    return _grows_with_frequency(classes, counts, means)
+
+
+def _class_weights_follow_frequency(ctx: AuditContext) -> Finding | None:
+    """DATA-008 from a ``weight=`` handed to ``cross_entropy``/``nll_loss`` and the classes of that call's targets
+    (any shape: per token, per pixel, per frame)."""
+    for weight, counts in ctx.trace.class_counts if ctx.trace is not None else []:
+        present = torch.nonzero(counts).flatten()
+        if present.numel() >= 2:
+            found = _grows_with_frequency(present, counts[present].float(), weight[present])
+            if found is not None:
+                return found
+    return None
+
+
+def _grows_with_frequency(classes: torch.Tensor, counts: torch.Tensor, means: torch.Tensor) -> Finding | None:
     if float(counts.max()) < 2 * float(counts.min()) or float(means.max()) < UNEQUAL * float(means.min()):
         return None
     if int(counts.argmax()) != int(means.argmax()) or int(counts.argmin()) != int(means.argmin()):
@@ -278,11 +295,14 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
     """What the loss supervises against the batch, the config and the step's accumulation."""
     trace = ctx.trace
-    if trace is None or trace.error is not None or not trace.supervision:
+    if trace is None or trace.error is not None:
         return []
-    findings: list[Finding] = []
+    explicit = _class_weights_follow_frequency(ctx)
+    findings: list[Finding] = [explicit] if explicit is not None else []
+    if not trace.supervision:
+        return findings
     labelled = labelled_padding(ctx.model, batch_mapping(ctx.inputs, trace.calls)) is not None  # DATA-002's case
-    seen: set[str] = set()
+    seen: set[str] = {f.catalog_id for f in findings}
     for rec in trace.supervision:
         if rec.call >= len(trace.calls):
             continue
