@@ -372,7 +372,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         trace.backward = trace.user_backward = True
     elif loss.requires_grad and trace.error is None:
         target = loss if loss.numel() == 1 else loss.float().mean()
-        if leak_analysis:  # one extra backward from sample 0's prediction; only input_dependency reads it
+        if leak_analysis:  # one extra backward from the probed samples' predictions; only input_dependency reads it
             try:
                 trace.leak = _leak_analysis(ctx.model, calls, watch)
             except RuntimeError:

@@ -85,7 +85,7 @@ class Supervision:
 
 @dataclass(frozen=True)
 class LeakEntry:
-    """How much sample 0's prediction depends on one watched input of the other samples."""
+    """How much the probed samples' predictions (the first, and the last) depend on one watched input of the others."""
 
     input: str
     own: float
