@@ -204,5 +204,25 @@ def test_a_replayed_step_is_skipped_unjudged_and_accumulated_batches_are_quarant
     assert quarantine.positions() == {(0, 2), (0, 3)} and quarantine.contains(2, 0, micro_batches=2)
     assert not quarantine.contains(4, 0, micro_batches=2) and quarantine.contains(3, 0)
     assert [i for i, _ in quarantine.skip("abcdef", epoch=0)] == [0, 1, 4, 5]
-    assert len(quarantine.merged(guard.quarantine)) == 1 and quarantine.agreed() is quarantine
+    assert len(quarantine.merged(guard.quarantine)) == 1 and quarantine.agreed().positions() == quarantine.positions()
     guard.close()
+
+
+def test_a_quarantine_recorded_at_another_world_size_is_kept_but_not_replayed(tmp_path: Path) -> None:
+    net, guard, _ = make(tmp_path)
+    for step in range(1, 8):
+        x, y = batch(step, bad=step == 5)
+        guard.zero_grad()
+        loss = ((net(x) - y) ** 2).mean()
+        loss.backward()
+        guard.observe_batch((x, y), index=step - 1, epoch=0)
+        guard.step(loss=loss)
+    (entry,) = guard.quarantine.entries
+    assert entry["world_size"] == 1
+    assert guard.quarantine.agreed().positions() == {(0, 4)}  # the same world size: replayed
+    at_four = Quarantine([{**entry, "world_size": 4}])
+    with pytest.warns(RuntimeWarning, match="world size \\[4\\] and are not replayed at world size 1"):
+        resumed = at_four.agreed()
+    assert resumed.positions() == frozenset() and len(resumed) == 1 and resumed.unreplayable == resumed.entries
+    legacy = {k: v for k, v in entry.items() if k != "world_size"}  # written before entries named their world size
+    assert Quarantine([legacy]).agreed().positions() == {(0, 4)}

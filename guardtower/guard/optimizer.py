@@ -899,8 +899,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             triage=triage, triage_ranks=outcome.ranks if outcome is not None else (),
         ))
         if action != "clip":  # a clipped step was applied: its batch trained, nothing to leave out
-            self._remember(make_entry(run=self.run, rank=rank, step=record.step, reason=reason, action=action,
-                                      ranks=ranks, batch=batch, triage=triage), outcome)
+            world = self._rank_slots().world if self._distributed() else 1
+            self._remember(make_entry(run=self.run, rank=rank, world_size=world, step=record.step, reason=reason,
+                                      action=action, ranks=ranks, batch=batch, triage=triage), outcome)
         if action == "clip":
             self._total_clips += 1
         elif action == "skip":

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, TypeVar
@@ -148,10 +149,11 @@ def write_entry(log_dir: Path, entry: Mapping[str, Any]) -> None:
     write_whole(log_dir / quarantine_filename(int(entry["rank"])), line.encode())
 
 
-def make_entry(*, run: str, rank: int, step: int, reason: str, action: str, ranks: Iterable[int],
+def make_entry(*, run: str, rank: int, world_size: int, step: int, reason: str, action: str, ranks: Iterable[int],
                batch: Mapping[str, Any], triage: str | None) -> dict[str, Any]:
-    return {"format": QUARANTINE_FORMAT, "run": run, "rank": rank, "step": step, "time": time.time(),
-            "reason": reason, "action": action, "ranks": list(ranks), "batch": dict(batch), "triage": triage}
+    return {"format": QUARANTINE_FORMAT, "run": run, "rank": rank, "world_size": world_size, "step": step,
+            "time": time.time(), "reason": reason, "action": action, "ranks": list(ranks), "batch": dict(batch),
+            "triage": triage}
 
 
 def check_entries(entries: Any, argument: str = "state_dict") -> list[dict[str, Any]]:
@@ -189,15 +191,22 @@ class Quarantine:
     """Rejected batches to leave out on resume: ``(epoch, index)`` positions, agreed by every rank.
 
     Only entries with a batch ``index`` can be replayed (a loop that passed ``index=`` to ``observe_batch``,
-    or the callbacks); entries triaged ``transient`` are kept for the record and never replayed.
+    or the callbacks); entries triaged ``transient`` are kept for the record and never replayed. With
+    ``world_size``, an entry recorded at another world size is not replayed either (``unreplayable``): each rank's
+    loader then deals other samples at the same ``(epoch, index)``, so skipping that position would skip good
+    data and train on the bad batch.
     """
 
-    def __init__(self, entries: Iterable[Mapping[str, Any]] = ()) -> None:
+    def __init__(self, entries: Iterable[Mapping[str, Any]] = (), *, world_size: int | None = None) -> None:
         self.entries: list[dict[str, Any]] = check_entries(list(entries), "entries")
+        replayable = [e for e in self.entries if isinstance(e["batch"].get("index"), int)
+                      and e.get("triage") != "transient"]
+        self.unreplayable: list[dict[str, Any]] = [
+            e for e in replayable if world_size is not None and isinstance(e.get("world_size"), int)
+            and e["world_size"] != world_size]
         self._positions = frozenset(
-            (e["batch"].get("epoch"), e["batch"]["index"] + k) for e in self.entries
-            if isinstance(e["batch"].get("index"), int) and e.get("triage") != "transient"
-            for k in range(_micro_batches(e["batch"])))
+            (e["batch"].get("epoch"), e["batch"]["index"] + k) for e in replayable
+            if not any(e is u for u in self.unreplayable) for k in range(_micro_batches(e["batch"])))
 
     @classmethod
     def read(cls, log_dir: str | os.PathLike[str]) -> "Quarantine":
@@ -227,14 +236,26 @@ class Quarantine:
     def agreed(self, process_group: Any = None) -> "Quarantine":
         """Every rank's entries, on every rank: one ``all_gather_object``, called on every rank once (at a resume),
         so that all ranks replay the same steps even when their files differ (a kill between two ranks' writes,
-        a log folder per node). Outside ``torch.distributed`` the quarantine itself."""
+        a log folder per node); outside ``torch.distributed`` the entries themselves. Entries recorded at another
+        world size are kept and not replayed, with a warning."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
-            return self
-        gathered: list[Any] = [None] * dist.get_world_size(process_group)
+            return self._at_world_size(1, self.entries)
+        world = dist.get_world_size(process_group)
+        gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, self.entries, group=process_group)
-        return Quarantine(_unique([entry for entries in gathered for entry in entries or []]))
+        return self._at_world_size(world, _unique([entry for entries in gathered for entry in entries or []]))
+
+    @staticmethod
+    def _at_world_size(world: int, entries: list[dict[str, Any]]) -> "Quarantine":
+        agreed = Quarantine(entries, world_size=world)
+        if agreed.unreplayable:
+            sizes = sorted({e["world_size"] for e in agreed.unreplayable})
+            warnings.warn(f"guardtower: {len(agreed.unreplayable)} quarantined batch(es) were recorded at world size "
+                          f"{sizes} and are not replayed at world size {world}: a batch index names other samples "
+                          "there; resume at the recorded world size to skip them", RuntimeWarning, stacklevel=3)
+        return agreed
 
     def skip(self, batches: Iterable[T], *, epoch: int | None = None, start: int = 0) -> Iterator[tuple[int, T]]:
         """``(index, batch)`` for every batch of ``batches`` not quarantined, numbered from ``start``
