@@ -154,3 +154,18 @@ def fingerprint(model: nn.Module, optimizer: Any = None, inputs: Any = None) -> 
 
 def relu_cls_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor):  # type: ignore[no-untyped-def]
     return lambda: F.cross_entropy(model(x), y)
+
+
+def sgd_step(model: nn.Module, opt: torch.optim.Optimizer,
+             loss_fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """One plain training step as users write it: zero_grad, forward + loss, backward, step (``step_fn`` runs
+    the backward itself)."""
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step

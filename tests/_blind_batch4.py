@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from guardtower.preflight import audit
+from tests._audit_core_helpers import sgd_step
 from tests._blind import BlindCase, Case
 
 _AUDIT_PARAMS = set(inspect.signature(audit).parameters)
@@ -38,17 +39,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Any) -> Any:
-    """One plain training step: zero_grad, forward + loss, backward, step."""
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+_sgd_step = sgd_step  # the batches' name for the shared plain training step
 
 
 # --------------------------------------------------------------------------------------------- case-01

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from guardtower.preflight import audit
+from tests._audit_core_helpers import sgd_step
 from tests._blind import BlindCase, Case
 
 _AUDIT_PARAMS = set(inspect.signature(audit).parameters)
@@ -31,17 +32,7 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Any) -> Any:
-    """One plain training step: zero_grad, forward + loss, backward, step."""
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+_sgd_step = sgd_step  # the batches' name for the shared plain training step
 
 
 def _llama_config(**kw: Any) -> Any:

@@ -16,7 +16,7 @@ from guardtower.failure_modes import _STEP
 from guardtower.preflight import audit
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import VOCAB, Case, SmallCNN, case_registry, gpt2, mlp, token_batch
+from tests._audit_core_helpers import VOCAB, Case, SmallCNN, case_registry, gpt2, mlp, sgd_step, token_batch
 
 CASES, case = case_registry()
 
@@ -1042,15 +1042,7 @@ def test_opt_002_is_info_without_optimizer_state_and_warn_with_it() -> None:
 # --- samples that read each other, when step_fn runs the backward itself ---------------------------------------
 def _user_step(m: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Case:
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        return loss
-
-    return m, step, {"optimizer": opt}
+    return m, sgd_step(m, opt, loss_fn), {"optimizer": opt}
 
 
 class _LastStepHead(nn.Module):

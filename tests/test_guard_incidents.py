@@ -38,15 +38,19 @@ def spikes(sink: InMemorySink) -> dict[int, SpikeEvent]:
     return {e.step: e for e in sink.events if isinstance(e, SpikeEvent)}
 
 
-def test_a_rejected_step_names_its_rank_and_batch_and_is_quarantined(tmp_path: Path) -> None:
-    net, guard, sink = make(tmp_path)
+def _train_seven_steps_with_a_nan_at_step_5(net: nn.Module, guard: GuardedOptimizer, epoch: int) -> None:
     for step in range(1, 8):
         x, y = batch(step, bad=step == 5)
         guard.zero_grad()
         loss = ((net(x) - y) ** 2).mean()
         loss.backward()
-        guard.observe_batch((x, y), index=step - 1, epoch=2)
+        guard.observe_batch((x, y), index=step - 1, epoch=epoch)
         guard.step(loss=loss)
+
+
+def test_a_rejected_step_names_its_rank_and_batch_and_is_quarantined(tmp_path: Path) -> None:
+    net, guard, sink = make(tmp_path)
+    _train_seven_steps_with_a_nan_at_step_5(net, guard, epoch=2)
     event = spikes(sink)[5]
     assert event.ranks == (0,) and event.rank_values[0][:2] == (0, "nonfinite")
     assert event.batch == {"step": 5, "epoch": 2, "index": 4, "fingerprint": fingerprint(batch(5, bad=True))}
@@ -210,13 +214,7 @@ def test_a_replayed_step_is_skipped_unjudged_and_accumulated_batches_are_quarant
 
 def test_a_quarantine_recorded_at_another_world_size_is_kept_but_not_replayed(tmp_path: Path) -> None:
     net, guard, _ = make(tmp_path)
-    for step in range(1, 8):
-        x, y = batch(step, bad=step == 5)
-        guard.zero_grad()
-        loss = ((net(x) - y) ** 2).mean()
-        loss.backward()
-        guard.observe_batch((x, y), index=step - 1, epoch=0)
-        guard.step(loss=loss)
+    _train_seven_steps_with_a_nan_at_step_5(net, guard, epoch=0)
     (entry,) = guard.quarantine.entries
     assert entry["world_size"] == 1
     assert guard.quarantine.agreed().positions() == {(0, 4)}  # the same world size: replayed
