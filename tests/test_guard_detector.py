@@ -316,6 +316,31 @@ def test_auto_state_dict_round_trip_continues_identically() -> None:
     assert stream(a, range(70, 120), scale={100: 1e3}) == stream(b, range(70, 120), scale={100: 1e3})
 
 
+def test_extra_judges_before_or_after_an_update_change_nothing() -> None:
+    """A step's trip-ring row is written by judge(): judging other norms again (before the update, which then
+    re-judges the step's own; after it, as a triage recompute does) only rewrites the row the next step's judge
+    writes before it reads the ring."""
+    plain, judged = auto(), auto()
+    loss = torch.tensor(plain.absent_loss)
+    absorbed = []
+    for s in range(90):
+        norms = noisy(4, s)
+        norms[2] *= 30.0 if 40 <= s < 60 else 1.0  # trips, then is absorbed: the ring decides
+        other = noisy(4, 1000 + s) * 1e3
+        reject, verdict = decide(plain, norms, torch.linalg.vector_norm(norms), loss)
+        absorbed.append(bool(verdict.absorbed))
+        plain.update(norms, torch.linalg.vector_norm(norms), loss, reject)
+        judged.judge(other, torch.linalg.vector_norm(other), loss)
+        again, _ = decide(judged, norms, torch.linalg.vector_norm(norms), loss)
+        judged.judge(other, torch.linalg.vector_norm(other), loss)
+        judged.update(norms, torch.linalg.vector_norm(norms), loss, again)
+        judged.judge(other, torch.linalg.vector_norm(other), loss)
+        assert bool(again) == bool(reject)
+    assert any(absorbed)
+    assert same_detector_state(plain.state_dict()["state"], judged.state_dict()["state"], skip=("ring",))
+    assert stream(plain, range(90, 130), scale={100: 1e3}) == stream(judged, range(90, 130), scale={100: 1e3})
+
+
 @pytest.mark.parametrize(
     "corrupt",
     [

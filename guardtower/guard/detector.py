@@ -315,11 +315,9 @@ class _Judged(NamedTuple):
     """What ``AutoDetector.judge`` hands to ``update``/``limits``/``grad_spike`` of the same step."""
 
     norms: Tensor  # the step's own norms (identifies it)
-    x: Tensor  # log values per slot
     absorb: Tensor
     rest: Tensor  # per tensor: the squared norm of all the others
     tripped: Tensor
-    ring: Tensor  # the trip ring with this step's row, committed by update()
 
 
 class AutoDetector(Detector):
@@ -422,10 +420,10 @@ class AutoDetector(Detector):
         self._floor = floor.to(device)
         from_scale = torch.zeros(m)
         from_scale[-2:] = 1.0
-        self._from_scale = from_scale.to(device)
         sigma = torch.full((m,), self.sigmas * self._MAD_TO_STD)
         sigma[-1] *= self._LOSS_SIGMA_SHARE
-        self._sigma = sigma.to(device)
+        self._sigma_from_scale = torch.stack([sigma, from_scale]).to(device)  # pairs with rows (spread, scale)
+        self._margin_gate = torch.stack([self._margin, self._gate])
         self._tiny = torch.full((), _TINY, device=device)
         # a slot is judged once count >= start
         start = torch.full((m,), float(max(self.warmup_steps, 1)))
@@ -435,7 +433,6 @@ class AutoDetector(Detector):
         self._big = torch.full((), self._BIG, device=device)
         self._rate_offset = torch.tensor([[1.0], [1.0 + self._PRIOR_WEIGHT]], device=device)
         self._rate_floor = torch.tensor([[self._LEVEL_ALPHA], [self.ema_alpha]], device=device)
-        self._rebase_rates = torch.tensor([[1.0], [0.0]], device=device)  # jump the level, keep the spread
         prior = unit * self._PRIOR_STD / self._MAD_TO_STD
         prior[-1] = self._LOSS_PRIOR_STD / self._MAD_TO_STD
         state = torch.stack([torch.zeros(m), prior, torch.full((m,), -self._BIG), torch.zeros(m),
@@ -452,40 +449,64 @@ class AutoDetector(Detector):
         self._set_state(state, ring)
 
     def _set_state(self, state: Tensor, ring: Tensor) -> None:
-        """Adopt ``state`` and make the views and buffers every step writes into.
+        """Adopt ``state`` and ``ring`` and make the views and buffers every step writes into.
 
-        The state is updated in place from now on, so views of its rows made here stay valid; each step
-        writes its intermediate and derived values into these buffers (``out=``) instead of allocating and
-        stacking new tensors. That keeps the step at a fixed, small number of ops (``bench/overhead.py``).
+        The state is updated in place from now on, so views made here stay valid; each step writes its
+        intermediate and derived values into these buffers (``out=``) instead of allocating and stacking new
+        tensors, and the buffers are laid out so that operands that pair up are rows of one tensor (one op for
+        both). That keeps the step at a fixed, small number of ops (``bench/overhead.py``).
         """
-        self._state = {"state": state, "ring": ring}
         m = state.shape[1]
+        device = state.device
+        # the state's rows, then the (constant) floor: rows (level, floor) pair with (spread, scale) in _derive
+        store = torch.cat([state, self._floor.reshape(1, m)])
+        state = store[:5]
+        self._state = {"state": state, "ring": ring}
+        self._level_floor, self._spread_scale = store[0::5], store[1::3]
         self._rows = state.unbind(0)  # level, spread, peak, count, scale
+        self._ring_rows = ring.unbind(0)
         self._moving = state[0:2]  # level and spread: each moves toward its target by its rate
         self._enveloped = state[2::2]  # peak and scale: each the maximum of its (decayed) self and the value
         self._candidate = torch.empty_like(state)
         self._candidate_moving, self._candidate_enveloped = self._candidate[0:2], self._candidate[2::2]
-        self._candidate_count = self._candidate[3]
-        self._targets = torch.empty((2, m), device=state.device)
-        self._value, self._deviation = self._targets.unbind(0)
-        self._bounds = torch.empty((2, m), device=state.device)
+        self._counted = self._candidate[3:5]  # count + 1 (the count's candidate), then scratch
+        # what an absorbed slot takes (rates 1 and 0: jump the level, keep the spread; its value uncapped) and
+        # what any other slot takes (its rates; its value capped), rows alike; then the chosen ones and the
+        # deviation from the level
+        self._absorbed = torch.stack([torch.ones(m), torch.zeros(m), torch.zeros(m)]).to(device)
+        self._x = self._absorbed[2]  # this step's log values, judged in place
+        self._x_shares, self._x_g2, self._x_loss = self._x[:-2], self._x[-2], self._x[-1]
+        self._usual = torch.empty((3, m), device=device)
+        self._usual_rates, self._capped = self._usual[0:2], self._usual[2]
+        self._chosen = torch.empty((4, m), device=device)  # rates (2 rows), value, |value - level|
+        self._rates, self._targets, self._rates_value = self._chosen[0:2], self._chosen[2:4], self._chosen[0:3]
+        self._value, self._deviation = self._chosen[2], self._chosen[3]
+        self._flags = torch.zeros(2 * m, dtype=torch.bool, device=device)  # tripped, absorb
+        self._flag_rows = self._flags.view(2, m)
+        self._tripped, self._absorb = self._flag_rows.unbind(0)
+        self._bounds = torch.empty((2, m), device=device)
         self._cap, self._ceiling = self._bounds.unbind(0)
-        self._base = torch.empty(m, device=state.device)
+        self._base = torch.empty(m, device=device)
+        self._shifted = torch.empty((2, m), device=device)  # level + sigma x spread; the floor from the scale
+        self._outlier_at, self._scale_floor = self._shifted.unbind(0)
+        self._envelopes = torch.empty((2, m), device=device)  # max(peak, base) + margin; min(peak, gated) + gate
+        self._above_peak, self._heavy_tail = self._envelopes.unbind(0)
         self._count = self._rows[3]
-        self._x = torch.empty(m, device=state.device)
-        self._x_shares, self._x_scalars = self._x[:-2], self._x[-2:]
         self._derive()
         self._pending = None
 
     def _derive(self) -> None:
         """What the next step is judged against, from the state (computed once, after each update)."""
-        level, spread, peak, count, scale = self._rows
-        base = torch.maximum(level, torch.addcmul(self._floor, scale, self._from_scale), out=self._base)
+        level, _, peak, count, _ = self._rows
+        torch.addcmul(self._level_floor, self._spread_scale, self._sigma_from_scale, out=self._shifted)
+        base = torch.maximum(level, self._scale_floor, out=self._base)
         gated = base + self._gate
-        outlier = torch.maximum(gated, torch.addcmul(level, spread, self._sigma))
-        ceiling = torch.minimum(outlier, torch.maximum(peak, base).add_(self._margin))
+        outlier = torch.maximum(gated, self._outlier_at)
         # within threshold x the peak envelope (up to threshold^2 x the base): a heavy tail it has shown
-        ceiling = torch.maximum(ceiling, torch.minimum(peak, gated).add_(self._gate))
+        torch.maximum(peak, base, out=self._above_peak)
+        torch.minimum(peak, gated, out=self._heavy_tail)
+        self._envelopes.add_(self._margin_gate)
+        ceiling = torch.maximum(torch.minimum(outlier, self._above_peak), self._heavy_tail)
         # what enters a baseline is capped at the ceiling from the second value on (warmup included), so one
         # outlier accepted early moves it by a bounded amount; it is judged only once warm
         torch.where(count < self._start_at, self._big, ceiling, out=self._bounds)  # rows: cap, ceiling
@@ -493,24 +514,30 @@ class AutoDetector(Detector):
     # -- the step -----------------------------------------------------------------------------------------
 
     def judge(self, norms: Tensor, global_norm: Tensor, loss: Tensor) -> Verdict:
-        """The verdict; its report's tensors are this detector's buffers, valid until the next ``update``."""
+        """The verdict; its report's tensors are this detector's buffers, valid until the next ``judge``.
+
+        This step's row of the trip ring (the current tick's) is written here; ``update`` moves the tick on,
+        so a second judge of the same step, or one after the update (triage), only rewrites the row that the
+        next step's judge writes again before reading the ring.
+        """
         n2 = norms * norms
-        g2 = torch.addcmul(self._tiny, global_norm, global_norm)  # never 0: no 0/0 when every gradient is zero
+        # never 0: no 0/0 when every gradient is zero
+        g2 = torch.addcmul(self._tiny, global_norm, global_norm, out=self._x_g2)
         rest = torch.sub(g2, n2, alpha=1.0 - self._SHARE_EPS)  # the others' norm^2; > 0 wherever n2 > 0
         torch.div(n2, rest, out=self._x_shares)
         # a negative loss (a log-likelihood, a reward) has no log: clamped to 0, its log -inf never trips
-        torch.stack([g2, loss], out=self._x_scalars).clamp_min_(0.0)
+        torch.clamp_min(loss, 0.0, out=self._x_loss)
         x = self._x.log_()
         ok = x <= self._ceiling  # NaN is not ok: it trips
         # the trip ring: this step's value where the slot tripped, NaN elsewhere; a slot whose last
         # ``absorb_after`` values all tripped, within the margin of each other, has shifted its level
-        ring = torch.select_scatter(self._state["ring"], torch.where(ok, self._nan, x), 0,
-                                    self._tick % self.absorb_after)
-        low, high = torch.aminmax(ring, dim=0)
-        absorb = (high - low) <= self._margin  # implies a trip now
-        tripped = ok == absorb  # tripped and not absorbed
-        self._pending = _Judged(norms, x, absorb, rest, tripped, ring)  # update() commits the ring
-        return Verdict(tripped.any(), absorb.any(), (x, self._base, self._count, tripped, absorb))
+        torch.where(ok, self._nan, x, out=self._ring_rows[self._tick % self.absorb_after])
+        low, high = torch.aminmax(self._state["ring"], dim=0)
+        absorb = torch.le(high - low, self._margin, out=self._absorb)  # implies a trip now
+        tripped = torch.eq(ok, absorb, out=self._tripped)  # tripped and not absorbed
+        spike, absorbed = self._flag_rows.any(dim=1).unbind(0)
+        self._pending = _Judged(norms, absorb, rest, tripped)
+        return Verdict(spike, absorbed, (x, self._base, self._count, self._flags))
 
     def update(self, norms: Tensor, global_norm: Tensor, loss: Tensor, reject: Tensor) -> None:
         pending = self._pending
@@ -518,20 +545,22 @@ class AutoDetector(Detector):
             self.judge(norms, global_norm, loss)
             pending = self._pending
         assert pending is not None
-        x, absorb = pending.x, pending.absorb
+        x, absorb = self._x, pending.absorb
         self._pending = None
-        self._state["ring"] = pending.ring  # the run of trips counts rejected steps too: that absorbs a shift
-        self._tick += 1
+        self._tick += 1  # the ring keeps this step's row: the run of trips counts rejected steps too
         state = self._state["state"]
         level, count = self._rows[0], self._rows[3]
         fold = (x > -math.inf) > reject  # finite and non-zero (Inf only comes with a rejected step)
-        value = torch.where(absorb, x, torch.clamp_max(x, self._cap), out=self._value)
-        torch.abs(value - level, out=self._deviation)  # the targets: the value for the level, |deviation| for the spread
-        rates = torch.where(absorb, self._rebase_rates,
-                            torch.add(count, self._rate_offset).reciprocal_().clamp_min_(self._rate_floor))
-        torch.lerp(self._moving, self._targets, rates, out=self._candidate_moving)
-        torch.maximum(self._enveloped - self._decay, value, out=self._candidate_enveloped)
-        torch.add(count, 1.0, out=self._candidate_count)
+        torch.clamp_max(x, self._cap, out=self._capped)
+        # the count's candidate is count + 1 (the first rate offset); the row after it is scratch until the
+        # scale's candidate is written below
+        counted = torch.add(count, self._rate_offset, out=self._counted)
+        torch.reciprocal(counted, out=self._usual_rates).clamp_min_(self._rate_floor)
+        torch.where(absorb, self._absorbed, self._usual, out=self._rates_value)
+        # the targets: the value for the level, |deviation| for the spread
+        torch.abs(self._value - level, out=self._deviation)
+        torch.lerp(self._moving, self._targets, self._rates, out=self._candidate_moving)
+        torch.maximum(self._enveloped - self._decay, self._value, out=self._candidate_enveloped)
         torch.where(fold, self._candidate, state, out=state)
         self._derive()
 
