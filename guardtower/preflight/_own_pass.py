@@ -11,6 +11,7 @@ are never touched and everything is put back, also when the pass raises.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from guardtower.preflight._registry import AuditContext
-from guardtower.preflight._util import NOT_INPUT_KEYS
+from guardtower.preflight._util import NOT_INPUT_KEYS, patched
 
 __all__ = ["OwnPass", "own_pass"]
 
@@ -38,7 +39,7 @@ class OwnPass:
 _DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
 
 
-def _recording_dropout(name: str, original: Callable[..., Any], seen: list[tuple[str, float]]) -> Callable[..., Any]:
+def _recording_dropout(name: str, original: Callable[..., Any], *, seen: list[tuple[str, float]]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
         training = kwargs.get("training", args[2] if len(args) > 2 else True)
@@ -47,18 +48,6 @@ def _recording_dropout(name: str, original: Callable[..., Any], seen: list[tuple
         return original(*args, **kwargs)
 
     return wrapper
-
-
-@contextlib.contextmanager
-def _dropouts_recorded(seen: list[tuple[str, float]]) -> Iterator[None]:
-    originals = {name: getattr(F, name) for name in _DROPOUTS}
-    for name, fn in originals.items():
-        setattr(F, name, _recording_dropout(name, fn, seen))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(F, name, fn)
 
 
 @contextlib.contextmanager
@@ -107,7 +96,9 @@ def own_pass(ctx: AuditContext, restore_rng: Callable[[], None],
         restore_rng()
         ctx.model.eval()
         dropouts: list[tuple[str, float]] = []
-        with torch.enable_grad(), _dropouts_recorded(dropouts):
+        recorded: list[tuple[Any, str, Callable[[Any], Any]]] = [
+            (F, name, functools.partial(_recording_dropout, name, seen=dropouts)) for name in _DROPOUTS]
+        with torch.enable_grad(), patched(recorded):
             out = primary_output(ctx.model(*args, **kwargs))
         yield OwnPass(out, leaves, dropouts)
     finally:

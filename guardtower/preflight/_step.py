@@ -23,7 +23,7 @@ from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows
 from guardtower.preflight._supervision import first_call_output, supervision_hook
 from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace, Supervision
-from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors
+from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors, patched
 
 __all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
@@ -156,9 +156,6 @@ def _leak_analysis(model: nn.Module, calls: list[RootCall], watch: _Watch) -> li
                         retain_graph=True)
 
 
-#: marks an attribute the owner did not define itself (it was inherited, or looked up on the class)
-_ABSENT: Any = object()
-
 #: the ``Tensor.grad`` descriptor (the C one on ``TensorBase``) that ``_watch_loop`` shadows while the step runs
 _GRAD: Any = inspect.getattr_static(torch.Tensor, "grad")
 
@@ -284,14 +281,6 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
             if isinstance(weight, torch.Tensor):
                 trace.loss_weights.append((weight.detach().float().cpu(), str(kwargs.get("reduction", "mean"))))
-                target = kwargs.get("target", args[1] if len(args) > 1 else None)
-                ignore = kwargs.get("ignore_index", -100)
-                if (isinstance(target, torch.Tensor) and not target.is_floating_point() and weight.dim() == 1
-                        and target.numel()):
-                    kept = target.detach()[target.detach() != ignore].flatten().cpu()
-                    if kept.numel() and int(kept.min()) >= 0 and int(kept.max()) < weight.shape[0]:
-                        trace.class_counts.append((weight.detach().float().cpu(),
-                                                   torch.bincount(kept, minlength=weight.shape[0])))
             return original(*args, **kwargs)
 
         return wrapper
@@ -318,24 +307,16 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     scheduler = ctx.lr_scheduler
     if scheduler is not None and callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "__dict__"):
         patches.append((scheduler, "step", lambda f: recording("scheduler", f)))
-    saved = [(owner, name, owner.__dict__.get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT,
-              getattr(owner, name)) for owner, name, _ in patches]
     own_grad = torch.Tensor.__dict__.get("grad")
     try:
-        for (owner, name, wrap), (_, _, _, current) in zip(patches, saved):
-            setattr(owner, name, wrap(current))
-        torch.Tensor.grad = property(get_grad, set_grad, del_grad, _GRAD.__doc__)  # type: ignore[assignment]
-        yield left
+        with patched(patches):
+            torch.Tensor.grad = property(get_grad, set_grad, del_grad, _GRAD.__doc__)  # type: ignore[assignment]
+            yield left
     finally:
         if own_grad is None:
             del torch.Tensor.grad  # the descriptor on TensorBase shows through again
         else:
             torch.Tensor.grad = own_grad
-        for owner, name, own, _ in reversed(saved):
-            if own is _ABSENT:
-                delattr(owner, name)  # an instance's method, or a class attribute inherited from a base
-            else:
-                setattr(owner, name, own)
         for h in handles:
             h.remove()
 

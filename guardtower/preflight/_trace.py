@@ -132,8 +132,6 @@ class StepTrace:
     unscaling the gradients) and ``"scheduler"`` as ``step_fn`` itself ran them, in order (repeats of
     backward and zero_grad merged)"""
     loss_weights: list[tuple[torch.Tensor, str]] = field(default_factory=list)
-    class_counts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """``(class weights, count of each class among the call's non-ignored targets)`` of those calls"""
     """``(weight, reduction)`` of each class-weighted ``cross_entropy``/``nll_loss`` call ``step_fn`` made"""
     stepped_optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     """every optimizer ``step_fn`` stepped (the one given as ``optimizer=`` and any other, e.g. a GAN's second)"""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Mapping
-from typing import Any, Iterator
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -93,6 +94,29 @@ def is_causal_lm(model: Any) -> bool:
         return False
     name = type(model).__name__
     return "CausalLM" in name or name.endswith("LMHeadModel")
+
+
+#: marks an attribute the owner did not define itself (it was inherited, or looked up on the class)
+_ABSENT: Any = object()
+
+
+@contextlib.contextmanager
+def patched(patches: Sequence[tuple[Any, str, Callable[[Any], Any]]]) -> Iterator[None]:
+    """Replace each ``owner.name`` by ``wrap(current)`` while the block runs, then put back exactly what was there:
+    an attribute the owner only inherited (a C method of ``torch.Tensor``, a class method seen on an instance) is
+    deleted again, so the inherited one shows through."""
+    saved = [(owner, name, owner.__dict__.get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT,
+              getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for (owner, name, wrap), (_, _, _, current) in zip(patches, saved):
+            setattr(owner, name, wrap(current))
+        yield
+    finally:
+        for owner, name, own, _ in reversed(saved):
+            if own is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
 
 
 def stepped_elsewhere(ctx: Any) -> set[int]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._registry import AuditContext, check, probe
-from guardtower.preflight._util import is_causal_lm
+from guardtower.preflight._util import is_causal_lm, patched
 from guardtower.preflight._trace import StepTrace
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -90,6 +90,9 @@ class LossCall:
     dead: float | None = None
     """the result's (mean) value when it was computed with gradients enabled yet reaches no trainable parameter:
     nothing it compares trains (detached, computed under no_grad, or by frozen modules only)"""
+    class_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(weight=, count of each class among the non-ignored targets)`` of a class-weighted ``cross_entropy`` or
+    ``nll_loss`` call"""
     dead_added: bool = False
     """that dead result (or a scaling of it) was added to, or subtracted from, a tensor that trains"""
 
@@ -199,6 +202,11 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable:
         if fn in ("cross_entropy", "nll_loss") and not target.is_floating_point() and target.numel() > 0:
             ignore = kwargs.get("ignore_index", -100)
             call.all_ignored = bool((target == ignore).all())
+            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            kept = target.detach()[target.detach() != ignore].flatten().cpu()
+            if (isinstance(weight, torch.Tensor) and weight.dim() == 1 and kept.numel()
+                    and 0 <= int(kept.min()) and int(kept.max()) < weight.shape[0]):
+                call.class_counts = (weight.detach().float().cpu(), torch.bincount(kept, minlength=weight.shape[0]))
     return call
 
 
@@ -208,9 +216,6 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
     calls: list[LossCall] = []
     ctx.probes["loss_calls"] = calls
     trainable = {id(p) for p in ctx.params.values() if p.requires_grad}
-    originals: dict[str, Callable[..., Any]] = {name: getattr(F, name)
-                                                  for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE + _OTHER}
-
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -232,8 +237,6 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
 
     # a dead loss result, followed through scalings (0.5 * kd) until it is added to a tensor that trains
     dead: dict[int, tuple[torch.Tensor, LossCall]] = {}
-    arithmetic = {name: getattr(torch.Tensor, name) for name in _SCALINGS + _SUMS}
-    own = {name for name in arithmetic if name in torch.Tensor.__dict__}  # the others are inherited from C
 
     def follow(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(op)
@@ -256,20 +259,13 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
 
         return method
 
-    for name, fn in originals.items():
-        setattr(F, name, wrap(name, fn))
-    for name, op in arithmetic.items():
-        setattr(torch.Tensor, name, follow(name, op))
+    patches: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (F, name, functools.partial(wrap, name)) for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE + _OTHER]
+    patches += [(torch.Tensor, name, functools.partial(follow, name)) for name in _SCALINGS + _SUMS]
     try:
-        yield calls
+        with patched(patches):
+            yield calls
     finally:
-        for name, fn in originals.items():
-            setattr(F, name, fn)
-        for name, op in arithmetic.items():
-            if name in own:
-                setattr(torch.Tensor, name, op)
-            else:
-                delattr(torch.Tensor, name)
         dead.clear()
 
 

@@ -191,7 +191,10 @@ def _weights_follow_frequency(rec: Supervision) -> Finding | None:
 def _class_weights_follow_frequency(ctx: AuditContext) -> Finding | None:
     """DATA-008 from a ``weight=`` handed to ``cross_entropy``/``nll_loss`` and the classes of that call's targets
     (any shape: per token, per pixel, per frame)."""
-    for weight, counts in ctx.trace.class_counts if ctx.trace is not None else []:
+    for call in ctx.probes.get("loss_calls", []):
+        if call.class_counts is None:
+            continue
+        weight, counts = call.class_counts
         present = torch.nonzero(counts).flatten()
         if present.numel() >= 2:
             found = _grows_with_frequency(present, counts[present].float(), weight[present])
