@@ -203,7 +203,9 @@ _CORE: tuple[FailureMode, ...] = (
         "Optimizers skip parameters without a gradient, so the layer silently stays at its initialisation; "
         "under DDP it can also hang the job (DDP-001).",
         "Use the layer in forward, remove it, or freeze it explicitly; look for detach()/no_grad and modules "
-        "replaced after the optimizer was built.",
+        "replaced after the optimizer was built. Reported as INFO when nothing was meant to train the parameter "
+        "(an architecture's optional part that never ran, a layer skipped by design, or a copy such as a target "
+        "network that no optimizer holds either).",
         "https://pytorch.org/docs/stable/notes/autograd.html",
         ("gradients", "wiring"),
     ),

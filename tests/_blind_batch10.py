@@ -362,11 +362,15 @@ CASES: list[BlindCase] = [
     BlindCase("b10-case-04", "https://github.com/mimoralea/gdrl/pull/14", "RL / target network",
               "update_networks(tau=1.0) mixes with self.tau instead of its tau argument: the DDPG target actor and "
               "critic start from their own random weights instead of copies of the online networks", _c04_build,
-              _c04_proof),
+              _c04_proof, known_miss="the target networks train by polyak averaging outside any optimizer; that they "
+              "started as independent random nets instead of copies is visible only against the online nets' "
+              "weights at construction, which one step does not see"),
     BlindCase("b10-case-05", "https://github.com/agokrani/distillKitPlus/issues/5", "gradient accumulation",
               "the distillation loss of each micro-batch is back-propagated without dividing by the accumulation "
               "steps: the effective gradient (and learning rate) scales with gradient_accumulation_steps",
-              _c05_build, _c05_proof),
+              _c05_build, _c05_proof, known_miss="every micro-batch carries the same weight (1 instead of "
+              "1/steps): the sum is consistent across micro-batches, and its size is a learning-rate choice under "
+              "AdamW, which is invariant to the scale"),
     BlindCase("b10-case-06", "https://github.com/facebookresearch/mmf/pull/620", "optimizer param groups",
               "after the pooler moved out of the classifier, get_optimizer_parameters lists only the backbone and "
               "the classifier: the pooler gets gradients but is never updated", _c06_build, _c06_proof),

@@ -1,4 +1,4 @@
-"""The blind batches (tests/_blind_batch1.py .. tests/_blind_batch9.py): real silent-bug reports reproduced by
+"""The blind batches (tests/_blind_batch1.py .. tests/_blind_batch10.py): real silent-bug reports reproduced by
 someone who did not write the checks. Every reproduction proves its bug without the audit, every fixed twin
 gets no WARN or FAIL, and every case is caught at WARN or above except the misses written down in the case
 (``known_miss``), and every twin is quiet except the false alarms written down (``known_alarm``). The figures come
@@ -13,7 +13,7 @@ from tests._blind import BlindCase, load, outcome
 pytestmark = pytest.mark.slow
 
 BATCHES = (1, 2, 3, 4, 5, 6, 8, 9)
-SPOT_CHECKS = (7,)  # a six-report batch collected at the end of round 3, measured once
+SPOT_CHECKS = (7, 10)  # six-report batches collected at the end of rounds 3 and 4, each measured once
 CASES = [case for batch in BATCHES + SPOT_CHECKS for case in load(batch)]
 
 

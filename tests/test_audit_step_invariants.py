@@ -1024,6 +1024,34 @@ def test_grad_001_stays_a_failure_for_a_module_that_ran_under_no_grad() -> None:
     assert finding.severity == Severity.ERROR
 
 
+def test_a_target_network_no_optimizer_holds_and_no_gradient_reaches_is_info() -> None:
+    import copy
+
+    class Agent(nn.Module):  # DQN-style: the target copy still requires grad, is used under no_grad, not optimized
+        def __init__(self) -> None:
+            super().__init__()
+            self.online = _classifier()
+            self.target = copy.deepcopy(self.online)
+
+    m = Agent()
+    opt = torch.optim.Adam(m.online.parameters(), lr=1e-3)
+    x, y = _data()
+
+    def td_loss() -> torch.Tensor:
+        with torch.no_grad():
+            bootstrap = m.target(x).max(-1).values
+        return F.mse_loss(m.online(x).gather(1, y[:, None]).squeeze(1), bootstrap)
+
+    report = audit(m, td_loss, optimizer=opt)
+    for cid in ("GRAD-001", "OPT-001"):
+        (finding,) = report.by_id(cid)
+        assert finding.severity == Severity.INFO and finding.details["params"][0].startswith("target."), str(report)
+    # the same copy left out of the optimizer while the loss does reach it: a part that should train and never will
+    report = audit(m, lambda: F.cross_entropy(m.online(x) + m.target(x), y), optimizer=opt)
+    (finding,) = report.by_id("OPT-001")
+    assert finding.severity == Severity.ERROR and not report.by_id("GRAD-001")
+
+
 def test_opt_002_is_info_without_optimizer_state_and_warn_with_it() -> None:
     m = _classifier()
     m[0].requires_grad_(False)

@@ -128,6 +128,14 @@ def stepped_elsewhere(ctx: Any) -> set[int]:
     return {id(p) for opt in others for g in opt.param_groups for p in g["params"]}
 
 
+def trained_ids(ctx: Any) -> set[int] | None:
+    """Ids of the tensors some optimizer updates: the given one's and those of any other optimizer ``step_fn``
+    steps. None when no optimizer was given (nothing to say what trains)."""
+    if ctx.optimizer is None:
+        return None
+    return {id(t) for _, t in optimizer_tensors(ctx.optimizer)} | stepped_elsewhere(ctx)
+
+
 def is_library_model(model: Any) -> bool:
     """A model class from transformers or peft, used as it ships: its forward keeps the samples of a batch apart."""
     return type(model).__module__.split(".")[0] in ("transformers", "peft")

@@ -12,7 +12,7 @@ from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._trace import UpdateStats
-from guardtower.preflight._util import fmt_names, is_lora_factor
+from guardtower.preflight._util import fmt_names, is_lora_factor, trained_ids
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -71,6 +71,19 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
             "GRAD-001", {"params": idle, "unused_part": True},
         ))
         missing = [n for n in missing if n not in set(idle)]
+    trained = trained_ids(ctx)
+    untrained = [n for n in missing if trained is not None and id(ctx.params[n]) not in trained]
+    if untrained:
+        # consequence: no optimizer holds them either, so nothing was meant to train them (a target network, an
+        # EMA or teacher copy left requiring grad); a gradient would change nothing
+        findings.append(Finding(
+            "grad_connectivity", Severity.INFO,
+            f"{len(untrained)} parameter(s) that require grad got no gradient and are in no optimizer the step "
+            f"steps: {fmt_names(untrained)}; nothing trains them, as a target network or an EMA/teacher copy should "
+            "be (requires_grad_(False) says so)",
+            "GRAD-001", {"params": untrained, "untrained": True},
+        ))
+        missing = [n for n in missing if n not in set(untrained)]
     if missing:
         findings.append(Finding(
             "grad_connectivity", Severity.ERROR,

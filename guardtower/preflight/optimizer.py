@@ -10,7 +10,7 @@ from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._schedule import LOOKAHEAD_STEPS, peak_lrs
-from guardtower.preflight._util import base_optimizer, fmt_names, optimizer_tensors, stepped_elsewhere
+from guardtower.preflight._util import base_optimizer, fmt_names, optimizer_tensors, trained_ids
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -77,8 +77,7 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     if ctx.optimizer is None:
         return []
     in_opt = optimizer_tensors(ctx.optimizer)
-    opt_ids = {id(t) for _, t in in_opt}
-    stepped = opt_ids | stepped_elsewhere(ctx)  # a GAN's discriminator optimizer updates its parameters
+    stepped = trained_ids(ctx) or set()  # a GAN's discriminator optimizer updates its parameters
     all_model = {id(p) for p in ctx.model.parameters()}
     trainable = {n: p for n, p in ctx.params.items() if p.requires_grad}
     missing = [n for n, p in trainable.items() if id(p) not in stepped]
@@ -95,6 +94,17 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
             "OPT-003", {"foreign_tensors": len(foreign), "optimizer_tensors": len(in_opt),
                         "missing_trainable": missing[:50]},
         ))
+    if missing and not stale_all and ctx.trace is not None and ctx.trace.backward:
+        # consequence: a part that got no gradient either is not trained by anything, on purpose (GRAD-001 says so)
+        ungraded = [n for n in missing if ctx.trace.grads.get(n) is None]
+        if ungraded:
+            findings.append(Finding(
+                "optimizer_coverage", Severity.INFO,
+                f"{len(ungraded)} parameter(s) are in no optimizer and got no gradient: {fmt_names(ungraded)}; "
+                "nothing trains them (a target network, an EMA or teacher copy)",
+                "OPT-001", {"params": ungraded, "ungraded": True},
+            ))
+            missing = [n for n in missing if n not in set(ungraded)]
     if missing and not stale_all:
         owners = dict(ctx.model.named_modules())
         resting = [n for n in missing if not owners.get(n.rpartition(".")[0], ctx.model).training]
