@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import io
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,23 @@ def _kind_group(kind: str) -> str:
 
 
 # ---------------------------------------------------------------- healthy runs + injected incidents
+def _jump(config: str, trace: Any, t: int) -> dict[str, Any]:
+    """What a rejected healthy step looked like: its global norm and its largest tensor's norm over their medians
+    of the 10 steps before, and what that tensor's jump does to Adam's second moment (beta2 = 0.999): the factor
+    by which it inflates v, and the steps v takes to decay back (its updates shrink by sqrt of that meanwhile)."""
+    before = trace.norms[max(0, t - 10):t]
+    if t == 0 or before.shape[0] == 0:
+        return {"config": config, "step": t}
+    ratios = trace.norms[t] / before.median(0).values.clamp_min(1e-30)
+    worst = int(ratios.argmax())
+    ratio = float(ratios[worst])
+    inflation = 1.0 + 1e-3 * (ratio * ratio - 1.0)
+    return {"config": config, "step": t,
+            "global_ratio": round(float(trace.global_norm[t] / trace.global_norm[max(0, t - 10):t].median()), 1),
+            "tensor": trace.names[worst], "tensor_ratio": round(ratio, 1), "adam_v_inflation": round(inflation, 1),
+            "adam_recovery_steps": round(math.log(inflation) / -math.log(0.999)) if inflation > 1 else 0}
+
+
 def healthy(seed: int, quick: bool, held_out: bool = False) -> dict[str, Any]:
     configs: list[Any] = list(HELDOUT if held_out else CONFIGS[:2] if quick else CONFIGS)
     trainer_configs = [] if quick or held_out else TRAINER_CONFIGS
@@ -119,8 +137,7 @@ def healthy(seed: int, quick: bool, held_out: bool = False) -> dict[str, Any]:
             if result.stopped_at is not None:
                 row["stopped"].append(f"{config.name}@{result.stopped_at}")
             row["caught"] += [(config.name, kind, phase, ok) for (kind, phase), ok in result.caught.items()]
-            row["rejected_steps"] += [(config.name, t, round(float(trace.global_norm[t] / trace.global_norm[max(0, t - 10):t].median()), 1)
-                                       if t else None) for t, r in enumerate(rejected) if r][:20]
+            row["rejected_steps"] += [_jump(config.name, trace, t) for t, r in enumerate(rejected) if r][:20]
         runs.append({"config": config.name, "family": config.family, "optimizer": config.optimizer,
                      "schedule": config.schedule, "steps": trace.norms.shape[0], "tensors": trace.norms.shape[1],
                      "unguarded_final_loss": trace.final_loss, "first_loss": float(trace.loss[:5].nanmean()),
@@ -257,6 +274,16 @@ def tables(result: dict[str, Any]) -> str:
                      f"{len(row['stopped'])}/{n_runs} | {_pct(caught, lambda k, p: True)} | "
                      f"{_pct(caught, lambda k, p: p == 'early')} | {_pct(caught, lambda k, p: p == 'late')} | "
                      + " | ".join(cells) + " |")
+    default = next(iter(h["detectors"].values()))
+    if default["rejected_steps"]:
+        lines += ["", "What the default rejected on the healthy runs (norms over their median of the 10 steps before; "
+                  "Adam's v inflated by 1 + 0.001 (r^2 - 1) had the step been taken, and the steps it takes to decay "
+                  "back at beta2 = 0.999):", "",
+                  "| configuration | step | global norm | largest tensor jump | Adam v of that tensor |", "|---|---|---|---|---|"]
+        for j in default["rejected_steps"]:
+            lines.append(f"| {j['config']} | {j['step']} | x{j.get('global_ratio', '-')} | "
+                         f"x{j.get('tensor_ratio', '-')} ({j.get('tensor', '-')}) | "
+                         f"x{j.get('adam_v_inflation', '-')}, {j.get('adam_recovery_steps', '-')} steps to recover |")
     lines += ["", "Live, real `GuardedOptimizer` / `StabilityGuardCallback()` at defaults, no incidents:", "",
               "| configuration | family | optimizer | LR schedule | steps | rejected | stopped | final loss (unguarded) |",
               "|---|---|---|---|---|---|---|---|"]

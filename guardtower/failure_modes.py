@@ -1250,6 +1250,20 @@ _STEP: tuple[FailureMode, ...] = (
         ("inputs", "llm", "masks"),
     ),
     FailureMode(
+        "INPUT-011", "A row's prediction depends on its padding", Severity.WARN,
+        "The setup marks padding (a mask argument, config.pad_token_id or an embedding's padding_idx), yet a padded "
+        "row's prediction changes when its padding is cut off (measured: the row alone, then cut to its real tokens, "
+        "in eval mode).",
+        "Padding is read as input: a mask that never reaches the attention, a mask of the other convention "
+        "(nn.MultiheadAttention's key_padding_mask is True at padding, an HF attention_mask is 1 at real tokens), "
+        "or a mean pooling or normalisation over the padded length. The loss still falls; every prediction depends "
+        "on how long the other sequences of its batch were, and inference on unpadded inputs sees another model.",
+        "Apply the mask where attention runs and in the correct convention; pool and normalise over the real "
+        "positions only (sum of masked outputs over the mask's sum).",
+        "https://pytorch.org/docs/stable/generated/torch.nn.MultiheadAttention.html",
+        ("inputs", "masks"),
+    ),
+    FailureMode(
         "INPUT-008", "padding_idx is a real token", Severity.WARN,
         "An nn.Embedding's padding_idx is an id that occurs inside the batch's sequences (between other "
         "tokens), not only as left or right padding.",

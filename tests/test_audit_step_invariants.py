@@ -1231,6 +1231,74 @@ def _dropout_left_on(bug: bool) -> Case:
     return m, lambda: F.cross_entropy(m(x), y), {}
 
 
+# --- a row's prediction against its padding -------------------------------------------------------------------
+_PAD = 0
+
+
+def _padded_ids() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 30, (6, 10), generator=torch.Generator().manual_seed(0))
+    for row, length in enumerate((10, 8, 7, 5, 9, 4)):
+        ids[row, length:] = _PAD
+    return ids, (ids != _PAD).long()  # an HF-style attention mask: 1 at real tokens
+
+
+class _MaskedEncoder(nn.Module):
+    """A hand-written transformer classifier that takes an HF-style mask and mean-pools the real tokens."""
+
+    def __init__(self, mask_as: str, pool_padding: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mask_as, self.pool_padding = mask_as, pool_padding
+        self.emb = nn.Embedding(30, 16, padding_idx=_PAD)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # key_padding_mask is True at padding: the HF mask passed as it is masks the real tokens instead
+        kpm = attention_mask.bool() if self.mask_as == "hf" else attention_mask == 0
+        h = self.enc(self.emb(ids), src_key_padding_mask=kpm)
+        if self.pool_padding:
+            return self.head(h.mean(1))
+        m = attention_mask.unsqueeze(-1).float()
+        return self.head((h * m).sum(1) / m.sum(1))
+
+
+def _padding_case(model: nn.Module) -> Case:
+    ids, mask = _padded_ids()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, sgd_step(model, opt, lambda: F.cross_entropy(model(ids, mask), torch.arange(6) % 3)), \
+        {"optimizer": opt, "inputs": (ids, mask)}
+
+
+@case("INPUT-011/inverted-key-padding-mask")
+def _inverted_key_padding_mask(bug: bool) -> Case:
+    return _padding_case(_MaskedEncoder("hf" if bug else "padding"))
+
+
+@case("INPUT-011/mean-over-padding")
+def _mean_pooled_over_padding(bug: bool) -> Case:
+    return _padding_case(_MaskedEncoder("padding", pool_padding=bug))
+
+
+def test_input_011_leaves_a_causal_model_and_a_unidirectional_rnn_on_right_padding_alone() -> None:
+    class Tagger(nn.Module):  # real positions come before the padding: nothing reads it
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.rnn, self.out = nn.Embedding(30, 16, padding_idx=_PAD), nn.GRU(16, 16, batch_first=True), \
+                nn.Linear(16, 5)
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(self.emb(ids))[0]) * mask.unsqueeze(-1)
+
+    m = Tagger()
+    ids, mask = _padded_ids()
+    tags = torch.randint(0, 5, ids.shape, generator=torch.Generator().manual_seed(1)).masked_fill(mask == 0, -100)
+    report = audit(m, lambda: F.cross_entropy(m(ids, mask).transpose(1, 2), tags), inputs=(ids, mask))
+    assert not report.by_id("INPUT-011") and any("padded row" in n for n in report.notes), str(report)
+
+
 # --- what another optimizer, a non-shifting causal LM and a per-epoch decay mean ---------------------------------
 def test_sched_003_leaves_a_decay_without_a_length_stepped_per_epoch_alone() -> None:
     # ExponentialLR has no planned length: not stepped in the step, it is stepped per epoch (say 50 of 10 batches)

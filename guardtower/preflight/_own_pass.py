@@ -22,7 +22,7 @@ from torch import nn
 from guardtower.preflight._registry import AuditContext
 from guardtower.preflight._util import NOT_INPUT_KEYS, patched
 
-__all__ = ["OwnPass", "own_pass"]
+__all__ = ["OwnPass", "own_pass", "in_eval_mode"]
 
 
 @dataclass
@@ -89,21 +89,30 @@ def own_pass(ctx: AuditContext, restore_rng: Callable[[], None],
 
         return hook
 
-    modes = {m: m.training for m in ctx.model.modules()}
     handles = [m.register_forward_hook(embedding_hook(n)) for n, m in ctx.model.named_modules()
                if isinstance(m, nn.Embedding)] if ids_shapes else []
     try:
-        restore_rng()
-        ctx.model.eval()
-        dropouts: list[tuple[str, float]] = []
-        recorded: list[tuple[Any, str, Callable[[Any], Any]]] = [
-            (F, name, functools.partial(_recording_dropout, name, seen=dropouts)) for name in _DROPOUTS]
-        with torch.enable_grad(), patched(recorded):
-            out = primary_output(ctx.model(*args, **kwargs))
-        yield OwnPass(out, leaves, dropouts)
+        with in_eval_mode(ctx.model, restore_rng):
+            dropouts: list[tuple[str, float]] = []
+            recorded: list[tuple[Any, str, Callable[[Any], Any]]] = [
+                (F, name, functools.partial(_recording_dropout, name, seen=dropouts)) for name in _DROPOUTS]
+            with torch.enable_grad(), patched(recorded):
+                out = primary_output(ctx.model(*args, **kwargs))
+            yield OwnPass(out, leaves, dropouts)
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def in_eval_mode(model: nn.Module, restore_rng: Callable[[], None]) -> Iterator[None]:
+    """Every module in eval mode, under the RNG the step started from; modes and RNG put back afterwards."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        restore_rng()
+        model.eval()
+        yield
+    finally:
         for m, training in modes.items():
             m.training = training
         restore_rng()

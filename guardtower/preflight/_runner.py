@@ -16,6 +16,7 @@ from torch import nn
 
 from guardtower.preflight._future import measure_future_leak
 from guardtower.preflight._sample_leak import eval_pass
+from guardtower.preflight._padding_reads import measure_padding_reads
 from guardtower.preflight._overfit import at_peak_lr, overfit_losses
 from guardtower.preflight._batch import batch_mapping, confirm_padded_labels_ignored, labelled_padding
 from guardtower.preflight._registry import CHECKS, AuditContext, CheckSpec
@@ -249,6 +250,14 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 report.notes.append("the model ran once more, in eval mode and without touching any weight: step_fn "
                                     "runs backward itself, so the audit took its own gradient to check that each "
                                     "sample's prediction reads only its own input")
+            state.restore_values()
+        if "padding" in needs and trace.error is None and trace.calls and not is_library_model(model):
+            # a library model applies its own mask; a hand-written one, or a wrapper's pooling, may not
+            trace.padding_read = measure_padding_reads(ctx, state.restore_rng)
+            if trace.padding_read is not None:
+                report.notes.append("the model ran three more times on one padded row, in eval mode and without "
+                                    "gradients: the batch marks padding, so the audit checked that cutting the "
+                                    "padding off leaves the row's prediction unchanged")
             state.restore_values()
         padding = labelled_padding(model, batch_mapping(inputs, trace.calls)) if "padded_labels" in needs else None
         if padding is not None and isinstance(trace.loss, torch.Tensor) and trace.error is None:

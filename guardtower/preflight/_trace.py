@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "FutureLeak", "Supervision", "StepTrace"]
+__all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "FutureLeak", "PaddingRead", "Supervision", "StepTrace"]
 
 #: extra work a check can declare: ``leak`` one more backward from the first and last samples' predictions
 #: (batch mixing; an eval-mode pass of the model when step_fn runs backward itself),
@@ -17,10 +17,11 @@ __all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Fu
 #: ``padded_labels`` a gradient-free run with the labels on padding changed, when padding carries labels
 #: (does the loss drop padding itself?), ``overfit`` N optimizer steps on the one batch (``audit(steps=N)``),
 #: ``future`` one eval-mode pass of the model for a next-token setup (does a prediction see later tokens?),
-#: ``eval_mode`` one eval-mode pass of a model that is not a library one (does dropout still drop?)
-Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode"]
+#: ``eval_mode`` one eval-mode pass of a model that is not a library one (does dropout still drop?),
+#: ``padding`` three gradient-free eval-mode passes of one padded row (does its prediction read its padding?)
+Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode", "padding"]
 NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future",
-                                    "eval_mode"})
+                                    "eval_mode", "padding"})
 
 
 @dataclass
@@ -105,6 +106,22 @@ class FutureLeak:
     length: int
 
 
+@dataclass(frozen=True)
+class PaddingRead:
+    """How much one padded row's prediction changes when its padding is dropped (the row run alone, then run
+    alone cut to its real tokens), in eval mode."""
+
+    row: int
+    real: int
+    """the row's real positions"""
+    padding: int
+    """its padding positions (a run at the end of the row)"""
+    marked_by: str
+    """what says they are padding: ``"mask <argument>"`` or ``"pad id <id>"``"""
+    change: float
+    """relative change of the row's prediction (its real positions, or its pooled output)"""
+
+
 @dataclass
 class StepTrace:
     """What the instrumented step produced. Tensors here are detached copies owned by the audit."""
@@ -181,6 +198,7 @@ class StepTrace:
     overfit_losses: list[float] = field(default_factory=list)
     """the batch's loss before each overfitting step and after the last (``overfit`` need, ``audit(steps=N)``)"""
     future_leak: FutureLeak | None = None
+    padding_read: PaddingRead | None = None
     """``future`` need: what one prediction of a next-token setup reads (None: not such a setup, or not measured)"""
     given_inputs_ignored: bool | None = None
     """the loss was bitwise unchanged after perturbing ``inputs=`` itself, which never reached the model

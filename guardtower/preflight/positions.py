@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._batch import batch_mapping
+from guardtower.preflight._padding_reads import CHANGED as PADDING_CHANGED
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -366,3 +367,22 @@ def check_padding(ctx: AuditContext) -> Iterable[Finding]:
                 seen.add(f.catalog_id)
                 findings.append(f)
     return findings
+
+
+@check("padding_reads", emits=("INPUT-011",), needs=("padding",))
+def check_padding_reads(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-011: the setup marks padding (a mask, a pad id), yet a padded row's prediction changes when its
+    padding is cut off: the model reads the padding as input."""
+    read = ctx.trace.padding_read if ctx.trace is not None else None
+    if read is None or read.change <= PADDING_CHANGED:
+        return []
+    return [Finding(
+        "padding_reads", Severity.WARN,
+        f"row {read.row} has {read.padding} padding position(s) ({read.marked_by} marks them), and its prediction "
+        f"changes by {100 * read.change:.2g}% when they are cut off: the model reads the padding as input, so each "
+        "row's result depends on how much padding its batch gave it; apply the mask where attention or pooling "
+        "runs (nn.MultiheadAttention's key_padding_mask is True at padding, an HF attention_mask is 1 at real "
+        "tokens: one passed for the other is inverted), and pool or normalise over the real positions only",
+        "INPUT-011", {"row": read.row, "real": read.real, "padding": read.padding, "marked_by": read.marked_by,
+                      "change": read.change},
+    )]
