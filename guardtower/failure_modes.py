@@ -436,7 +436,9 @@ _CORE: tuple[FailureMode, ...] = (
     FailureMode(
         "MODE-002", "Frozen part is stochastic in the step", Severity.WARN,
         "A frozen part of the model (a submodule subtree whose parameters all have requires_grad=False) drew random "
-        "numbers during its forward in the training step: dropout (or another random layer) is on inside it.",
+        "numbers during its forward in the training step: dropout (or another random layer) is on inside it. Not "
+        "reported for a part another optimizer of the step trains, or a momentum copy whose weights the step "
+        "updates itself (a mean teacher, a BYOL/MoCo target encoder), which follow the trained network's modes.",
         "Freezing with requires_grad=False does not switch dropout off, and model.train() switches it back on every "
         "epoch, so a frozen encoder or backbone hands the trainable head randomly perturbed features every step; "
         "the loss still falls.",
@@ -447,7 +449,9 @@ _CORE: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "MODE-003", "Frozen part's running statistics move", Severity.WARN,
-        "The buffers of a frozen part (BatchNorm running mean/variance) changed during the training step.",
+        "The buffers of a frozen part (BatchNorm running mean/variance) changed during the training step. Not "
+        "reported for a part another optimizer of the step trains, or a momentum copy whose weights the step "
+        "updates itself.",
         "requires_grad=False freezes the weights but not the running statistics: BatchNorm in train mode keeps "
         "re-estimating them from each batch, so the frozen backbone's features drift and evaluation uses "
         "statistics of the new data, with no error.",

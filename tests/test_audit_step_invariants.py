@@ -1052,6 +1052,39 @@ def test_a_target_network_no_optimizer_holds_and_no_gradient_reaches_is_info() -
     assert finding.severity == Severity.ERROR and not report.by_id("GRAD-001")
 
 
+def test_a_momentum_encoder_the_step_updates_itself_may_run_in_train_mode() -> None:
+    import copy
+
+    class Byol(nn.Module):  # the target encoder: frozen, BatchNorm in train mode, an EMA of the online one
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.online = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8))
+            self.target = copy.deepcopy(self.online).requires_grad_(False)
+
+    m = Byol()
+    opt = torch.optim.Adam(m.online.parameters(), lr=1e-3)
+    x, _ = _data()
+
+    def step(ema: bool) -> torch.Tensor:
+        opt.zero_grad()
+        with torch.no_grad():
+            target = F.normalize(m.target(x + 0.1), dim=-1)
+        loss = (2 - 2 * (F.normalize(m.online(x), dim=-1) * target).sum(-1)).mean()
+        loss.backward()
+        opt.step()
+        if ema:
+            with torch.no_grad():
+                for online, copied in zip(m.online.parameters(), m.target.parameters()):
+                    copied.lerp_(online, 0.01)
+        return loss
+
+    assert not audit(m, lambda: step(True), optimizer=opt).by_id("MODE-003")
+    # the same copy that the step never updates is a frozen feature extractor, whose statistics should stay put
+    (finding,) = audit(m, lambda: step(False), optimizer=opt).by_id("MODE-003")
+    assert finding.severity == Severity.WARN and finding.details["modules"] == ["target"]
+
+
 def test_opt_002_is_info_without_optimizer_state_and_warn_with_it() -> None:
     m = _classifier()
     m[0].requires_grad_(False)

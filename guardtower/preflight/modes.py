@@ -121,6 +121,9 @@ class FrozenPartsRecord:
     """frozen components whose forward drew random numbers"""
     moved: dict[str, list[str]] = field(default_factory=dict)
     """frozen part -> its submodules whose buffers changed (running statistics)"""
+    updated: list[str] = field(default_factory=list)
+    """frozen parts whose weights the step itself changed in place: a momentum copy (EMA teacher, BYOL/MoCo
+    target encoder) that follows the trained network, modes included"""
 
 
 def _rng_states(module: nn.Module) -> list[torch.Tensor]:
@@ -166,11 +169,14 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
                if b.dtype != torch.bool and b.device.type != "meta"}
     handles = [h for n, m in components.items()
                for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
+    versions = {part: [p._version for p in m.parameters()] for part, m in parts.items()}  # in-place writes count up
     try:
         yield record
     finally:
         for h in handles:
             h.remove()
+        record.updated = [part for part, m in parts.items()
+                          if any(p._version != v for p, v in zip(m.parameters(), versions[part]))]
         current = {(part, f"{part}.{n}" if n else part): b for part, m in parts.items() for n, b in m.named_buffers()}
         for (part, name), saved in buffers.items():
             now = current.get((part, name))
@@ -220,8 +226,10 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
     # a part another optimizer of the step trains (a GAN's discriminator during the generator's update) is not frozen
     elsewhere = stepped_elsewhere(ctx)
     modules = dict(ctx.model.named_modules())
+    # nor is a momentum copy the step updates itself: MoCo's key encoder and a mean teacher run in train mode
     trains = {n for n in (*record.stochastic, *record.moved)
-              if n in modules and any(id(p) in elsewhere for p in modules[n].parameters())}
+              if n in modules and any(id(p) in elsewhere for p in modules[n].parameters())
+              or any(n == u or n.startswith(u + ".") for u in record.updated)}
     if [p for p in record.stochastic if p not in trains]:
         parts = [p for p in record.stochastic if p not in trains]
         findings.append(Finding(
