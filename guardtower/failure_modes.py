@@ -939,7 +939,9 @@ _STEP: tuple[FailureMode, ...] = (
     FailureMode(
         "DATA-005", "Padding carries loss gradient", Severity.WARN,
         "Positions that the batch marks as padding (attention_mask / decoder_attention_mask 0, or the pad id as "
-        "the target) receive gradient from the loss, measured at the model's output in the real backward.",
+        "the target) receive gradient from the loss, measured at the model's output in the real backward; or a "
+        "cross_entropy/nll_loss call (one inside forward too) whose targets are the batch's tokens, shifted or "
+        "not, asks for the pad id where a mask argument marks padding, and does not ignore it.",
         "A custom loss over every position, labels padded with the pad id instead of -100 (T5/BART), or a "
         "collator that forgets to mask padding all train the model to predict padding; the loss still falls, "
         "helped by the easy pad targets.",

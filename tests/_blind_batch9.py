@@ -991,8 +991,7 @@ CASES: list[BlindCase] = [
               "padding and the [CLS] classifier never sees the sentence", _c12_build, _c12_proof),
     BlindCase("b9-case-13", "https://github.com/lukas-blecher/LaTeX-OCR/issues/305", "masks / padding",
               "the autoregressive wrapper keeps cross_entropy's ignore_index=-100 while the tokenizer pads with 0: "
-              "the decoder is also trained to predict the padding", _c13_build, _c13_proof,
-              known_miss="blind batch 9: the loss is computed inside forward on a shifted slice of the tokens; the supervision is measured at the model's output, which is the loss itself"),
+              "the decoder is also trained to predict the padding", _c13_build, _c13_proof),
     BlindCase("b9-case-14", "https://github.com/PacktPublishing/Deep-Reinforcement-Learning-Hands-On/pull/9",
               "RL / architecture",
               "the dueling DQN subtracts adv.mean() over the whole minibatch instead of per sample: each state's "

@@ -1314,6 +1314,28 @@ def _mean_pooled_over_padding(bug: bool) -> Case:
     return _padding_case(_MaskedEncoder("padding", pool_padding=bug))
 
 
+class _LossInForward(nn.Module):
+    """A decoder that computes its own next-token loss on the shifted tokens (the loss is all it returns)."""
+
+    def __init__(self, ignore_index: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ignore_index = ignore_index
+        self.emb, self.rnn, self.out = nn.Embedding(30, 16), nn.GRU(16, 16, batch_first=True), nn.Linear(16, 30)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = self.out(self.rnn(self.emb(ids[:, :-1]))[0])
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], ignore_index=self.ignore_index)
+
+
+@case("DATA-005/loss-inside-forward")
+def _padding_predicted_inside_forward(bug: bool) -> Case:
+    model = _LossInForward(ignore_index=-100 if bug else _PAD)  # the fix: ignore the pad id the batch uses
+    ids, mask = _padded_ids()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, sgd_step(model, opt, lambda: model(ids, mask.bool())), {"optimizer": opt, "inputs": (ids, mask)}
+
+
 def test_input_011_leaves_a_causal_model_and_a_unidirectional_rnn_on_right_padding_alone() -> None:
     class Tagger(nn.Module):  # real positions come before the padding: nothing reads it
         def __init__(self) -> None:

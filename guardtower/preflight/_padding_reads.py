@@ -21,7 +21,7 @@ from guardtower.preflight._registry import AuditContext
 from guardtower.preflight._trace import PaddingRead
 from guardtower.preflight._util import LABEL_KEYS
 
-__all__ = ["measure_padding_reads"]
+__all__ = ["measure_padding_reads", "marked_padding", "token_ids", "top_level"]
 
 #: the prediction of a row run alone may differ from its prediction inside the batch by float noise only
 _SAME = 1e-4
@@ -29,12 +29,12 @@ _SAME = 1e-4
 CHANGED = 1e-3
 
 
-def _top_level(call: Any) -> list[tuple[str, torch.Tensor]]:
+def top_level(call: Any) -> list[tuple[str, torch.Tensor]]:
     named = [(f"args[{i}]", a) for i, a in enumerate(call.args)] + list(call.kwargs.items())
     return [(k, v) for k, v in named if isinstance(v, torch.Tensor) and k not in LABEL_KEYS]
 
 
-def _token_ids(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+def token_ids(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
     return next(((k, t) for k, t in tensors if t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool
                  and not t.is_complex() and t.shape[0] >= 2 and t.shape[1] >= 3), None)
 
@@ -45,7 +45,7 @@ def _end_runs(flags: torch.Tensor) -> bool:
     return bool((as_int[:, 1:] >= as_int[:, :-1]).all()) and bool(flags.any()) and not bool(flags[:, 0].any())
 
 
-def _marked_padding(ctx: AuditContext, tensors: list[tuple[str, torch.Tensor]], ids_key: str,
+def marked_padding(ctx: AuditContext, tensors: list[tuple[str, torch.Tensor]], ids_key: str,
                     ids: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     """(padding positions, what marks them): by a mask argument, else by a declared pad id in an attention model."""
     for key, mask in tensors:
@@ -96,13 +96,13 @@ def measure_padding_reads(ctx: AuditContext, restore_rng: Callable[[], None]) ->
     if ctx.trace is None or not ctx.trace.calls:
         return None
     call = ctx.trace.calls[0]
-    tensors = _top_level(call)
-    found = _token_ids(tensors)
+    tensors = top_level(call)
+    found = token_ids(tensors)
     if found is None:
         return None
     ids_key, ids = found
     batch, length = ids.shape
-    marked = _marked_padding(ctx, tensors, ids_key, ids) if batch != length else None
+    marked = marked_padding(ctx, tensors, ids_key, ids) if batch != length else None
     if marked is None:
         return None
     padding, marked_by = marked

@@ -95,6 +95,9 @@ class LossCall:
     ``nll_loss`` call"""
     dead_added: bool = False
     """that dead result (or a scaling of it) was added to, or subtracted from, a tensor that trains"""
+    targets: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+    """``(class-id targets, ignore_index, weight=)`` of a ``cross_entropy`` or ``nll_loss`` call (a CPU copy, up to
+    ``_MAX_TARGETS`` ids): what the loss is asked to predict where"""
 
 
 #: autograd nodes of activations that bound a prediction, and the range they allow
@@ -167,6 +170,10 @@ def _trains(t: torch.Tensor, trainable: set[int]) -> bool:
     return False
 
 
+#: class-id targets kept per loss call, at most (a copy on the host)
+_MAX_TARGETS = 1 << 20
+
+
 def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set[int]) -> LossCall | None:
     inp = args[0] if args else kwargs.get("input", kwargs.get("log_probs"))
     target = args[1] if len(args) > 1 else kwargs.get("target", kwargs.get("targets"))
@@ -203,6 +210,9 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable:
             ignore = kwargs.get("ignore_index", -100)
             call.all_ignored = bool((target == ignore).all())
             weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            if target.numel() <= _MAX_TARGETS:
+                given = weight.detach().float().cpu() if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
+                call.targets = (target.detach().cpu().clone(), int(ignore), given)
             kept = target.detach()[target.detach() != ignore].flatten().cpu()
             if (isinstance(weight, torch.Tensor) and weight.dim() == 1 and kept.numel()
                     and 0 <= int(kept.min()) and int(kept.max()) < weight.shape[0]):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._batch import batch_mapping, labelled_padding
+from guardtower.preflight._padding_reads import marked_padding, top_level, token_ids
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._trace import RootCall, Supervision
 from guardtower.report import Finding
@@ -244,6 +245,50 @@ def _weights_cancel(ctx: AuditContext, rec: Supervision) -> Finding | None:
     )
 
 
+def _padding_targets(ctx: AuditContext) -> Finding | None:
+    """DATA-005 from the loss calls themselves (a loss computed inside ``forward``, on a shifted slice, leaves the
+    model's output without a gradient to measure): a ``cross_entropy``/``nll_loss`` whose targets are the batch's
+    tokens (as they are, or shifted by one) asks for the pad id at positions the batch marks as padding, and
+    neither ``ignore_index`` nor a zero class weight drops them."""
+    trace = ctx.trace
+    if trace is None or not trace.calls:
+        return None
+    tensors = top_level(trace.calls[0])
+    found = token_ids(tensors)
+    marked = marked_padding(ctx, tensors, *found) if found is not None else None
+    if found is None or marked is None:
+        return None
+    ids, (padding, marked_by) = found[1].detach().cpu(), marked
+    padding = padding.cpu()
+    pad = int(ids[padding][0])
+    for call in ctx.probes.get("loss_calls", []):
+        if call.targets is None:
+            continue
+        targets, ignore, weight = call.targets
+        if ignore == pad or (weight is not None and 0 <= pad < weight.numel() and float(weight[pad]) == 0.0):
+            continue
+        for shift in (0, 1):
+            tokens, padded = ids[:, shift:], padding[:, shift:]
+            if targets.numel() != tokens.numel():
+                continue
+            asked = targets.reshape(tokens.shape)
+            real = ~padded & (asked != ignore)
+            if not bool(real.any()) or not bool((asked[real] == tokens[real]).all()):
+                continue  # not the batch's own tokens
+            hit = padded & (asked == pad)
+            count = int(hit.sum())
+            if count >= 2:
+                return Finding(
+                    "supervision", Severity.WARN,
+                    f"{count} target(s) of {call.fn} are the pad id {pad} at positions the batch marks as padding "
+                    f"({marked_by}), and its ignore_index is {ignore}: the loss trains the model to predict padding; "
+                    f"pass ignore_index={pad} (or set the padded targets to {ignore})",
+                    "DATA-005", {"positions": count, "pad_id": pad, "ignore_index": ignore, "fn": call.fn,
+                                 "shift": shift},
+                )
+    return None
+
+
 def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
     """LOOP-004 / LOOP-005: how the micro-batches of one accumulated step (several backward passes before one
     optimizer step inside ``step_fn``) are weighted against each other."""
@@ -300,11 +345,11 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
     trace = ctx.trace
     if trace is None or trace.error is not None:
         return []
-    explicit = _class_weights_follow_frequency(ctx)
-    findings: list[Finding] = [explicit] if explicit is not None else []
+    labelled = labelled_padding(ctx.model, batch_mapping(ctx.inputs, trace.calls)) is not None  # DATA-002's case
+    found = [_class_weights_follow_frequency(ctx), None if labelled else _padding_targets(ctx)]
+    findings: list[Finding] = [f for f in found if f is not None]
     if not trace.supervision:
         return findings
-    labelled = labelled_padding(ctx.model, batch_mapping(ctx.inputs, trace.calls)) is not None  # DATA-002's case
     seen: set[str] = {f.catalog_id for f in findings}
     for rec in trace.supervision:
         if rec.call >= len(trace.calls):
