@@ -77,13 +77,14 @@ def dataset() -> TokenDataset:
 
 
 def run(out: Path, *, resume: str | None = None, kill_at: int | None = None, transient_at: int | None = None,
-        steps: int = STEPS, **guard: Any) -> dict[str, Any]:
-    """Train; return the events, the callback, the weights and the per-step forward counts."""
+        steps: int = STEPS, batch_size: int = 4, **guard: Any) -> dict[str, Any]:
+    """Train (``batch_size`` samples per micro-batch); return the events, the callback, the weights and the
+    per-step forward counts."""
     model = tiny_gpt2(seed=1 if resume else 0, vocab=MARK + 1)  # resumed: other weights until the checkpoint loads
     poison = Poison(model)
     counter = Steps(poison, transient_at, kill_at)
     callback = StabilityGuardCallback(warmup_steps=2, log_dir=str(out / "sg"), verbose=False, **guard)
-    args = training_args(out, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    args = training_args(out, max_steps=steps, per_device_train_batch_size=batch_size, gradient_accumulation_steps=2,
                          train_sampling_strategy="sequential", lr_scheduler_type="linear", save_strategy="steps",
                          save_steps=SAVE_AT)
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=[counter, callback])

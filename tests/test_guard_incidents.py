@@ -9,6 +9,7 @@ from typing import Callable
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from guardtower.errors import ConfigError
 from guardtower.events import SkipEvent, SpikeEvent
@@ -53,7 +54,8 @@ def test_a_rejected_step_names_its_rank_and_batch_and_is_quarantined(tmp_path: P
     _train_seven_steps_with_a_nan_at_step_5(net, guard, epoch=2)
     event = spikes(sink)[5]
     assert event.ranks == (0,) and event.rank_values[0][:2] == (0, "nonfinite")
-    assert event.batch == {"step": 5, "epoch": 2, "index": 4, "fingerprint": fingerprint(batch(5, bad=True))}
+    assert event.batch == {"step": 5, "epoch": 2, "index": 4, "batch_size": 8,
+                           "fingerprint": fingerprint(batch(5, bad=True))}
     skip = next(e for e in sink.events if isinstance(e, SkipEvent))
     assert skip.ranks == (0,) and skip.batch == event.batch
     assert read_report(event.report_path)["batch"] == event.batch
@@ -81,7 +83,7 @@ def test_the_fingerprint_is_of_the_content_and_indices_replace_it(tmp_path: Path
     ((net(x) - y) ** 2).mean().backward()
     guard.observe_batch((x, y), indices=torch.tensor([7, 3, 9]))
     guard.step()
-    assert spikes(sink)[1].batch == {"step": 1, "indices": [7, 3, 9]}
+    assert spikes(sink)[1].batch == {"step": 1, "indices": [7, 3, 9], "batch_size": 3}
     guard.close()
 
 
@@ -133,6 +135,7 @@ def test_triage_restores_the_rng_so_dropout_recomputes_alike(tmp_path: Path) -> 
         return loss
 
     guard.step(closure)
+    guard.flush()  # the spike event reaches the sink on the bus's worker thread
     assert len(losses) == 2 and losses[0] == losses[1]  # same dropout mask: the RNG was restored
     assert spikes(sink)[1].triage == "transient"
     guard.close()
@@ -152,6 +155,12 @@ def test_bad_incident_arguments_raise_config_errors_naming_them(tmp_path: Path) 
             guard.observe_batch(None, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="closure"):
         guard.observe_recompute("not callable")  # type: ignore[arg-type]
+    for kwargs, name in (({"batch_size": 0}, "batch_size"), ({"batch_size": 1.5}, "batch_size"),
+                         ({"world_size": True}, "world_size")):
+        with pytest.raises(ConfigError, match=f"{name}: .*Fix: pass the resumed run's {name}"):
+            Quarantine(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="batch_size"):
+        guard.quarantine.agreed(batch_size=-4)
     state = guard.state_dict()
     state["guardtower"]["quarantine"] = [{"step": "x"}]
     with pytest.raises(ConfigError, match="state_dict"):
@@ -174,7 +183,8 @@ def test_lightning_names_the_rejected_batch_and_triage_recomputes_it(tmp_path: P
     callback = GuardtowerGuard(log_dir=tmp_path / "logs", verbose=False, sinks=[sink], triage=True)
     lightning_trainer(tmp_path, max_steps=6, callbacks=[callback]).fit(module)
     event, = [e for e in sink.events if isinstance(e, SpikeEvent)]
-    assert event.batch == {"step": 4, "epoch": 0, "index": 3, "fingerprint": event.batch["fingerprint"]}
+    assert event.batch == {"step": 4, "epoch": 0, "index": 3, "batch_size": 16,
+                           "fingerprint": event.batch["fingerprint"]}
     assert event.triage == "deterministic"  # Lightning's closure ran again and reproduced it
     assert Quarantine.read(tmp_path / "logs").positions() == {(0, 3)}
     callback.close()
@@ -224,3 +234,37 @@ def test_a_quarantine_recorded_at_another_world_size_is_kept_but_not_replayed(tm
     assert resumed.positions() == frozenset() and len(resumed) == 1 and resumed.unreplayable == resumed.entries
     legacy = {k: v for k, v in entry.items() if k != "world_size"}  # written before entries named their world size
     assert Quarantine([legacy]).agreed().positions() == {(0, 4)}
+
+
+def _loader(batch_size: int) -> DataLoader[tuple[torch.Tensor, ...]]:
+    """The seven batches of ``_train_seven_steps_with_a_nan_at_step_5`` as one dataset, in order."""
+    xs, ys = zip(*(batch(step, bad=step == 5) for step in range(1, 8)))
+    return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=batch_size)
+
+
+def test_a_quarantine_recorded_at_another_batch_size_is_kept_but_not_replayed(tmp_path: Path) -> None:
+    net, guard, _ = make(tmp_path)
+    _train_seven_steps_with_a_nan_at_step_5(net, guard, epoch=0)
+    guard.close()
+    quarantine = Quarantine.read(tmp_path)
+    (entry,) = quarantine.entries
+    assert entry["batch"]["batch_size"] == 8
+    # a plain loop resumed at the same batch size skips exactly the quarantined batch
+    assert [i for i, _ in quarantine.skip(_loader(8), epoch=0)] == [0, 1, 2, 3, 5, 6]
+    # at another batch size index 4 holds other samples (the bad sample is in batch 8 now): none is skipped, one warning
+    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[8\\] and this one holds 4") as caught:
+        assert [i for i, _ in quarantine.skip(_loader(4), epoch=0)] == list(range(14))
+    assert len(caught) == 1
+    # the trainers say their batch size when they agree on the quarantine
+    assert quarantine.agreed(batch_size=8).positions() == {(0, 4)}
+    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[8\\] and are not replayed at batch size 4"):
+        resumed = quarantine.agreed(batch_size=4)
+    assert resumed.positions() == frozenset() and resumed.unreplayable == resumed.entries
+    with pytest.warns(RuntimeWarning, match="world size \\[2\\], batch size \\[8\\] and are not replayed at "
+                                            "world size 1, batch size 4"):
+        both = Quarantine([{**entry, "world_size": 2}]).agreed(batch_size=4)
+    assert both.positions() == frozenset()
+    # an entry written before entries named their batch size replays as before
+    legacy = {**entry, "batch": {k: v for k, v in entry["batch"].items() if k != "batch_size"}}
+    old = Quarantine([legacy]).agreed(batch_size=4)
+    assert old.positions() == {(0, 4)} and [i for i, _ in old.skip(_loader(4), epoch=0)] == [*range(4), *range(5, 14)]

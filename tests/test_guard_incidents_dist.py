@@ -57,7 +57,8 @@ def test_a_nan_on_rank_2_of_4_is_named_on_every_rank(tmp_path: Path) -> None:
         assert report["ranks"] == [2] and len(report["rank_values"]) == 4
         healthy = [v for v in report["rank_values"] if v["rank"] != 2]
         assert all(v["loss"] is not None and math.isfinite(v["loss"]) for v in healthy)
-        assert local["batch"] == {"step": 12, "index": 11, "fingerprint": local["batch"]["fingerprint"]}
+        assert local["batch"] == {"step": 12, "index": 11, "batch_size": 16,
+                                  "fingerprint": local["batch"]["fingerprint"]}
     # rank 2 alone names its own layer; the others see a peer rank's verdict
     assert results[2]["spikes"][12]["layer"] == "0.weight" and results[0]["spikes"][12]["layer"] == "peer-rank"
     # the per-step collective: [reject, skip] + 4 float32 slots per rank, in the one decision all-reduce
@@ -83,7 +84,8 @@ def test_a_killed_run_resumes_past_its_quarantined_batches(
     lines = [json.loads(line) for line in quarantined["quarantine-rank1.jsonl"].splitlines()]
     assert [(e["step"], e["batch"]["index"], e["ranks"], e["reason"]) for e in lines] == [
         (4, 3, [1], "nonfinite"), (12, 11, [1], "nonfinite")]
-    assert all(len(e["batch"]["indices"]) == 4 and "fingerprint" not in e["batch"] for e in lines)
+    assert all(len(e["batch"]["indices"]) == e["batch"]["batch_size"] == 4 and "fingerprint" not in e["batch"]
+               for e in lines)
     assert 1 + 2 * 4 * 3 in lines[0]["batch"]["indices"]  # the sample that holds the Inf
 
     for rank, r in enumerate(results):

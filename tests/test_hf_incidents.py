@@ -57,7 +57,8 @@ def test_a_killed_trainer_run_resumes_past_its_quarantined_batch_as_if_never_sto
     assert sorted(spikes(full["events"])) == [3, 11]
     step3 = spikes(full["events"])[3].batch
     data = full["poison"]  # the batch is named by the Trainer's numbering and its content
-    assert step3 == {"step": 3, "epoch": 0, "index": 4, "micro_batches": 2, "fingerprint": step3["fingerprint"]}
+    assert step3 == {"step": 3, "epoch": 0, "index": 4, "micro_batches": 2, "batch_size": 4,
+                     "fingerprint": step3["fingerprint"]}
     assert data.bad_forwards == 2  # the bad sample ran in steps 3 and 11
 
     resumed = run(first, resume=str(first / f"checkpoint-{SAVE_AT}"))
@@ -73,3 +74,17 @@ def test_a_killed_trainer_run_resumes_past_its_quarantined_batch_as_if_never_sto
     da, db = a.detector.state_dict()["state"], b.detector.state_dict()["state"]
     assert all(torch.equal(da[k].nan_to_num(1234.5), db[k].nan_to_num(1234.5)) for k in da)
     assert KILL_AT > 11 > SAVE_AT
+
+
+def test_a_trainer_resumed_with_another_batch_size_does_not_replay_positions_that_name_other_samples(
+        tmp_path: Path) -> None:
+    first = run(tmp_path, steps=12)  # steps 3 and 11 hold the bad sample: (0, 4-5) and (1, 4-5) at batch size 4
+    assert sorted(spikes(first["events"])) == [3, 11]
+    assert {e["batch"]["batch_size"] for e in Quarantine.read(tmp_path / "sg").entries} == {4}
+    # at 8 samples a micro-batch an epoch is 4 steps: step 7 is (1, 4-5) again, samples 32-47, all good
+    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[4\\] and are not replayed at batch size 8"):
+        resumed = run(tmp_path, resume=str(tmp_path / f"checkpoint-{SAVE_AT}"), batch_size=8)
+    assert not [e for e in resumed["events"] if isinstance(e, SkipEvent) and e.reason == "quarantined"]
+    # the bad sample is in micro-batch 2 of each epoch now (steps 10 and 14): it is computed and rejected again
+    assert sorted(spikes(resumed["events"])) == [10, 14] and resumed["poison"].bad_forwards == 2
+    assert resumed["forwards"] == {s: 2 for s in range(SAVE_AT + 1, 17)}  # every step trained, step 7 too

@@ -16,6 +16,12 @@ A step that accumulated several loader batches (gradient accumulation) is named 
 Trainers that must take every step (the HF and Lightning callbacks) replay by whole steps instead:
 ``contains(first, epoch, micro_batches=n)`` says whether a step's batches are quarantined, and
 ``agreed()`` makes every rank replay the same set.
+
+A position names the same samples only in the same layout: the same world size (how many ranks deal the data)
+and the same per-rank batch size. Each entry records both (``world_size``; ``batch_size`` in its ``batch``),
+and a resumed run in another layout keeps such entries but does not replay them (``unreplayable``, one
+warning): skipping the position would skip good data and train on the bad batch. Gradient accumulation may
+change: it does not change which loader batch an index names.
 """
 
 from __future__ import annotations
@@ -64,6 +70,15 @@ def _optional_int(argument: str, value: Any) -> int | None:
     return value
 
 
+def _layout_size(argument: str, value: Any) -> int | None:
+    """A run's world size or per-rank batch size, to compare entries with (None: not compared)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        what = "samples in one loader batch on one rank" if argument == "batch_size" else "number of ranks"
+        raise ConfigError(argument, f"must be a positive int or None, got {value!r}",
+                          f"pass the resumed run's {argument} (its {what}), or None not to compare it")
+    return value
+
+
 def batch_ref(batch: Any, index: Any, epoch: Any, indices: Any, micro_batches: Any = 1) -> BatchRef:
     """Validate ``observe_batch``'s arguments cheaply (types only: a tensor of indices stays on its device)."""
     index = _optional_int("index", index)
@@ -96,6 +111,13 @@ def _tensors(value: Any, out: list[tuple[str, Tensor]], where: str = "", depth: 
             _tensors(item, out, f"{where}[{i}]", depth + 1)
 
 
+def _leading_size(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in ``batch`` (a shape: no host sync); None without one."""
+    found: list[tuple[str, Tensor]] = []
+    _tensors(batch, found)
+    return int(found[0][1].shape[0]) if found and found[0][1].dim() > 0 else None
+
+
 def fingerprint(batch: Any) -> str | None:
     """A content hash of the batch's tensors (dtype, shape and bytes); None when it holds no tensor.
 
@@ -118,7 +140,12 @@ def fingerprint(batch: Any) -> str | None:
 
 def batch_identity(ref: BatchRef | None, step: int) -> dict[str, Any]:
     """The identity of a rejected step's batch: ``step`` always; ``epoch``/``index`` when the loop said them;
-    ``indices`` when known, else ``fingerprint`` (when the batch was given)."""
+    ``indices`` when known, else ``fingerprint`` (when the batch was given); ``batch_size``, the samples in one
+    loader batch on this rank, when known (what a replay checks a position by).
+
+    ``batch_size`` is the number of ``indices`` of a one-batch step, else the leading size of the first tensor
+    in ``batch``: under accumulation ``indices`` name every micro-batch's samples, and ``batch`` is one of the
+    step's batches or the list of them (the callbacks pass the list), whose first tensor is its first batch's."""
     identity: dict[str, Any] = {"step": step}
     if ref is None:
         return identity
@@ -128,9 +155,15 @@ def batch_identity(ref: BatchRef | None, step: int) -> dict[str, Any]:
         identity["index"] = ref.index
         if ref.micro_batches > 1:
             identity["micro_batches"] = ref.micro_batches
+    size = None
     if ref.indices is not None:
         values = ref.indices.reshape(-1).tolist() if isinstance(ref.indices, Tensor) else list(ref.indices)
         identity["indices"] = [int(v) for v in values[:_MAX_INDICES]]
+        size = len(values) if ref.micro_batches == 1 else None
+    if size is None and ref.batch is not None:
+        size = _leading_size(ref.batch)
+    if size:
+        identity["batch_size"] = size
     if ref.batch is not None and ("indices" not in identity or len(identity["indices"]) == _MAX_INDICES):
         found = fingerprint(ref.batch)
         if found is not None:
@@ -175,6 +208,18 @@ def _micro_batches(batch: Mapping[str, Any]) -> int:
     return count if isinstance(count, int) and not isinstance(count, bool) and 0 < count <= _MAX_INDICES else 1
 
 
+def _recorded_size(batch: Mapping[str, Any]) -> int | None:
+    size = batch.get("batch_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _layout(entry: Mapping[str, Any]) -> dict[str, int | None]:
+    """The layout an entry was recorded in (None: an older entry that did not record it)."""
+    world = entry.get("world_size")
+    return {"world size": world if isinstance(world, int) and not isinstance(world, bool) else None,
+            "batch size": _recorded_size(entry["batch"])}
+
+
 def _unique(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Entries in order, each once (the same incident is in a checkpoint's state and in the rank's file)."""
     seen: set[str] = set()
@@ -192,21 +237,35 @@ class Quarantine:
 
     Only entries with a batch ``index`` can be replayed (a loop that passed ``index=`` to ``observe_batch``,
     or the callbacks); entries triaged ``transient`` are kept for the record and never replayed. With
-    ``world_size``, an entry recorded at another world size is not replayed either (``unreplayable``): each rank's
-    loader then deals other samples at the same ``(epoch, index)``, so skipping that position would skip good
-    data and train on the bad batch.
+    ``world_size`` or ``batch_size`` (the current run's layout), an entry recorded in another layout is not
+    replayed either (``unreplayable``): its ``(epoch, index)`` holds other samples there, so skipping that
+    position would skip good data and train on the bad batch. An entry that did not record a size is replayed.
     """
 
-    def __init__(self, entries: Iterable[Mapping[str, Any]] = (), *, world_size: int | None = None) -> None:
+    def __init__(self, entries: Iterable[Mapping[str, Any]] = (), *, world_size: int | None = None,
+                 batch_size: int | None = None) -> None:
         self.entries: list[dict[str, Any]] = check_entries(list(entries), "entries")
+        self.layout: dict[str, int | None] = {"world size": _layout_size("world_size", world_size),
+                                              "batch size": _layout_size("batch_size", batch_size)}
         replayable = [e for e in self.entries if isinstance(e["batch"].get("index"), int)
                       and e.get("triage") != "transient"]
-        self.unreplayable: list[dict[str, Any]] = [
-            e for e in replayable if world_size is not None and isinstance(e.get("world_size"), int)
-            and e["world_size"] != world_size]
-        self._positions = frozenset(
-            (e["batch"].get("epoch"), e["batch"]["index"] + k) for e in replayable
-            if not any(e is u for u in self.unreplayable) for k in range(_micro_batches(e["batch"])))
+        self.unreplayable: list[dict[str, Any]] = []
+        # each position with the batch sizes recorded there (None: unknown), which skip() checks batches by
+        self._sizes: dict[tuple[int | None, int], set[int | None]] = {}
+        for e in replayable:
+            if self._differs(e):
+                self.unreplayable.append(e)
+                continue
+            for k in range(_micro_batches(e["batch"])):
+                key = (e["batch"].get("epoch"), e["batch"]["index"] + k)
+                self._sizes.setdefault(key, set()).add(_recorded_size(e["batch"]))
+        self._positions = frozenset(self._sizes)
+
+    def _differs(self, entry: Mapping[str, Any]) -> dict[str, int]:
+        """What of the entry's recorded layout differs from this run's, as recorded (a size that either side does
+        not know is not compared)."""
+        return {name: value for name, value in _layout(entry).items()
+                if value is not None and self.layout[name] not in (None, value)}
 
     @classmethod
     def read(cls, log_dir: str | os.PathLike[str]) -> "Quarantine":
@@ -233,36 +292,62 @@ class Quarantine:
         """This quarantine and ``other`` (e.g. a checkpoint's and the run folder's files), each entry once."""
         return Quarantine(_unique([*self.entries, *other.entries]))
 
-    def agreed(self, process_group: Any = None) -> "Quarantine":
+    def agreed(self, process_group: Any = None, *, batch_size: int | None = None) -> "Quarantine":
         """Every rank's entries, on every rank: one ``all_gather_object``, called on every rank once (at a resume),
         so that all ranks replay the same steps even when their files differ (a kill between two ranks' writes,
         a log folder per node); outside ``torch.distributed`` the entries themselves. Entries recorded at another
-        world size are kept and not replayed, with a warning."""
+        world size, or at another ``batch_size`` (this run's per-rank loader batch, when known), are kept and not
+        replayed, with a warning."""
         import torch.distributed as dist
 
+        _layout_size("batch_size", batch_size)  # before the collective: a bad value fails on every rank alike
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
-            return self._at_world_size(1, self.entries)
+            return self._in_layout(self.entries, world_size=1, batch_size=batch_size)
         world = dist.get_world_size(process_group)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, self.entries, group=process_group)
-        return self._at_world_size(world, _unique([entry for entries in gathered for entry in entries or []]))
+        return self._in_layout(_unique([entry for entries in gathered for entry in entries or []]),
+                               world_size=world, batch_size=batch_size)
 
     @staticmethod
-    def _at_world_size(world: int, entries: list[dict[str, Any]]) -> "Quarantine":
-        agreed = Quarantine(entries, world_size=world)
+    def _in_layout(entries: list[dict[str, Any]], *, world_size: int, batch_size: int | None) -> "Quarantine":
+        agreed = Quarantine(entries, world_size=world_size, batch_size=batch_size)
         if agreed.unreplayable:
-            sizes = sorted({e["world_size"] for e in agreed.unreplayable})
-            warnings.warn(f"guardtower: {len(agreed.unreplayable)} quarantined batch(es) were recorded at world size "
-                          f"{sizes} and are not replayed at world size {world}: a batch index names other samples "
-                          "there; resume at the recorded world size to skip them", RuntimeWarning, stacklevel=3)
+            differing: dict[str, set[int]] = {}
+            for entry in agreed.unreplayable:
+                for name, value in agreed._differs(entry).items():
+                    differing.setdefault(name, set()).add(value)
+            names = [name for name in agreed.layout if name in differing]
+            recorded = ", ".join(f"{name} {sorted(differing[name])}" for name in names)
+            current = ", ".join(f"{name} {agreed.layout[name]}" for name in names)
+            warnings.warn(f"guardtower: {len(agreed.unreplayable)} quarantined batch(es) were recorded at {recorded} "
+                          f"and are not replayed at {current}: a batch index names other samples there; resume at "
+                          "the recorded layout to skip them", RuntimeWarning, stacklevel=3)
         return agreed
 
     def skip(self, batches: Iterable[T], *, epoch: int | None = None, start: int = 0) -> Iterator[tuple[int, T]]:
         """``(index, batch)`` for every batch of ``batches`` not quarantined, numbered from ``start``
-        (the position the loop resumes at, when it skipped the batches already trained on itself)."""
+        (the position the loop resumes at, when it skipped the batches already trained on itself).
+
+        A quarantined position whose batch has another leading size than the one recorded there is not skipped
+        (with one warning): the loader batches differently now, so the position holds other samples."""
+        warned = False
         for index, batch in enumerate(batches, start):
-            if not self.contains(index, epoch):
+            sizes = self._sizes.get((epoch, index))
+            if sizes is None:
                 yield index, batch
+                continue
+            size = _leading_size(batch)
+            if size is None or None in sizes or size in sizes:
+                continue
+            if not warned:
+                recorded = sorted(s for s in sizes if s is not None)
+                warnings.warn(f"guardtower: the quarantined batch at epoch {epoch}, index {index} was recorded at "
+                              f"batch size {recorded} and this one holds {size} samples: the position names other "
+                              "samples now, so it is not skipped; resume at the recorded batch size to skip it",
+                              RuntimeWarning, stacklevel=2)
+                warned = True
+            yield index, batch
 
     def __len__(self) -> int:
         return len(self.entries)

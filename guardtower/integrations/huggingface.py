@@ -256,7 +256,8 @@ class StabilityGuardCallback(TrainerCallback):
     Batches: each optimizer step's batch reaches the guard (``observe_batch``) as the Trainer's epoch and the
     index of the step's first micro-batch in it (``micro_batches`` of them under gradient accumulation; the
     same numbering the Trainer resumes by), so a rejected step is named and quarantined. A resumed run replays
-    the quarantine (the checkpoint's and the run folder's ``quarantine-rank*.jsonl``, agreed by every rank):
+    the quarantine (the checkpoint's and the run folder's ``quarantine-rank*.jsonl``, agreed by every rank;
+    entries recorded at another world size or per-device batch size are not replayed, with a warning):
     each micro-batch of a quarantined step is not computed (the wrapped ``training_step`` backpropagates a
     zero loss instead, so DDP, GradScaler and the Trainer's counting see an ordinary step) and the guard skips
     the step unjudged. The Trainer still counts it and steps its scheduler, as it did when the step was
@@ -345,14 +346,15 @@ class StabilityGuardCallback(TrainerCallback):
         self._batches_per_epoch, self._steps_per_epoch = _epoch_length(kwargs.get("train_dataloader"),
                                                                        self._accumulation)
         self._replay = Quarantine()
+        trainer = _running_trainer()
         if state.global_step > 0:  # resumed: leave out what the checkpoint and the run folder quarantined
             self._replay = self.guard.quarantine.merged(Quarantine.read(self.guard.log_dir)).agreed(
-                self.guard.process_group)
+                self.guard.process_group, batch_size=_loader_batch_size(trainer, args))
             if self._replay.positions() and getattr(args, "ignore_data_skip", False):
                 logger.warning("guardtower: ignore_data_skip=True restarts the epoch from its first batch, so the "
                                "quarantine's positions do not name the same batches; nothing is replayed")
                 self._replay = Quarantine()
-        self._wrap_training_step(_running_trainer())
+        self._wrap_training_step(trainer)
         if model is not None and self._loss_handle is None:
             self._loss_handle = model.register_forward_hook(self._record_loss)
         if self.clip_in_guard and args.max_grad_norm and args.max_grad_norm > 0 and not _trainer_shards(args):
@@ -550,6 +552,17 @@ def _epoch_length(loader: Any, accumulation: int) -> tuple[int, int | None]:
     if batches < 1:
         return 0, None
     return batches, max(batches // accumulation + int(batches % accumulation > 0), 1)
+
+
+def _loader_batch_size(trainer: Any, args: TrainingArguments) -> int | None:
+    """The per-rank batch size the Trainer's train loader batches by (what a replayed position is checked
+    against): its ``_train_batch_size`` (``auto_find_batch_size`` lowers it; DataParallel multiplies
+    ``per_device_train_batch_size`` by the GPUs), else ``args.train_batch_size``. Not the resumed
+    ``state.train_batch_size``: that is the checkpoint's."""
+    size = getattr(trainer, "_train_batch_size", None)
+    if not isinstance(size, int) or isinstance(size, bool):
+        size = getattr(args, "train_batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _zero_backward(trainer: Any, model: nn.Module) -> torch.Tensor:

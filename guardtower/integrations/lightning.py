@@ -127,6 +127,14 @@ def _schedule(trainer: pl.Trainer) -> dict[str, Any]:
     return {"lr_scheduler": configs[0].scheduler, "total_steps": total}
 
 
+def _loader_batch_size(trainer: pl.Trainer) -> int | None:
+    """The train loader's per-rank batch size, what a replayed position is checked against (None: several
+    loaders, or one batched by its own batch sampler)."""
+    loader = trainer.train_dataloader
+    size = loader.batch_size if isinstance(loader, torch.utils.data.DataLoader) else None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 class GuardtowerGuard(Callback):
     """Guard every optimizer step of a Lightning ``Trainer`` with a ``GuardedOptimizer``.
 
@@ -144,7 +152,8 @@ class GuardtowerGuard(Callback):
     module's ``training_step`` returns a zero loss over its parameters, so Lightning's backward, DDP and its
     step counting see an ordinary step) and the guards skip the step unjudged; with manual optimization the
     step runs and the guards skip it. The positions are Lightning's ``(current_epoch, batch_idx)``: exact when
-    it resumes from an end-of-epoch checkpoint or a resumable loader (it warns otherwise).
+    it resumes from an end-of-epoch checkpoint or a resumable loader (it warns otherwise), and only at the world size
+    and train loader batch size they were recorded at (else they are kept, not replayed, with a warning).
 
     Checkpoints: Lightning saves rank 0's optimizer states, so ``on_save_checkpoint`` (which runs on every
     rank) gathers every rank's guard state into the checkpoint, and a resumed rank restores its own (rank 0's
@@ -232,7 +241,7 @@ class GuardtowerGuard(Callback):
             found = Quarantine()
             for guard in self.guards:
                 found = found.merged(guard.quarantine).merged(Quarantine.read(guard.log_dir))
-            self._replay = found.agreed(self.guards[0].process_group)
+            self._replay = found.agreed(self.guards[0].process_group, batch_size=_loader_batch_size(trainer))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
