@@ -73,6 +73,48 @@ def test_step_returning_no_loss_tensor_is_a_finding(returned: Any) -> None:
     assert finding.severity is Severity.ERROR and not report.ok
 
 
+def test_a_step_that_runs_backward_and_returns_loss_item_is_judged_by_its_gradients() -> None:
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.arange(16) % 3
+
+    def step(cut: bool) -> float:
+        opt.zero_grad()
+        hidden = m[1](m[0](x))
+        loss = F.cross_entropy(m[2](hidden.detach() if cut else hidden), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # what most loops log
+
+    report = audit(m, lambda: step(False), optimizer=opt)
+    (finding,) = report.by_id("LOSS-007")
+    assert finding.severity is Severity.INFO and report.ok, str(report)
+    (cut,) = audit(m, lambda: step(True), optimizer=opt).by_id("GRAD-001")  # the gradients are still judged
+    assert cut.severity is Severity.ERROR and cut.details["params"] == ["0.weight", "0.bias"]
+    nan = audit(m, lambda: step(False) * float("nan"), optimizer=opt)
+    assert nan.by_id("LOSS-003") and not nan.ok
+
+
+def test_a_sparse_embedding_trained_by_its_own_sparse_optimizer_is_audited_quietly() -> None:
+    torch.manual_seed(0)
+    bag, head = nn.EmbeddingBag(100, 8, mode="mean", sparse=True), nn.Linear(8, 2)
+    m = nn.ModuleDict({"bag": bag, "head": head})
+    sparse, dense = torch.optim.SparseAdam(list(bag.parameters()), lr=1e-2), torch.optim.Adam(head.parameters())
+    ids, offsets = torch.randint(0, 100, (20,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 5, 9, 15])
+
+    def step() -> torch.Tensor:
+        sparse.zero_grad()
+        dense.zero_grad()
+        loss = F.cross_entropy(head(bag(ids, offsets)), torch.tensor([0, 1, 0, 1]))
+        loss.backward()
+        sparse.step()
+        dense.step()
+        return loss
+
+    report = audit(m, step, optimizer=dense, inputs=(ids, offsets))
+    assert not [f for f in report if f.severity >= Severity.WARN], str(report)
+
+
 def test_closure_raising_names_the_exception_and_location() -> None:
     m = mlp()
 

@@ -221,7 +221,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             return
         trace.loop_events.append("step")
         tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        trace.step_grads.append(sum(1 for p in tracked if p.grad is not None and bool(p.grad.any())))
+        rows = [grad_rows(p.grad) for p in tracked]
+        trace.step_grads.append(sum(1 for r in rows if r is not None and bool(r.any())))
         if len(trace.step_grads) == 1:  # what the first step had to follow, before a later zero_grad clears it
             trace.grad_rows_at_step = {names[id(p)]: grad_rows(p.grad) for g in opt.param_groups
                                        for p in g["params"] if id(p) in names}
@@ -343,13 +344,17 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
     trace.raw_output = output
     trace.marked_inputs = watch.marked
     loss = extract_loss(output)
+    # step_fn ran backward itself; its gradients are the ones to judge (never a second backward on its graph)
+    ran_backward = "backward" in trace.loop_events or any(p.grad is not None for p in ctx.params.values())
     if not isinstance(loss, torch.Tensor):
+        if ran_backward and trace.error is None:  # ``return loss.item()``: the gradients are there all the same
+            trace.backward = trace.user_backward = True
+            _keep_grads(ctx, trace, left_by_backward)
         return trace
     trace.loss = loss.detach()
     trace.loss_requires_grad = loss.requires_grad
     trace.loss_is_leaf = loss.grad_fn is None
-    if "backward" in trace.loop_events or any(p.grad is not None for p in ctx.params.values()):
-        # step_fn ran backward itself; its gradients are the ones to judge (never a second backward on its graph)
+    if ran_backward:
         trace.backward = trace.user_backward = True
     elif loss.requires_grad and trace.error is None:
         target = loss if loss.numel() == 1 else loss.float().mean()
@@ -381,12 +386,19 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         except Exception as exc:
             trace.error = exc
             trace.phase = "backward"
+    _keep_grads(ctx, trace, left_by_backward)
+    return trace
+
+
+def _keep_grads(ctx: AuditContext, trace: StepTrace, left_by_backward: dict[str, torch.Tensor]) -> None:
+    """The step's gradients into the trace, and the model calls' outputs (their graphs, the logits) let go."""
     # a gradient step_fn's own zero_grad() dropped after its backward is still the one that backward produced
     grads = {name: (p.grad if p.grad is not None else left_by_backward.get(name)) for name, p in ctx.params.items()}
-    trace.grads = {name: (None if g is None else g.detach()) for name, g in grads.items()}
-    for call in calls:
-        call.output = None  # the graph and the logits are not needed any more
-    return trace
+    # a sparse embedding gradient is judged as the dense one it stands for (the checks read rows and norms)
+    trace.grads = {name: (None if g is None else g.detach().to_dense() if g.is_sparse else g.detach())
+                   for name, g in grads.items()}
+    for call in trace.calls:
+        call.output = None
 
 
 def _perturb(t: torch.Tensor) -> torch.Tensor:

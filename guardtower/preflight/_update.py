@@ -104,6 +104,13 @@ def grad_rows(grad: torch.Tensor | None) -> torch.Tensor | None:
     if grad is None:
         return None
     with torch.no_grad():
+        if grad.is_sparse:  # a sparse embedding's gradient: the rows its indices name (nn.Embedding(sparse=True))
+            grad = grad.coalesce()
+            if grad.dim() < 2:
+                return grad.values().any().reshape(1)
+            rows = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
+            return rows.index_fill_(0, grad.indices()[0][grad.values().reshape(grad.values().shape[0], -1).any(1)],
+                                    True)
         return grad.reshape(grad.shape[0], -1).any(dim=1) if grad.dim() >= 2 else grad.any().reshape(1)
 
 
