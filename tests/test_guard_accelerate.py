@@ -87,3 +87,43 @@ def test_guard_around_accelerate_skips_micro_steps_and_unscales(tmp_path: Path) 
     assert guard.step_count == 12 and guard.total_overflows == 1 and guard.total_spikes == 0
     assert accelerator.scaler.get_scale() == 512.0
     guard.close()
+
+
+def test_triage_around_accelerate_judges_the_recompute_at_the_scalers_scale(tmp_path: Path) -> None:
+    """Triage's recompute runs ``accelerator.backward`` again, which scales: the guard divides by the wrapper's
+    scaler's scale, so a one-off spike is transient and a bad batch deterministic."""
+    import accelerate
+    from accelerate.state import AcceleratorState, GradientState
+
+    from guardtower.events import SpikeEvent
+    from guardtower.testing import InMemorySink
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    model, prepared = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sink = InMemorySink()
+    guard = GuardedOptimizer(prepared, model, log_dir=tmp_path, verbose=False, sinks=[sink], triage=True)
+    for step in range(1, 19):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=gen) * (1e3 if step == 16 else 1.0), torch.randn(8, 1, generator=gen)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            guard.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            accelerator.backward(loss)
+            return loss
+
+        guard.observe_recompute(closure)
+        closure()
+        if step == 12:
+            next(model.parameters()).grad.mul_(1e4)  # a one-off fault on the first computation only
+        guard.step()
+    guard.flush()
+    found = {e.step: e.triage for e in sink.events if isinstance(e, SpikeEvent)}
+    assert found == {12: "transient", 16: "deterministic"}
+    assert guard.total_overflows == 0 and accelerator.scaler.get_scale() == 2.0**10
+    guard.close()

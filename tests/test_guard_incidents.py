@@ -120,6 +120,47 @@ def test_triage_labels_a_one_off_fault_transient_and_a_bad_batch_deterministic(t
     guard.close()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_triage_under_a_grad_scaler_judges_the_recompute_unscaled(tmp_path: Path, fused: bool) -> None:
+    """The recompute backpropagates the scaled loss as the step did: judged at the scaler's scale, a one-off
+    spike is transient and a bad batch deterministic (at 2**10 every recompute would look like a spike)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    sink = InMemorySink()
+    guard = GuardedOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused), net, log_dir=tmp_path,
+                             verbose=False, sinks=[sink], triage=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    calls: list[int] = []
+    for step in range(1, 19):
+        x, y = batch(step)
+        if step == 16:
+            x = x * 1e3  # a batch that reproduces its spike
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            calls.append(step)
+            guard.zero_grad()
+            loss = ((net(x) - y) ** 2).mean()
+            scaler.scale(loss).backward()
+            return loss
+
+        # a fused optimizer is handed the scale by scaler.step; a plain one needs the scaler named
+        guard.observe_recompute(closure, scaler=None if fused else scaler)
+        closure()
+        if step == 12:
+            next(net.parameters()).grad.mul_(1e4)  # a one-off fault: finite, so the scaler lets it through
+        scaler.step(guard)
+        scaler.update()
+    guard.flush()
+    found = spikes(sink)
+    assert sorted(found) == [12, 16]
+    assert found[12].triage == "transient" and found[16].triage == "deterministic"
+    assert calls.count(12) == calls.count(16) == 2 and len(calls) == 20  # one recompute per incident
+    assert scaler.get_scale() == 2.0**10  # no overflow anywhere: the spikes were the guard's, not the scaler's
+    with pytest.raises(ConfigError, match="scaler"):
+        guard.observe_recompute(closure, scaler=object())
+    guard.close()
+
+
 def test_triage_restores_the_rng_so_dropout_recomputes_alike(tmp_path: Path) -> None:
     net, guard, sink = make(tmp_path, triage=True, warmup_steps=0)
     x, y = batch(1)

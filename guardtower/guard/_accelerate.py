@@ -40,14 +40,15 @@ class AcceleratedBase:
         """False on an accumulation micro-step, where Accelerate does not step the optimizer."""
         return bool(self._wrapper.gradient_state.sync_gradients)
 
-    def _scaler(self) -> Any:
+    def scaler(self) -> Any:
+        """The wrapper's GradScaler when it is enabled, else None."""
         scaler = getattr(self._wrapper, "scaler", None)
         return scaler if scaler is not None and scaler.is_enabled() else None
 
     def unscale(self, device: torch.device) -> Tensor | None:
         """Unscale the gradients now, unless done already (``accelerator.clip_grad_norm_``); the scaler's
         overflow flag on ``device`` (not read on the host), or None without a scaler."""
-        scaler = self._scaler()
+        scaler = self.scaler()
         if scaler is None:
             return None
         inner = self._wrapper.optimizer
@@ -70,6 +71,6 @@ class AcceleratedBase:
 
     def skipped(self) -> None:
         """The guard did not step a step Accelerate would have taken: the scaler still closes its iteration."""
-        scaler = self._scaler()
+        scaler = self.scaler()
         if scaler is not None:
             scaler.update()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import math
 import os
 import weakref
@@ -244,7 +245,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.triage = triage
         self._triaged: dict[int, Outcome] = {}  # step -> its triage, until the step's incident is reported
         self._pending_batch: BatchRef | None = None
-        self._pending_recompute: tuple[Callable[[], Any], RngState] | None = None  # observe_recompute, for triage
+        # observe_recompute, for triage: the closure, the RNG before the step's forward, the GradScaler it scales by
+        self._pending_recompute: tuple[Callable[[], Any], RngState, Any] | None = None
         self._replaying = False  # skip_quarantined: the next step is a quarantined one, skipped unjudged
         self._batches: dict[int, BatchRef] = {}  # step -> the batch it stepped on, until its record is read
         self._quarantine: list[dict[str, Any]] = []  # this run's rejected batches (and those restored)
@@ -523,15 +525,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
         (``batch`` may then be the list of them); all are quarantined."""
         self._pending_batch = batch_ref(batch, index, epoch, indices, micro_batches)
 
-    def observe_recompute(self, closure: Callable[[], Any]) -> None:
+    def observe_recompute(self, closure: Callable[[], Any], *, scaler: Any = None) -> None:
         """For loops whose ``step()`` gets no closure because forward and backward ran before it (the HF
-        Trainer): ``closure`` recomputes the next step's gradients (forward and backward of the same
-        micro-batches, returning the loss) and the RNG state is copied now, so call this before the step's
-        first forward. ``triage=True`` calls it for a rejected step only; without triage nothing is kept."""
+        Trainer, ``scaler.step(guard)``): ``closure`` recomputes the next step's gradients (forward and backward
+        of the same micro-batches, returning the loss) and the RNG state is copied now, so call this before the
+        step's first forward. Under a ``GradScaler`` the closure backpropagates the scaled loss as the step did:
+        pass the ``scaler`` so the recomputed gradients are judged unscaled (a fused base optimizer is handed
+        the scale by ``scaler.step`` and needs no argument). ``triage=True`` calls it for a rejected step only;
+        without triage nothing is kept."""
         if not callable(closure):
             raise ConfigError("closure", f"expected a callable, got {type(closure).__name__}",
                               "pass a function that runs forward and backward of the step's batches")
-        self._pending_recompute = (closure, capture_rng()) if self.triage else None
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise ConfigError("scaler", f"expected a torch.amp.GradScaler, got {type(scaler).__name__}",
+                              "pass the GradScaler whose scale() the closure's backward uses, or leave it out")
+        self._pending_recompute = (closure, capture_rng(), scaler) if self.triage else None
 
     def skip_quarantined(self) -> None:
         """The next ``step()`` steps on a quarantined batch (a resumed run replaying its quarantine, for trainers
@@ -560,12 +568,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
             return self._replay_step(closure)
         rng: RngState | None = None
         recompute: Callable[[], Any] | None = closure
+        recompute_scaler: Any = None
         pending, self._pending_recompute = self._pending_recompute, None
         if self.triage:
             if closure is not None:
                 rng = capture_rng()
             elif pending is not None:  # observe_recompute: the RNG was copied before the step's forward
-                recompute, rng = pending
+                recompute, rng, recompute_scaler = pending
             else:
                 raise ConfigError("closure", "triage=True recomputes a rejected step, so step() needs the closure "
                                   "that computes the loss and the gradients",
@@ -599,7 +608,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             # the one host sync of non-fused optimizers / raise / rollback (skip == reject unless clipping)
             if bool(skip):
                 if rng is not None and recompute is not None:
-                    self._triaged[step] = retriage(recompute, rng, self._base.zero_grad, self._reproduces,
+                    scale = self._recompute_scale(grad_scale, recompute_scaler)
+                    self._triaged[step] = retriage(recompute, rng, self._base.zero_grad,
+                                                   functools.partial(self._reproduces, scale=scale),
                                                    self.process_group, self._distributed(), current_rank())
                 self._drain(block=True)  # publishes this step's events; rolls back or raises
                 if self._report_sink is not None and self._last_report is not None:
@@ -658,10 +669,24 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._after_step(step, watch)
         return result
 
-    def _reproduces(self, loss: Any) -> Tensor:
-        """bool 0-d: the gradients now in ``.grad`` (a triage recompute) would be rejected against the same
-        baselines. Judging does not fold anything in: only ``update()`` changes the detector."""
+    def _recompute_scale(self, grad_scale: Tensor | None, scaler: Any) -> Tensor | float | None:
+        """The loss scale a triage recompute's backward multiplies the gradients by: the one ``scaler.step``
+        handed a fused optimizer, Accelerate's scaler's, or the scaler given to ``observe_recompute``."""
+        if grad_scale is not None:
+            return grad_scale
+        if scaler is None and self._accelerated is not None:
+            scaler = self._accelerated.scaler()
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
+    def _reproduces(self, loss: Any, scale: Tensor | float | None = None) -> Tensor:
+        """bool 0-d: the gradients now in ``.grad`` (a triage recompute, still multiplied by ``scale`` under a
+        GradScaler) would be rejected against the same baselines. Judging does not fold anything in: only
+        ``update()`` changes the detector."""
         norms = self._meter.norms(self._params)
+        if isinstance(scale, Tensor):
+            norms = norms / scale.to(norms.device, torch.float32).reshape(())
+        elif scale is not None:
+            norms = norms / scale
         global_norm = torch.linalg.vector_norm(norms)
         _, loss_t = self._loss_tensor(loss)
         bad = (global_norm * 0.0) != 0.0
