@@ -309,3 +309,31 @@ def test_a_quarantine_recorded_at_another_batch_size_is_kept_but_not_replayed(tm
     legacy = {**entry, "batch": {k: v for k, v in entry["batch"].items() if k != "batch_size"}}
     old = Quarantine([legacy]).agreed(batch_size=4)
     assert old.positions() == {(0, 4)} and [i for i, _ in old.skip(_loader(4), epoch=0)] == [*range(4), *range(5, 14)]
+
+
+def test_a_short_last_batch_is_replayed_at_its_own_size(tmp_path: Path) -> None:
+    """21 samples in batches of 8: the epoch's last batch holds 5, and the bad sample is in it. Resumed at batch
+    size 8 that batch is skipped (it is not another layout); at batch size 4 its position holds other samples."""
+    x, y = torch.randn(21, 4, generator=torch.Generator().manual_seed(3)), torch.randn(21, 1)
+    x[20, 0] = float("inf")
+    data = TensorDataset(x, y)
+    net, guard, _ = make(tmp_path)
+    for index, (bx, by) in enumerate(DataLoader(data, batch_size=8)):
+        guard.zero_grad()
+        ((net(bx) - by) ** 2).mean().backward()
+        guard.observe_batch((bx, by), index=index, epoch=0)
+        guard.step()
+    guard.close()
+    (entry,) = Quarantine.read(tmp_path).entries
+    assert (entry["batch"]["index"], entry["batch"]["batch_size"]) == (2, 5)
+    resumed = Quarantine.read(tmp_path).agreed(batch_size=8)
+    assert resumed.positions() == {(0, 2)} and not resumed.unreplayable
+    assert [i for i, _ in resumed.skip(DataLoader(data, batch_size=8), epoch=0)] == [0, 1]
+    assert resumed.contains(2, 0, batch_size=5) and resumed.contains(2, 0)  # the size there, or not known
+    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[5\\] and this one holds 8"):
+        assert not resumed.contains(2, 0, batch_size=8)
+    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[5\\] and this one holds 4"):
+        skipped = Quarantine.read(tmp_path).skip(DataLoader(data, batch_size=4), epoch=0)
+        assert [i for i, _ in skipped] == list(range(6))
+    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[5\\] and are not replayed at batch size 4"):
+        assert Quarantine.read(tmp_path).agreed(batch_size=4).positions() == frozenset()

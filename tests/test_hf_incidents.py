@@ -82,7 +82,7 @@ def test_a_trainer_resumed_with_another_batch_size_does_not_replay_positions_tha
     assert sorted(spikes(first["events"])) == [3, 11]
     assert {e["batch"]["batch_size"] for e in Quarantine.read(tmp_path / "sg").entries} == {4}
     # at 8 samples a micro-batch an epoch is 4 steps: step 7 is (1, 4-5) again, samples 32-47, all good
-    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[4\\] and are not replayed at batch size 8"):
+    with pytest.warns(RuntimeWarning, match="recorded at batch size \\[4\\] and this one holds 8 samples"):
         resumed = run(tmp_path, resume=str(tmp_path / f"checkpoint-{SAVE_AT}"), batch_size=8)
     assert not [e for e in resumed["events"] if isinstance(e, SkipEvent) and e.reason == "quarantined"]
     # the bad sample is in micro-batch 2 of each epoch now (steps 10 and 14): it is computed and rejected again

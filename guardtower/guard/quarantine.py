@@ -42,7 +42,7 @@ from guardtower._jsonl import read_json_lines, write_whole
 from guardtower.errors import ConfigError
 from guardtower.events import _encode
 
-__all__ = ["QUARANTINE_FORMAT", "BatchRef", "Quarantine", "batch_ref", "batch_identity", "fingerprint",
+__all__ = ["QUARANTINE_FORMAT", "BatchRef", "Quarantine", "batch_ref", "batch_identity", "fingerprint", "leading_size",
            "quarantine_filename", "make_entry", "write_entry", "check_entries", "without_content"]
 
 QUARANTINE_FORMAT = "guardtower.quarantine/1"
@@ -111,7 +111,7 @@ def _tensors(value: Any, out: list[tuple[str, Tensor]], where: str = "", depth: 
             _tensors(item, out, f"{where}[{i}]", depth + 1)
 
 
-def _leading_size(batch: Any) -> int | None:
+def leading_size(batch: Any) -> int | None:
     """The leading dimension of the first tensor in ``batch`` (a shape: no host sync); None without one."""
     found: list[tuple[str, Tensor]] = []
     _tensors(batch, found)
@@ -161,7 +161,7 @@ def batch_identity(ref: BatchRef | None, step: int) -> dict[str, Any]:
         identity["indices"] = [int(v) for v in values[:_MAX_INDICES]]
         size = len(values) if ref.micro_batches == 1 else None
     if size is None and ref.batch is not None:
-        size = _leading_size(ref.batch)
+        size = leading_size(ref.batch)
     if size:
         identity["batch_size"] = size
     if ref.batch is not None and ("indices" not in identity or len(identity["indices"]) == _MAX_INDICES):
@@ -240,6 +240,8 @@ class Quarantine:
     ``world_size`` or ``batch_size`` (the current run's layout), an entry recorded in another layout is not
     replayed either (``unreplayable``): its ``(epoch, index)`` holds other samples there, so skipping that
     position would skip good data and train on the bad batch. An entry that did not record a size is replayed.
+    One recorded at a smaller size than ``batch_size`` (the epoch's short last batch) is kept, and its position
+    is matched by the size of the batch found there (``skip``, ``contains(batch_size=)``).
     """
 
     def __init__(self, entries: Iterable[Mapping[str, Any]] = (), *, world_size: int | None = None,
@@ -260,12 +262,20 @@ class Quarantine:
                 key = (e["batch"].get("epoch"), e["batch"]["index"] + k)
                 self._sizes.setdefault(key, set()).add(_recorded_size(e["batch"]))
         self._positions = frozenset(self._sizes)
+        self._warned = False  # one warning for the positions that hold a batch of another size now
 
     def _differs(self, entry: Mapping[str, Any]) -> dict[str, int]:
         """What of the entry's recorded layout differs from this run's, as recorded (a size that either side does
         not know is not compared)."""
-        return {name: value for name, value in _layout(entry).items()
-                if value is not None and self.layout[name] not in (None, value)}
+        differs = {}
+        for name, value in _layout(entry).items():
+            current = self.layout[name]
+            if value is None or current in (None, value):
+                continue
+            if name == "batch size" and value < current:
+                continue  # the epoch's short last batch, or a smaller layout: checked by size where it is replayed
+            differs[name] = value
+        return differs
 
     @classmethod
     def read(cls, log_dir: str | os.PathLike[str]) -> "Quarantine":
@@ -283,10 +293,31 @@ class Quarantine:
         """The ``(epoch, index)`` of every batch to leave out (epoch None: the loop gave none)."""
         return self._positions
 
-    def contains(self, index: int, epoch: int | None = None, *, micro_batches: int = 1) -> bool:
+    def contains(self, index: int, epoch: int | None = None, *, micro_batches: int = 1,
+                 batch_size: int | None = None) -> bool:
         """Whether a batch at ``index`` of ``epoch`` is quarantined; any of ``micro_batches`` batches from there
-        (a step that accumulates them: the trainers replay whole steps)."""
-        return any((epoch, index + k) in self._positions for k in range(micro_batches))
+        (a step that accumulates them: the trainers replay whole steps). ``batch_size``, when known, is the
+        leading size of the step's first batch at that position now: a position recorded at another size holds
+        other samples and is not counted (a short last batch of an epoch is recorded, and matched, at its own
+        size)."""
+        for k in range(micro_batches):
+            sizes = self._sizes.get((epoch, index + k))
+            if sizes is None:
+                continue
+            if batch_size is None or None in sizes or batch_size in sizes:
+                return True
+            self._other_size(epoch, index + k, sizes, batch_size)
+        return False
+
+    def _other_size(self, epoch: int | None, index: int, sizes: set[int | None], size: int) -> None:
+        """A quarantined position holds a batch of another size now: not skipped, with one warning."""
+        if self._warned:
+            return
+        self._warned = True
+        recorded = sorted(s for s in sizes if s is not None)
+        warnings.warn(f"guardtower: the quarantined batch at epoch {epoch}, index {index} was recorded at batch size "
+                      f"{recorded} and this one holds {size} samples: the position names other samples now, so it "
+                      "is not skipped; resume at the recorded batch size to skip it", RuntimeWarning, stacklevel=3)
 
     def merged(self, other: "Quarantine") -> "Quarantine":
         """This quarantine and ``other`` (e.g. a checkpoint's and the run folder's files), each entry once."""
@@ -331,22 +362,15 @@ class Quarantine:
 
         A quarantined position whose batch has another leading size than the one recorded there is not skipped
         (with one warning): the loader batches differently now, so the position holds other samples."""
-        warned = False
         for index, batch in enumerate(batches, start):
             sizes = self._sizes.get((epoch, index))
             if sizes is None:
                 yield index, batch
                 continue
-            size = _leading_size(batch)
+            size = leading_size(batch)
             if size is None or None in sizes or size in sizes:
                 continue
-            if not warned:
-                recorded = sorted(s for s in sizes if s is not None)
-                warnings.warn(f"guardtower: the quarantined batch at epoch {epoch}, index {index} was recorded at "
-                              f"batch size {recorded} and this one holds {size} samples: the position names other "
-                              "samples now, so it is not skipped; resume at the recorded batch size to skip it",
-                              RuntimeWarning, stacklevel=2)
-                warned = True
+            self._other_size(epoch, index, sizes, size)
             yield index, batch
 
     def __len__(self) -> int:

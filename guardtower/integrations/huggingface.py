@@ -311,6 +311,8 @@ class StabilityGuardCallback(TrainerCallback):
         self._steps_per_epoch: int | None = None  # optimizer steps per epoch (None: a loader without a length)
         self._batches_per_epoch = 0
         self._accumulation = 1
+        self._batch_size: int | None = None  # the train loader's per-rank batch size, and its last batch's
+        self._last_batch_size: int | None = None
         self._replay = Quarantine()  # the quarantined steps a resumed run leaves out
         self._current: _Step | None = None  # the optimizer step under way
         self._recomputing = False  # a triage recompute runs: its forwards' losses are not the step's
@@ -343,13 +345,15 @@ class StabilityGuardCallback(TrainerCallback):
         self._holder = holder
         self._args = args
         self._accumulation = int(args.gradient_accumulation_steps)
-        self._batches_per_epoch, self._steps_per_epoch = _epoch_length(kwargs.get("train_dataloader"),
-                                                                       self._accumulation)
+        loader = kwargs.get("train_dataloader")
+        self._batches_per_epoch, self._steps_per_epoch = _epoch_length(loader, self._accumulation)
         self._replay = Quarantine()
         trainer = _running_trainer()
+        self._batch_size = _loader_batch_size(trainer, args)
+        self._last_batch_size = _last_batch_size(loader, self._batch_size, self._batches_per_epoch)
         if state.global_step > 0:  # resumed: leave out what the checkpoint and the run folder quarantined
             self._replay = self.guard.quarantine.merged(Quarantine.read(self.guard.log_dir)).agreed(
-                self.guard.process_group, batch_size=_loader_batch_size(trainer, args))
+                self.guard.process_group, batch_size=self._batch_size)
             if self._replay.positions() and getattr(args, "ignore_data_skip", False):
                 logger.warning("guardtower: ignore_data_skip=True restarts the epoch from its first batch, so the "
                                "quarantine's positions do not name the same batches; nothing is replayed")
@@ -408,7 +412,10 @@ class StabilityGuardCallback(TrainerCallback):
             first = update * self._accumulation
             count = max(1, min(self._accumulation, self._batches_per_epoch - first))
         self.guard.observe_batch(current.batches, index=first, epoch=epoch, micro_batches=count)
-        if first is not None and self._replay.contains(first, epoch, micro_batches=count):
+        # the size the step's first batch will have (the epoch's last may be short): a position recorded at
+        # another one names other samples now
+        size = self._last_batch_size if first == self._batches_per_epoch - 1 else self._batch_size
+        if first is not None and self._replay.contains(first, epoch, micro_batches=count, batch_size=size):
             current.replayed = True
             self.guard.skip_quarantined()
         elif self.guard.triage:
@@ -552,6 +559,22 @@ def _epoch_length(loader: Any, accumulation: int) -> tuple[int, int | None]:
     if batches < 1:
         return 0, None
     return batches, max(batches // accumulation + int(batches % accumulation > 0), 1)
+
+
+def _last_batch_size(loader: Any, batch_size: int | None, batches: int) -> int | None:
+    """The samples in the epoch's last batch of a one-process loader that keeps it (None: unknown, or several
+    processes, whose Accelerate shards pad the last batches to full size by default)."""
+    import torch.distributed as dist
+
+    if batch_size is None or batches < 1 or (dist.is_available() and dist.is_initialized()
+                                             and dist.get_world_size() > 1):
+        return None
+    try:
+        samples = len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
+    last = samples - (batches - 1) * batch_size
+    return last if 0 < last <= batch_size else None
 
 
 def _loader_batch_size(trainer: Any, args: TrainingArguments) -> int | None:

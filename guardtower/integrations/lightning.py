@@ -30,7 +30,7 @@ from guardtower._runs import run_name
 from guardtower._validate import flag
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.errors import ConfigError, GradientSpikeError, MissingDependencyError, PreflightFailed
-from guardtower.guard.quarantine import Quarantine
+from guardtower.guard.quarantine import Quarantine, leading_size
 from guardtower.integrations._clip import deferred_clipper
 from guardtower.integrations._preflight import PreflightCallbackBase
 from guardtower.integrations._run_status import fail_mlflow_runs
@@ -253,7 +253,8 @@ class GuardtowerGuard(Callback):
             left = trainer.num_training_batches - batch_idx
             count = int(min(accumulation, left)) if left >= 1 else accumulation
             self._batches = []
-            self._replaying = self._replay.contains(batch_idx, epoch, micro_batches=count)
+            self._replaying = self._replay.contains(batch_idx, epoch, micro_batches=count,
+                                                    batch_size=leading_size(batch))
             for guard in self.guards:
                 guard.observe_batch(self._batches, index=batch_idx, epoch=epoch, micro_batches=count)
                 if self._replaying:
