@@ -97,10 +97,85 @@ def _c11_proof(bug: bool) -> bool:
     return not torch.allclose(seen["y"], frozen, atol=1e-5)
 
 
+# --------------------------------------------------------------------------------------------- case-12
+# CRNN: the BiLSTM is switched to batch_first=True for TensorRT, but the conv features are still fed as [w, b, c]:
+# the LSTM now runs its recurrence across the images of the batch and treats the width as the batch
+_C12_URL = "https://discuss.pytorch.org/t/lstm-change-batch-first-true-loss-does-not-decrease/62364"
+
+_C12_B, _C12_NCLASS = 3, 6  # class 0 is the CTC blank
+_C12_IMG = torch.randn(_C12_B, 1, 16, 16, generator=_gen(1121))
+_C12_TGT = torch.randint(1, _C12_NCLASS, (_C12_B, 3), generator=_gen(1122))
+
+
+class _BidirectionalLSTM(nn.Module):
+    def __init__(self, n_in: int, hidden: int, n_out: int, batch_first: bool) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(n_in, hidden, bidirectional=True, batch_first=batch_first)
+        self.embedding = nn.Linear(hidden * 2, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recurrent, _ = self.rnn(x)
+        d0, d1, h = recurrent.size()
+        return self.embedding(recurrent.reshape(d0 * d1, h)).view(d0, d1, -1)
+
+
+class _CRNN(nn.Module):
+    """meijieru/crnn.pytorch in miniature: conv stack down to height 1, then two BiLSTMs, output [T, b, nclass]."""
+
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        self.bug = bug
+        self.cnn = nn.Sequential(
+            nn.Conv2d(1, 16, 3, 1, 1), nn.ReLU(True), nn.MaxPool2d(2, 2),                          # 16x8x8
+            nn.Conv2d(16, 32, 3, 1, 1), nn.BatchNorm2d(32), nn.ReLU(True), nn.MaxPool2d((2, 1)),   # 32x4x8
+            nn.Conv2d(32, 32, 3, 1, 1), nn.ReLU(True), nn.MaxPool2d((2, 1)),                       # 32x2x8
+            nn.Conv2d(32, 32, (2, 1)), nn.BatchNorm2d(32), nn.ReLU(True))                          # 32x1x8
+        self.rnn = nn.Sequential(_BidirectionalLSTM(32, 16, 16, batch_first=True),
+                                 _BidirectionalLSTM(16, 16, _C12_NCLASS, batch_first=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.cnn(x).squeeze(2)                # [b, c, w]
+        if self.bug:
+            return self.rnn(conv.permute(2, 0, 1))   # [w, b, c] into a batch_first LSTM
+        out = self.rnn(conv.permute(0, 2, 1))        # the fix: [b, w, c] for batch_first ...
+        return out.permute(1, 0, 2)                  # ... and back to [T, b, nclass] for CTC
+
+
+def _c12_loss(model: nn.Module, img: torch.Tensor) -> torch.Tensor:
+    log_probs = model(img).log_softmax(2)            # [T, b, nclass]
+    t = log_probs.size(0)
+    return F.ctc_loss(log_probs, _C12_TGT, torch.full((_C12_B,), t, dtype=torch.long),
+                      torch.full((_C12_B,), _C12_TGT.size(1), dtype=torch.long))
+
+
+def _c12_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _CRNN(bug).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, _sgd_step(model, opt, lambda: _c12_loss(model, _C12_IMG)), _kw(optimizer=opt, inputs=_C12_IMG)
+
+
+def _c12_proof(bug: bool) -> bool:
+    """In eval mode (no BN batch coupling), changing only image 1 changes the predictions for image 0."""
+    model, step, _ = _c12_build(bug)
+    step()
+    model.eval()
+    other = _C12_IMG.clone()
+    other[1] = torch.randn(1, 16, 16, generator=_gen(1123))
+    with torch.no_grad():
+        a, b = model(_C12_IMG)[:, 0], model(other)[:, 0]
+    return not torch.allclose(a, b, atol=1e-6)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-11",
               _C11_URL, "BatchNorm train/eval mode",
               "BN layers are 'frozen' with momentum=0 and requires_grad=False but left in train mode: every training "
               "batch is normalised with its own batch statistics, not the pretrained running statistics that eval "
               "uses, so the net trains against a normalisation it never sees at test time", _c11_build, _c11_proof),
+    BlindCase("b11-case-12", _C12_URL, "RNN layout / batch_first",
+              "the CRNN's BiLSTMs are switched to batch_first=True while the conv features still arrive as "
+              "[width, batch, channels]: the recurrence runs across the images of the batch, so each image's "
+              "transcription depends on its batch neighbours and CTC trains on mixed-up sequences", _c12_build,
+              _c12_proof),
 ]
