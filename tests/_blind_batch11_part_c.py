@@ -167,6 +167,77 @@ def _c12_proof(bug: bool) -> bool:
     return not torch.allclose(a, b, atol=1e-6)
 
 
+# --------------------------------------------------------------------------------------------- case-13
+# one-step actor-critic: the TD target r + gamma * V(s') is computed with gradients, so the critic also regresses
+# V(s') toward V(s) (the "moving target" bug); the fix computes the next-state value under torch.no_grad()
+_C13_URL = "https://singularityfeed.com/deep-reinforcement-learning-the-actor-critic-method"
+
+_C13_BS, _C13_S, _C13_A, _C13_GAMMA = 32, 8, 4, 0.99
+_C13_STATE = torch.randn(_C13_BS, _C13_S, generator=_gen(1131))
+_C13_ACTION = torch.randint(0, _C13_A, (_C13_BS,), generator=_gen(1132))
+_C13_REWARD = torch.randn(_C13_BS, generator=_gen(1133))
+_C13_NEXT = _C13_STATE + 0.3 * torch.randn(_C13_BS, _C13_S, generator=_gen(1134))
+_C13_DONE = (torch.rand(_C13_BS, generator=_gen(1135)) < 0.1).float()
+
+
+class _ActorCritic(nn.Module):
+    """Drone-landing agent in miniature: a categorical policy over thrust actions and a state-value critic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(_C13_S, 64), nn.Tanh(), nn.Linear(64, _C13_A))
+        self.critic = nn.Sequential(nn.Linear(_C13_S, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    def forward(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.actor(state), self.critic(state).squeeze(-1)
+
+
+def _c13_losses(agent: _ActorCritic, bug: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, value = agent(_C13_STATE)
+    if bug:
+        next_value = agent.critic(_C13_NEXT).squeeze(-1)
+    else:
+        with torch.no_grad():
+            next_value = agent.critic(_C13_NEXT).squeeze(-1)
+    td_target = _C13_REWARD + _C13_GAMMA * next_value * (1 - _C13_DONE)
+    td_error = td_target - value
+    critic_loss = td_error.pow(2).mean()
+    log_prob = torch.distributions.Categorical(logits=logits).log_prob(_C13_ACTION)
+    actor_loss = -(log_prob * td_error.detach()).mean()
+    return actor_loss, critic_loss
+
+
+def _c13_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    agent = _ActorCritic().train()
+    opt = torch.optim.Adam([{"params": agent.actor.parameters(), "lr": 3e-4},
+                            {"params": agent.critic.parameters(), "lr": 1e-3}])
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        actor_loss, critic_loss = _c13_losses(agent, bug)
+        loss = actor_loss + 0.5 * critic_loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    return agent, step, _kw(optimizer=opt, inputs=_C13_STATE)
+
+
+def _c13_proof(bug: bool) -> bool:
+    """The critic gradient of the step is not the TD semi-gradient (target held fixed): V(s') is being trained too."""
+    agent, _, _ = _c13_build(bug)
+    assert isinstance(agent, _ActorCritic)
+    params = list(agent.critic.parameters())
+    _, critic_loss = _c13_losses(agent, bug)
+    used = torch.autograd.grad(critic_loss, params)
+    _, value = agent(_C13_STATE)
+    with torch.no_grad():
+        target = _C13_REWARD + _C13_GAMMA * agent.critic(_C13_NEXT).squeeze(-1) * (1 - _C13_DONE)
+    semi = torch.autograd.grad((target - value).pow(2).mean(), params)
+    return not all(torch.allclose(u, g, atol=1e-7) for u, g in zip(used, semi))
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-11",
               _C11_URL, "BatchNorm train/eval mode",
@@ -178,4 +249,8 @@ CASES: list[BlindCase] = [
               "[width, batch, channels]: the recurrence runs across the images of the batch, so each image's "
               "transcription depends on its batch neighbours and CTC trains on mixed-up sequences", _c12_build,
               _c12_proof),
+    BlindCase("b11-case-13", _C13_URL, "RL / TD target not detached",
+              "the critic's TD target r + gamma * V(s') keeps its graph: backprop also pushes V(s') toward V(s), "
+              "the bootstrapped target moves with every update and the critic loss oscillates instead of "
+              "converging", _c13_build, _c13_proof),
 ]
