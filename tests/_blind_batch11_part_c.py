@@ -238,6 +238,46 @@ def _c13_proof(bug: bool) -> bool:
     return not all(torch.allclose(u, g, atol=1e-7) for u, g in zip(used, semi))
 
 
+# --------------------------------------------------------------------------------------------- case-14
+# GPT-2 fine-tuning with a custom Dataset that shifts the labels itself (labels = tokens[1:]): the model shifts them
+# again inside forward, so every position is trained to predict the token two steps ahead
+_C14_URL = "https://discuss.huggingface.co/t/where-does-the-transformers-do-the-target-text-shifting-in-causal-lm/32408"
+
+_C14_TOK = torch.randint(3, 40, (4, 13), generator=_gen(1141))
+
+
+def _c14_batch(bug: bool) -> dict[str, torch.Tensor]:
+    """What the user's Dataset.__getitem__ returns, batched."""
+    if bug:
+        return {"input_ids": _C14_TOK[:, :-1], "labels": _C14_TOK[:, 1:]}
+    ids = _C14_TOK[:, :-1]
+    return {"input_ids": ids, "labels": ids.clone()}  # the answer: labels are a copy, the model shifts them
+
+
+def _c14_build(bug: bool) -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=40, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    model = GPT2LMHeadModel(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    batch = _c14_batch(bug)
+    return model, _sgd_step(model, opt, lambda: model(**batch).loss), _kw(optimizer=opt, inputs=batch)
+
+
+def _c14_proof(bug: bool) -> bool:
+    """The loss the model reports is the cross-entropy against the token two positions ahead, not the next one."""
+    model, _, _ = _c14_build(bug)
+    batch = _c14_batch(bug)
+    with torch.no_grad():
+        out = model(**batch)
+        logits = out.logits[:, :-1].reshape(-1, 40)  # input position t = token t of _C14_TOK
+        two_ahead = F.cross_entropy(logits, _C14_TOK[:, 2:].reshape(-1))
+        nxt = F.cross_entropy(logits, _C14_TOK[:, 1:-1].reshape(-1))
+    return bool(torch.isclose(out.loss, two_ahead, rtol=1e-4)) and not bool(torch.isclose(out.loss, nxt, rtol=1e-4))
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-11",
               _C11_URL, "BatchNorm train/eval mode",
@@ -253,4 +293,8 @@ CASES: list[BlindCase] = [
               "the critic's TD target r + gamma * V(s') keeps its graph: backprop also pushes V(s') toward V(s), "
               "the bootstrapped target moves with every update and the critic loss oscillates instead of "
               "converging", _c13_build, _c13_proof),
+    BlindCase("b11-case-14", _C14_URL, "labels / target alignment",
+              "the Dataset already shifts labels one token left and GPT2LMHeadModel shifts them again: the LM is "
+              "trained to predict the token two positions ahead, and the loss barely goes down", _c14_build,
+              _c14_proof),
 ]
