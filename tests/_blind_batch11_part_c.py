@@ -9,9 +9,6 @@ trained in pure fp16; nothing is downloaded) and proves the bug without the audi
 
 from __future__ import annotations
 
-import copy
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,6 +46,7 @@ def _c11_pretrained() -> _SegNet:
     g = _gen(1113)
     with torch.no_grad():
         for bn in (model.bn1, model.bn2):
+            assert bn.running_mean is not None and bn.running_var is not None
             bn.running_mean.copy_(torch.randn(16, generator=g) * 0.5)
             bn.running_var.copy_(torch.rand(16, generator=g) * 2.0 + 0.5)
             bn.weight.copy_(torch.rand(16, generator=g) + 0.5)
@@ -278,6 +276,63 @@ def _c14_proof(bug: bool) -> bool:
     return bool(torch.isclose(out.loss, two_ahead, rtol=1e-4)) and not bool(torch.isclose(out.loss, nxt, rtol=1e-4))
 
 
+# --------------------------------------------------------------------------------------------- case-15
+# "half precision training" by model.half() and inputs.half(): the weights themselves are fp16, so SGD updates that
+# are smaller than half an fp16 ulp of the weight round away to nothing; the fix is autocast with fp32 weights
+_C15_URL = "https://stackoverflow.com/questions/74092624/does-automatic-mixed-precision-amp-half-the-paramters-of-a-model"
+
+_C15_X = torch.randn(8, 3, 16, 16, generator=_gen(1151))
+_C15_Y = torch.randint(0, 10, (8,), generator=_gen(1152))
+
+
+class _SmallConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).flatten(1))
+
+
+def _c15_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _SmallConvNet().train()
+    if bug:
+        model.half()
+        x = _C15_X.half()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        return model, _sgd_step(model, opt, lambda: F.cross_entropy(model(x), _C15_Y)), _kw(optimizer=opt, inputs=x)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(_C15_X), _C15_Y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=_C15_X, scaler=scaler)
+
+
+def _c15_proof(bug: bool) -> bool:
+    """After one real step, most weights that received a non-zero gradient are bitwise unchanged."""
+    model, step, _ = _c15_build(bug)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    moved = lost = 0
+    for b, p in zip(before, model.parameters()):
+        assert p.grad is not None
+        got = p.grad != 0
+        moved += int(got.sum())
+        lost += int((got & (p.detach() == b)).sum())
+    return moved > 0 and lost / moved > 0.5
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-11",
               _C11_URL, "BatchNorm train/eval mode",
@@ -297,4 +352,8 @@ CASES: list[BlindCase] = [
               "the Dataset already shifts labels one token left and GPT2LMHeadModel shifts them again: the LM is "
               "trained to predict the token two positions ahead, and the loss barely goes down", _c14_build,
               _c14_proof),
+    BlindCase("b11-case-15", _C15_URL, "mixed precision / fp16 master weights",
+              "the model is trained after model.half(): parameters and their updates live in fp16, so most SGD "
+              "updates fall below the fp16 resolution of the weights and are rounded away; the loss hardly moves "
+              "while the same run under autocast with fp32 weights learns", _c15_build, _c15_proof),
 ]
