@@ -279,7 +279,7 @@ def _c14_proof(bug: bool) -> bool:
 # --------------------------------------------------------------------------------------------- case-15
 # "half precision training" by model.half() and inputs.half(): the weights themselves are fp16, so SGD updates that
 # are smaller than half an fp16 ulp of the weight round away to nothing; the fix is autocast with fp32 weights
-_C15_URL = "https://stackoverflow.com/questions/74092624/does-automatic-mixed-precision-amp-half-the-paramters-of-a-model"
+_C15_URL = "https://stackoverflow.com/questions/74092624/does-automatic-mixed-precision-amp-half-the-paramters-of-a-model"  # noqa: E501
 
 _C15_X = torch.randn(8, 3, 16, 16, generator=_gen(1151))
 _C15_Y = torch.randint(0, 10, (8,), generator=_gen(1152))
