@@ -1,0 +1,117 @@
+"""Blind batch 12, part a: silent training bugs from public framework threads, each with its fixed twin.
+
+Collected by someone who does not write the audit's checks. Every case builds the user's setup on a tiny real
+model (a plain torch timestep-conditioned conv noise predictor with an EMA copy, as in the diffusers text-to-image
+example; ...) and proves the bug without the audit on real runs and real tensors. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests._blind import BlindCase, Case
+from tests._blind_batch5 import _gen, _kw, _llama_config, _sgd_step  # noqa: F401
+
+
+# --------------------------------------------------------------------------------------------- case-01
+# diffusers train_text_to_image EMAModel.step writes its per-step (1 - decay) back into self.decay
+
+_C01_X = torch.randn(4, 3, 16, 16, generator=_gen(1201))
+_C01_NOISE = torch.randn(4, 3, 16, 16, generator=_gen(1202))
+_C01_T = torch.randint(0, 1000, (4,), generator=_gen(1203))
+_C01_STEPS = 40
+
+
+class _NoisePredictor(nn.Module):
+    """A tiny UNet-like noise predictor with a sinusoidal timestep embedding added after the first conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc = nn.Conv2d(3, 16, 3, padding=1)
+        self.t_proj = nn.Linear(16, 16)
+        self.down = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(32, 16, 2, stride=2)
+        self.out = nn.Conv2d(32, 3, 3, padding=1)
+        self.norm = nn.GroupNorm(4, 16)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        freqs = torch.exp(-torch.arange(8, dtype=torch.float32) * (9.2 / 8))
+        ang = t.float()[:, None] * freqs[None]
+        emb = self.t_proj(torch.cat([ang.sin(), ang.cos()], -1))
+        h1 = F.silu(self.norm(self.inc(x) + emb[:, :, None, None]))
+        h2 = F.silu(self.down(h1))
+        return self.out(torch.cat([F.silu(self.up(h2)), h1], 1))
+
+
+class _EMAModel:
+    """The example script's EMAModel: warmup decay min(decay, (1 + step) / (10 + step))."""
+
+    def __init__(self, parameters: Any, bug: bool, decay: float = 0.9999) -> None:
+        self.shadow_params = [p.detach().clone() for p in parameters]
+        self.decay, self.bug, self.optimization_step = decay, bug, 0
+
+    def get_decay(self, optimization_step: int) -> float:
+        value = (1 + optimization_step) / (10 + optimization_step)
+        return 1 - min(self.decay, value)
+
+    @torch.no_grad()
+    def step(self, parameters: Any) -> None:
+        parameters = list(parameters)
+        self.optimization_step += 1
+        if self.bug:  # the report: the per-step 1 - decay overwrites self.decay and feeds the next min()
+            self.decay = self.get_decay(self.optimization_step)
+            one_minus_decay = self.decay
+        else:
+            one_minus_decay = self.get_decay(self.optimization_step)
+        for s_param, param in zip(self.shadow_params, parameters):
+            if param.requires_grad:
+                s_param.sub_(one_minus_decay * (s_param - param))
+            else:
+                s_param.copy_(param)
+
+
+def _c01_setup(bug: bool) -> tuple[Case, _EMAModel]:
+    torch.manual_seed(0)
+    unet = _NoisePredictor().train()
+    ema = _EMAModel(unet.parameters(), bug)
+    opt = torch.optim.AdamW(unet.parameters(), lr=1e-3)
+    noisy = 0.7 * _C01_X + 0.7 * _C01_NOISE
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(unet(noisy, _C01_T), _C01_NOISE)
+        loss.backward()
+        opt.step()
+        ema.step(unet.parameters())
+        return loss
+
+    return (unet, step, _kw(optimizer=opt, inputs=(noisy, _C01_T))), ema
+
+
+def _c01_build(bug: bool) -> Case:
+    return _c01_setup(bug)[0]
+
+
+def _c01_proof(bug: bool) -> bool:
+    """After 40 steps the EMA weights differ from the warmup-decay EMA recomputed from the recorded weights
+    (the EMA sits much closer to the latest online weights: its per-step decay has collapsed to about 0.5)."""
+    (model, step, _), ema = _c01_setup(bug)
+    ref = [p.detach().clone() for p in model.parameters()]
+    for i in range(1, _C01_STEPS + 1):
+        step()
+        one_minus = 1 - min(0.9999, (1 + i) / (10 + i))
+        ref = [r - one_minus * (r - p.detach()) for r, p in zip(ref, model.parameters())]
+    return not all(torch.allclose(s, r, rtol=1e-4, atol=1e-6) for s, r in zip(ema.shadow_params, ref))
+
+
+CASES: list[BlindCase] = [
+    BlindCase("b12-case-01", "https://github.com/huggingface/diffusers/issues/1864", "EMA / decay schedule",
+              "EMAModel.step stores its per-step 1 - decay in self.decay, which the next step's min() reads back: the "
+              "EMA decay collapses to about 0.5 within ten steps and the EMA weights just trail the online UNet",
+              _c01_build, _c01_proof),
+]
