@@ -109,9 +109,76 @@ def _c01_proof(bug: bool) -> bool:
     return not all(torch.allclose(s, r, rtol=1e-4, atol=1e-6) for s, r in zip(ema.shadow_params, ref))
 
 
+# --------------------------------------------------------------------------------------------- case-02
+# Lightning fine-tuning: the frozen, eval()-ed backbone is put back in train mode when validation ends
+
+_C02_X = torch.randn(8, 3, 24, 24, generator=_gen(1211)) * 1.5 + 0.5
+_C02_Y = torch.randint(0, 4, (8,), generator=_gen(1212))
+
+
+class _Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c_out)
+        self.conv2, self.bn2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out)
+        self.skip = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=2, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.skip(x))
+
+
+class _TransferLearningModel(nn.Module):
+    """The computer_vision_fine_tuning example's shape: a (pretend pretrained) ResNet-style feature extractor,
+    frozen and set to eval(), and a trainable classifier on its pooled features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feature_extractor = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+                                               nn.ReLU(), _Block(16, 32), _Block(32, 32),
+                                               nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        with torch.no_grad():  # "pretrained" running statistics, not the fresh 0 / 1
+            for m in self.feature_extractor.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_mean.uniform_(-0.2, 0.2)
+                    m.running_var.uniform_(0.5, 2.0)
+        self.feature_extractor.requires_grad_(False)
+        self.feature_extractor.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.feature_extractor(x))
+
+
+def _c02_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _TransferLearningModel()
+    model.train()  # what the evaluation loop does when validation (or the sanity check) ends
+    if not bug:  # the fix: the module re-freezes its feature extractor's mode in on_train_epoch_start
+        model.feature_extractor.eval()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, _sgd_step(model, opt, lambda: F.cross_entropy(model(_C02_X), _C02_Y)), \
+        _kw(optimizer=opt, inputs=_C02_X)
+
+
+def _c02_proof(bug: bool) -> bool:
+    """One training step rewrites the frozen feature extractor's BatchNorm running statistics."""
+    model, step, _ = _c02_build(bug)
+    assert isinstance(model, _TransferLearningModel)
+    before = {k: v.clone() for k, v in model.feature_extractor.state_dict().items() if "running" in k}
+    step()
+    after = model.feature_extractor.state_dict()
+    return any(not torch.equal(v, after[k]) for k, v in before.items())
+
+
 CASES: list[BlindCase] = [
     BlindCase("b12-case-01", "https://github.com/huggingface/diffusers/issues/1864", "EMA / decay schedule",
               "EMAModel.step stores its per-step 1 - decay in self.decay, which the next step's min() reads back: the "
               "EMA decay collapses to about 0.5 within ten steps and the EMA weights just trail the online UNet",
               _c01_build, _c01_proof),
+    BlindCase("b12-case-02", "https://github.com/Lightning-AI/pytorch-lightning/issues/2551",
+              "BatchNorm mode / frozen backbone",
+              "the evaluation loop ends with model.train(), undoing the eval() of the frozen feature extractor: its "
+              "BatchNorm layers normalise with batch statistics and overwrite their pretrained running statistics "
+              "while its weights stay frozen", _c02_build, _c02_proof),
 ]
