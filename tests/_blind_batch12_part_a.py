@@ -171,6 +171,84 @@ def _c02_proof(bug: bool) -> bool:
     return any(not torch.equal(v, after[k]) for k, v in before.items())
 
 
+# --------------------------------------------------------------------------------------------- case-03
+# Trainer gradient accumulation: each micro-batch's token-mean loss / accumulation steps, not sum / all tokens
+
+_C03_ACCUM, _C03_LEN = 2, 12
+_C03_IDS = torch.randint(3, 40, (_C03_ACCUM, 2, _C03_LEN), generator=_gen(1221))
+_C03_KEEP = torch.tensor([[12, 10], [12, 12]])  # real (unpadded) length of each row
+_C03_PROMPT = torch.tensor([[1, 2],  # micro-batch 0: short prompts, nearly every token is a trained answer token
+                            [9, 10]])  # micro-batch 1: long prompts (masked out), 2-3 answer tokens per row
+
+
+def _c03_batches() -> list[dict[str, torch.Tensor]]:
+    out = []
+    pos = torch.arange(_C03_LEN)
+    for k in range(_C03_ACCUM):
+        ids = _C03_IDS[k].clone()
+        attn = (pos[None] < _C03_KEEP[k][:, None]).long()
+        ids[attn == 0] = 0
+        labels = ids.clone()
+        labels[(pos[None] < _C03_PROMPT[k][:, None]) | (attn == 0)] = -100
+        out.append({"input_ids": ids, "attention_mask": attn, "labels": labels})
+    return out
+
+
+_C03_BATCHES = _c03_batches()
+
+
+def _c03_qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
+
+
+def _c03_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def _c03_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _c03_qwen2().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    num_items_in_batch = sum(_c03_items(b) for b in _C03_BATCHES)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        total = torch.zeros(())
+        for batch in _C03_BATCHES:
+            if bug:  # the old compute_loss: the model's own token-mean, then / gradient_accumulation_steps
+                loss = model(**batch).loss / _C03_ACCUM
+            else:  # the fix: token-sum over this micro-batch / trained tokens in the whole accumulation window
+                loss = model(**batch, num_items_in_batch=num_items_in_batch).loss
+            loss.backward()
+            total = total + loss.detach()
+        opt.step()
+        return total
+
+    return model, step, _kw(optimizer=opt, inputs=_C03_BATCHES[0])
+
+
+def _c03_proof(bug: bool) -> bool:
+    """The accumulated gradient is not the gradient of the token-mean loss over all trained tokens of the window
+    (what the same update without accumulation, one batch of all four rows, would apply)."""
+    model, step, _ = _c03_build(bug)
+    ref = copy.deepcopy(model)
+    logits = [ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits for b in _C03_BATCHES]
+    tok = torch.cat([F.cross_entropy(lg[:, :-1].reshape(-1, 40), b["labels"][:, 1:].reshape(-1), reduction="none",
+                                     ignore_index=-100)[b["labels"][:, 1:].reshape(-1) != -100]
+                     for lg, b in zip(logits, _C03_BATCHES)])
+    params = [p for p in ref.parameters()]
+    g_ref = torch.autograd.grad(tok.mean(), params)
+    step()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    num = torch.sqrt(sum(((g - r) ** 2).sum() for g, r in zip(grads, g_ref)))
+    den = torch.sqrt(sum((r ** 2).sum() for r in g_ref))
+    return bool(num / den > 0.05)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b12-case-01", "https://github.com/huggingface/diffusers/issues/1864", "EMA / decay schedule",
               "EMAModel.step stores its per-step 1 - decay in self.decay, which the next step's min() reads back: the "
@@ -181,4 +259,9 @@ CASES: list[BlindCase] = [
               "the evaluation loop ends with model.train(), undoing the eval() of the frozen feature extractor: its "
               "BatchNorm layers normalise with batch statistics and overwrite their pretrained running statistics "
               "while its weights stay frozen", _c02_build, _c02_proof),
+    BlindCase("b12-case-03", "https://github.com/huggingface/transformers/pull/34191",
+              "gradient accumulation / loss normalisation",
+              "with gradient accumulation each micro-batch's loss is the mean over its own trained tokens divided by "
+              "the accumulation steps: tokens in micro-batches with few trained tokens weigh many times more, and "
+              "the update is not the full-batch token-mean gradient", _c03_build, _c03_proof),
 ]
