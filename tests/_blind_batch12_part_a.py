@@ -249,6 +249,62 @@ def _c03_proof(bug: bool) -> bool:
     return bool(num / den > 0.05)
 
 
+# --------------------------------------------------------------------------------------------- case-04
+# BART seq2seq fine-tuning with Trainer: target padding left as pad_token_id in labels, so the loss trains on pads
+
+_C04_PAD, _C04_LEN = 1, 12
+_C04_SRC = torch.randint(4, 40, (4, _C04_LEN), generator=_gen(1231))
+_C04_SRC_LEN = torch.tensor([12, 9, 7, 10])
+_C04_TGT = torch.randint(4, 40, (4, 8), generator=_gen(1232))
+_C04_TGT_LEN = torch.tensor([8, 4, 3, 5])  # summaries of 3-8 tokens (with </s>), padded to 8
+
+
+def _c04_batch(bug: bool) -> dict[str, torch.Tensor]:
+    src = _C04_SRC.clone()
+    attn = (torch.arange(_C04_LEN)[None] < _C04_SRC_LEN[:, None]).long()
+    src[attn == 0] = _C04_PAD
+    tgt = _C04_TGT.clone()
+    pos = torch.arange(8)[None]
+    tgt[pos == (_C04_TGT_LEN[:, None] - 1)] = 2  # </s>
+    tgt[pos >= _C04_TGT_LEN[:, None]] = _C04_PAD  # the tokenizer pads the targets with <pad>
+    if not bug:  # the fix: the collator replaces padding in the labels by -100, which CrossEntropyLoss ignores
+        tgt[tgt == _C04_PAD] = -100
+    return {"input_ids": src, "attention_mask": attn, "labels": tgt}
+
+
+def _c04_bart() -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                     pad_token_id=_C04_PAD, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                     forced_eos_token_id=2, dropout=0.1)
+    return BartForConditionalGeneration(cfg)
+
+
+def _c04_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _c04_bart().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    batch = _c04_batch(bug)
+    return model, _sgd_step(model, opt, lambda: model(**batch).loss), _kw(optimizer=opt, inputs=batch)
+
+
+def _c04_proof(bug: bool) -> bool:
+    """The training loss has a gradient at the logits of target positions past each summary's </s>: the model is
+    taught to predict <pad> after the end of every summary."""
+    model, _, _ = _c04_build(bug)
+    batch = _c04_batch(bug)
+    torch.manual_seed(0)
+    out = model(**batch)
+    out.logits.retain_grad()
+    out.loss.backward()
+    grad = out.logits.grad
+    assert grad is not None
+    past_end = torch.arange(8)[None] >= _C04_TGT_LEN[:, None]
+    return bool(grad[past_end].abs().sum() > 0)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b12-case-01", "https://github.com/huggingface/diffusers/issues/1864", "EMA / decay schedule",
               "EMAModel.step stores its per-step 1 - decay in self.decay, which the next step's min() reads back: the "
@@ -264,4 +320,8 @@ CASES: list[BlindCase] = [
               "with gradient accumulation each micro-batch's loss is the mean over its own trained tokens divided by "
               "the accumulation steps: tokens in micro-batches with few trained tokens weigh many times more, and "
               "the update is not the full-batch token-mean gradient", _c03_build, _c03_proof),
+    BlindCase("b12-case-04", "https://github.com/huggingface/transformers/pull/7828", "label masking / padding",
+              "the summary targets are padded with pad_token_id in labels and BartForConditionalGeneration's "
+              "CrossEntropyLoss only ignores -100: every padded position is a training target, the loss is "
+              "dominated by easy <pad> predictions and the model learns to emit padding", _c04_build, _c04_proof),
 ]
