@@ -1,8 +1,11 @@
 """Blind batch 12, part a: silent training bugs from public framework threads, each with its fixed twin.
 
 Collected by someone who does not write the audit's checks. Every case builds the user's setup on a tiny real
-model (a plain torch timestep-conditioned conv noise predictor with an EMA copy, as in the diffusers text-to-image
-example; ...) and proves the bug without the audit on real runs and real tensors. Nothing is downloaded.
+model (a plain torch timestep-conditioned conv noise predictor with the diffusers text-to-image example's EMA, a
+ResNet-style CNN with a frozen BatchNorm feature extractor as in Lightning's fine-tuning example, and an MLP GAN
+with one optimizer per network; transformers Qwen2 causal LM trained with gradient accumulation and a BART
+summariser, both from tiny configs in code; nothing is downloaded) and proves the bug without the audit on real
+runs and real tensors.
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ class _TransferLearningModel(nn.Module):
         self.fc = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
         with torch.no_grad():  # "pretrained" running statistics, not the fresh 0 / 1
             for m in self.feature_extractor.modules():
-                if isinstance(m, nn.BatchNorm2d):
+                if isinstance(m, nn.BatchNorm2d) and m.running_mean is not None and m.running_var is not None:
                     m.running_mean.uniform_(-0.2, 0.2)
                     m.running_var.uniform_(0.5, 2.0)
         self.feature_extractor.requires_grad_(False)
@@ -244,8 +247,8 @@ def _c03_proof(bug: bool) -> bool:
     g_ref = torch.autograd.grad(tok.mean(), params)
     step()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    num = torch.sqrt(sum(((g - r) ** 2).sum() for g, r in zip(grads, g_ref)))
-    den = torch.sqrt(sum((r ** 2).sum() for r in g_ref))
+    num = torch.stack([(g - r).norm() for g, r in zip(grads, g_ref)]).norm()
+    den = torch.stack([r.norm() for r in g_ref]).norm()
     return bool(num / den > 0.05)
 
 
@@ -305,6 +308,81 @@ def _c04_proof(bug: bool) -> bool:
     return bool(grad[past_end].abs().sum() > 0)
 
 
+# --------------------------------------------------------------------------------------------- case-05
+# Lightning GAN with two optimizers: zero_grad only after each optimizer's step, so D keeps the G-phase gradients
+
+_C05_LATENT, _C05_PIX, _C05_BS = 16, 64, 16
+_C05_IMGS = torch.tanh(torch.randn(_C05_BS, _C05_PIX, generator=_gen(1241)))
+_C05_Z = torch.randn(_C05_BS, _C05_LATENT, generator=_gen(1242))
+
+
+class _GAN(nn.Module):
+    """The basic-GAN example's generator (latent -> MLP -> tanh image) and discriminator (image -> MLP -> p)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(_C05_LATENT, 64), nn.LeakyReLU(0.2), nn.Linear(64, 64),
+                                       nn.LeakyReLU(0.2), nn.Linear(64, _C05_PIX), nn.Tanh())
+        self.discriminator = nn.Sequential(nn.Linear(_C05_PIX, 64), nn.LeakyReLU(0.2), nn.Linear(64, 32),
+                                           nn.LeakyReLU(0.2), nn.Linear(32, 1), nn.Sigmoid())
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.generator(z)
+
+    def training_step(self, imgs: torch.Tensor, z: torch.Tensor, optimizer_idx: int) -> torch.Tensor:
+        valid, fake = torch.ones(imgs.size(0), 1), torch.zeros(imgs.size(0), 1)
+        if optimizer_idx == 0:  # generator: fool the discriminator
+            return F.binary_cross_entropy(self.discriminator(self(z)), valid)
+        real_loss = F.binary_cross_entropy(self.discriminator(imgs), valid)
+        fake_loss = F.binary_cross_entropy(self.discriminator(self(z).detach()), fake)
+        return (real_loss + fake_loss) / 2
+
+
+def _c05_setup(bug: bool) -> tuple[Case, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    gan = _GAN().train()
+    opt_g = torch.optim.Adam(gan.generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(gan.discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+
+    def step() -> torch.Tensor:
+        # the trainer's loop over optimizers: training_step, backward, step, zero_grad (of that optimizer only)
+        losses = []
+        for idx, opt in enumerate((opt_g, opt_d)):
+            if not bug:  # the fix: gradients the other network's loss left on this optimizer's params are cleared
+                opt.zero_grad()
+            loss = gan.training_step(_C05_IMGS, _C05_Z, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        return losses[1]
+
+    return (gan, step, _kw(optimizer=opt_d, inputs=_C05_Z)), opt_d
+
+
+def _c05_build(bug: bool) -> Case:
+    return _c05_setup(bug)[0]
+
+
+def _c05_proof(bug: bool) -> bool:
+    """The gradient opt_d applies is not the discriminator loss's gradient: the generator loss's gradient w.r.t. the
+    discriminator is still in it (checked just before opt_d.step(), against a fresh autograd.grad of the D loss)."""
+    (gan, step, _), opt_d = _c05_setup(bug)
+    assert isinstance(gan, _GAN)
+    d_params = list(gan.discriminator.parameters())
+    differs: list[bool] = []
+
+    def before_d_step(*_: Any) -> None:
+        fresh = torch.autograd.grad(gan.training_step(_C05_IMGS, _C05_Z, 1), d_params)
+        differs.append(not all(p.grad is not None and torch.allclose(p.grad, g, rtol=1e-4, atol=1e-7)
+                               for p, g in zip(d_params, fresh)))
+
+    opt_d.register_step_pre_hook(before_d_step)
+    step()
+    step()
+    return all(differs)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b12-case-01", "https://github.com/huggingface/diffusers/issues/1864", "EMA / decay schedule",
               "EMAModel.step stores its per-step 1 - decay in self.decay, which the next step's min() reads back: the "
@@ -324,4 +402,9 @@ CASES: list[BlindCase] = [
               "the summary targets are padded with pad_token_id in labels and BartForConditionalGeneration's "
               "CrossEntropyLoss only ignores -100: every padded position is a training target, the loss is "
               "dominated by easy <pad> predictions and the model learns to emit padding", _c04_build, _c04_proof),
+    BlindCase("b12-case-05", "https://github.com/Lightning-AI/pytorch-lightning/issues/591",
+              "stale gradients across optimizers (GAN)",
+              "with one optimizer per network, zero_grad runs only on the optimizer that just stepped: the generator "
+              "loss's backward leaves gradients on the discriminator, which the discriminator's own backward adds "
+              "to, so every discriminator update also follows the generator's objective", _c05_build, _c05_proof),
 ]
