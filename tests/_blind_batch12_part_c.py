@@ -4,7 +4,7 @@ Collected by someone who does not write the audit's checks, from blog posts and 
 GitHub, not the PyTorch or Hugging Face forums). Every case builds the user's setup on a tiny real model (a plain
 torch residual CNN image classifier with BatchNorm, an MLP regressor whose hidden blocks sit in a Python list, a
 torch nn.TransformerEncoder text classifier over padded batches, a transformers BERT sequence classifier from a tiny
-config in code, and a plain torch LSTM sequence regressor; nothing is downloaded) and proves the bug without the
+config in code, and a plain torch MLP variational autoencoder; nothing is downloaded) and proves the bug without the
 audit on real runs and real tensors.
 """
 
@@ -186,9 +186,16 @@ def _c14_bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     cfg = BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=32, num_labels=2,
+                     intermediate_size=64, max_position_embeddings=32,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg.num_labels = 2
     return BertForSequenceClassification(cfg)
+
+
+def _c14_head_weight(model: nn.Module) -> torch.Tensor:
+    head = model.get_submodule("classifier")
+    assert isinstance(head, nn.Linear)
+    return head.weight.detach()
 
 
 def _c14_opt(model: nn.Module, bug: bool, wd: float) -> torch.optim.Optimizer:
@@ -205,18 +212,81 @@ def _c14_build(bug: bool) -> Case:
 
 
 def _c14_proof(bug: bool) -> bool:
-    """Against the same step with weight_decay=0, the decay's share of one update is not lr * wd * weight: in the
-    classifier's weight it is a small fraction of it, because the L2 term went through Adam's normalisation."""
+    """Against the same step with weight_decay=0, the decay's share of one update of the classifier weight is not
+    lr * wd * weight: the L2 term went through Adam's normalisation, so its size is set by the gradient's scale, not
+    by the weight (on this first step it is about a hundred times lr * wd * weight)."""
     model, step, _ = _c14_build(bug)
     ref = copy.deepcopy(model)
     ref_opt = _c14_opt(ref, bug, 0.0)
     _sgd_step(ref, ref_opt, lambda: ref(input_ids=_C14_IDS, labels=_C14_Y).loss)()
-    w0 = model.classifier.weight.detach().clone()
+    w0 = _c14_head_weight(model).clone()
     step()
-    decay_part = model.classifier.weight.detach() - ref.classifier.weight.detach()
+    decay_part = _c14_head_weight(model) - _c14_head_weight(ref)
     expected = -_C14_LR * _C14_WD * w0
     ratio = decay_part.norm() / expected.norm()
     return bool(abs(ratio - 1.0) > 0.5)
+
+
+# --------------------------------------------------------------------------------------------- case-15
+# VAE reconstruction term averaged over pixels (per-pixel BCE) next to a per-sample KL: the KL dominates the ELBO
+# and the posterior collapses, every input gets the same latent and the same reconstruction
+
+_C15_B, _C15_D, _C15_Z = 16, 64, 4
+_C15_POS = torch.randint(0, 8, (_C15_B,), generator=_gen(12151))
+_C15_IMG = torch.zeros(_C15_B, 8, 8)
+for _i, _p in enumerate(_C15_POS.tolist()):
+    _C15_IMG[_i, :, _p] = 1.0
+    _C15_IMG[_i, _p, :] = 0.8
+_C15_X = (_C15_IMG * 0.9 + 0.05).view(_C15_B, _C15_D)  # 8x8 "cross" images, one per bar position
+
+
+class _VAE(nn.Module):
+    """MLP encoder to (mu, logvar), reparameterised sample, MLP decoder to pixel probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(_C15_D, 64), nn.ReLU())
+        self.mu, self.logvar = nn.Linear(64, _C15_Z), nn.Linear(64, _C15_Z)
+        self.dec = nn.Sequential(nn.Linear(_C15_Z, 64), nn.ReLU(), nn.Linear(64, _C15_D))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.enc(x)
+        mu, logvar = self.mu(h), self.logvar(h)
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        return torch.sigmoid(self.dec(z)), mu, logvar
+
+
+def _c15_kl(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    return (-0.5 * (1 + logvar - mu ** 2 - logvar.exp()).sum(-1)).mean()
+
+
+def _c15_loss(model: nn.Module, bug: bool) -> torch.Tensor:
+    recon, mu, logvar = model(_C15_X)
+    if bug:  # the report: the mean BCE per pixel, without the "*= 28 * 28"
+        rec = F.binary_cross_entropy(recon, _C15_X)
+    else:  # the negative log-likelihood of a whole image, averaged over the batch
+        rec = F.binary_cross_entropy(recon, _C15_X, reduction="sum") / _C15_B
+    return rec + _c15_kl(mu, logvar)
+
+
+def _c15_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _VAE().train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, _sgd_step(model, opt, lambda: _c15_loss(model, bug)), _kw(optimizer=opt, inputs=_C15_X)
+
+
+def _c15_proof(bug: bool) -> bool:
+    """After 30 steps on the batch the posterior has collapsed onto the prior: the mean KL per image is ~0 and the
+    encoder gives (nearly) the same mu for every image, so the latent carries no information."""
+    model, step, _ = _c15_build(bug)
+    assert isinstance(model, _VAE)
+    for _ in range(30):
+        step()
+    with torch.no_grad():
+        _, mu, logvar = model(_C15_X)
+        kl = _c15_kl(mu, logvar)
+    return bool(kl < 0.1 and mu.std(0).mean() < 0.1)
 
 
 CASES: list[BlindCase] = [
@@ -225,8 +295,7 @@ CASES: list[BlindCase] = [
               "a CNN ported from Keras passes momentum=0.99 to nn.BatchNorm2d, where PyTorch's momentum is the weight "
               "of the new batch: the running statistics used at evaluation are just the last batch's", _c11_build,
               _c11_proof),
-    BlindCase("b12-case-12", "https://theflyingbirds.in/blog/pytorch-mysteries-lets-understand-nnmodule-nnparameter-"
-              "modulelist-sequential-and-the-classic-layers-linear-activations-dropout",
+    BlindCase("b12-case-12", "https://theflyingbirds.in/blog/pytorch-mysteries-lets-understand-nnmodule-nnparameter-modulelist-sequential-and-the-classic-layers-linear-activations-dropout",
               "module registration",
               "the hidden Linear blocks are stored in a plain Python list: they are not registered, the optimizer "
               "built from model.parameters() never gets them and they stay at their random init", _c12_build,
@@ -240,4 +309,9 @@ CASES: list[BlindCase] = [
               "BERT fine-tuning uses torch.optim.Adam(weight_decay=...): the decay is added to the gradient and then "
               "normalised by Adam, so it is not the decoupled weight decay (AdamW) the recipe asks for", _c14_build,
               _c14_proof),
+    BlindCase("b12-case-15", "https://stats.stackexchange.com/questions/485488/should-reconstruction-loss-be-computed-as-sum-or-average-over-input-for-variatio",
+              "loss scaling / VAE ELBO terms",
+              "the VAE reconstruction loss is the per-pixel mean BCE while the KL is per image: the KL outweighs the "
+              "reconstruction by the pixel count, the posterior collapses and all reconstructions look the same",
+              _c15_build, _c15_proof),
 ]
