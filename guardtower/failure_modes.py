@@ -399,8 +399,9 @@ _CORE: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "RELU-001", "Dead ReLUs", Severity.WARN,
-        "At least half of a ReLU layer's units output zero for every sample in the batch (judged on at least 4 "
-        "rows per unit); nn.ReLU-style modules and F.relu calls are both measured.",
+        "At least three quarters of a ReLU layer's units output zero for every sample in the batch (judged on at "
+        "least 4 rows per unit; on samples that look alike half is the healthy ceiling); nn.ReLU-style modules and "
+        "F.relu calls are both measured.",
         "Dead units pass no gradient, so they never recover; the network just behaves like a smaller one.",
         "Check bias init and input normalisation, lower the learning rate, or use LeakyReLU/GELU.",
         "https://cs231n.github.io/neural-networks-1/#actfun",
@@ -1208,6 +1209,17 @@ _STEP: tuple[FailureMode, ...] = (
         "Clip after the last backward() of the step and before optimizer.step() (after scaler.unscale_ under "
         "a GradScaler).",
         "https://github.com/VGraphRNN/VGRNN/issues/4",
+        ("loop", "gradients"),
+    ),
+    FailureMode(
+        "LOOP-014", "An optimizer applies gradients another phase's backward left", Severity.WARN,
+        "step_fn steps several optimizers (a GAN's generator and discriminator), and the tensors of one of them "
+        "received gradient both before and after another optimizer's step with no zero_grad in between.",
+        "Each loss is right and each optimizer steps; only the discriminator's update also carries the generator "
+        "loss's gradient (which flows through the discriminator), so it partly trains to help the generator.",
+        "Clear each optimizer's gradients right before its own backward (optimizer.zero_grad() first), or "
+        "detach what one phase feeds the other.",
+        "https://github.com/Lightning-AI/pytorch-lightning/issues/591",
         ("loop", "gradients"),
     ),
     FailureMode(

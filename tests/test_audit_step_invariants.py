@@ -167,6 +167,60 @@ def _cleared_and_never_stepped(bug: bool) -> Case:
     return _looped(steps=0 if bug else 1)
 
 
+class _TinyGAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.d = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.g(z)
+
+
+@case("LOOP-014")
+def _generator_gradient_left_on_the_discriminator(bug: bool) -> Case:
+    gan = _TinyGAN()
+    opt_g, opt_d = (torch.optim.Adam(part.parameters(), lr=2e-4, betas=(0.5, 0.999)) for part in (gan.g, gan.d))
+    g = torch.Generator().manual_seed(4)
+    z, real = torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)
+    ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+
+    def step() -> torch.Tensor:
+        opt_g.zero_grad()
+        if not bug:
+            opt_d.zero_grad()
+        F.binary_cross_entropy_with_logits(gan.d(gan(z)), ones).backward()  # also fills the discriminator's .grad
+        opt_g.step()
+        if not bug:
+            opt_d.zero_grad()  # the fix: clear what the generator's loss left before the discriminator's backward
+        d_loss = (F.binary_cross_entropy_with_logits(gan.d(real), ones)
+                  + F.binary_cross_entropy_with_logits(gan.d(gan(z).detach()), zeros)) / 2
+        d_loss.backward()
+        opt_d.step()
+        return d_loss
+
+    return gan, step, {"optimizer": opt_d, "inputs": z}
+
+
+def test_loop_014_is_quiet_when_one_backward_feeds_two_optimizers() -> None:
+    """One loss, one backward, then a step per part: every gradient came from that one backward."""
+    gan = _TinyGAN()
+    opt_g, opt_d = (torch.optim.SGD(part.parameters(), lr=1e-2) for part in (gan.g, gan.d))
+    z = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+
+    def step() -> torch.Tensor:
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        loss = gan.d(gan(z)).pow(2).mean()
+        loss.backward()
+        opt_g.step()
+        opt_d.step()
+        return loss
+
+    assert not audit(gan, step, optimizer=opt_d, inputs=z).by_id("LOOP-014")
+
+
 @case("LOOP-012")
 def _cleared_inside_the_accumulation_loop(bug: bool) -> Case:
     m = _classifier()
@@ -1167,6 +1221,55 @@ def test_input_002_probes_the_last_sample_of_a_causal_mix_along_the_batch() -> N
     x, y = torch.randn(5, 8), torch.randn(5, 2)
     (finding,) = audit(m, lambda: F.mse_loss(m(x), y)).by_id("INPUT-002")
     assert finding.severity == Severity.WARN and finding.details["leaking_samples"] == [1, 2, 3]
+
+
+class _TimeFirstTagger(nn.Module):
+    """A sequence-first encoder and LSTM (the torch default) over ``(time, batch, feature)`` input, one prediction
+    per time step and sample: ``(time, batch, classes)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.lstm = nn.LSTM(16, 16, bidirectional=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.enc(x))[0])
+
+
+class _ImageColumnsRNN(nn.Module):
+    """CRNN-style: conv features of each image column, read left to right by a bidirectional LSTM; the
+    prediction is ``(width, batch, classes)``, as CTC takes it."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.rnn = nn.LSTM(8 * 4, 16, bidirectional=True, batch_first=batch_first)
+        self.head = nn.Linear(32, 6)
+        self.batch_first = batch_first
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        f = torch.relu(self.conv(images))  # (b, c, h, w)
+        cols = f.flatten(1, 2).permute(2, 0, 1)  # (w, b, c*h): time first
+        # the bug: batch_first=True read on time-first features runs the recurrence along the batch
+        return self.head(self.rnn(cols)[0])
+
+
+def test_input_002_finds_the_batch_axis_of_the_prediction_and_reads_time_first_inputs() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(7, 4, 16, generator=g), torch.randint(0, 5, (7, 4), generator=g)
+    tagger = _TimeFirstTagger()
+    model, step, kwargs = _user_step(tagger, lambda: F.cross_entropy(tagger(x).reshape(-1, 5), y.reshape(-1)))
+    assert not audit(model, step, inputs=x, **kwargs).by_id("INPUT-002")  # time first, as its layers expect
+    images = torch.randn(3, 1, 4, 10, generator=g)
+    for bug in (True, False):
+        crnn = _ImageColumnsRNN(batch_first=bug)
+        model, step, kwargs = _user_step(crnn, lambda: crnn(images).logsumexp(-1).mean())
+        found = audit(model, step, inputs=images, **kwargs).by_id("INPUT-002")
+        assert bool(found) == bug and (not bug or found[0].severity == Severity.WARN)
 
 
 # --- labels that collapsed to one class over every position ------------------------------------------------------

@@ -42,36 +42,61 @@ def _graph_batch(call_tensors: list[torch.Tensor], batch: int) -> bool:
     return False
 
 
-def sample_leaks(model: nn.Module, out: torch.Tensor | None, watched: list[tuple[str, torch.Tensor]],
-                 call: Any, retain_graph: bool) -> list[LeakEntry]:
-    """One gradient of the probed samples' predictions w.r.t. every watched input with a batch axis."""
-    if out is None or not out.requires_grad or out.dim() == 0 or out.shape[0] < 2:
-        return []
-    batch = out.shape[0]
-    if out.dim() >= 2 and out.shape[1] == batch:
-        return []
-    if _graph_batch([t for _, t in iter_tensors(call, depth=4)], batch):
-        return []
-    watched = [(label, t) for label, t in watched if t.requires_grad and t.dim() > 0 and t.shape[0] == batch]
-    if not watched:
-        return []
-    probed = [0]
-    if batch >= 3 and (out.dim() <= 2 or not sequence_first_layers(model)):
-        probed.append(batch - 1)
-    weights = torch.randn(out[0].shape, generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
-    probe = torch.stack([(out[i] * weights).float().sum() for i in probed]).sum()
+def _probe(out: torch.Tensor, axis: int, probed: list[int], watched: list[tuple[str, torch.Tensor]], sample_dim: int,
+           retain_graph: bool) -> list[LeakEntry]:
+    """The gradient of the probed samples' predictions (rows of ``out`` along ``axis``) w.r.t. every watched input,
+    read per sample along the inputs' ``sample_dim``."""
+    batch = out.shape[axis]
+    rows = out.movedim(axis, 0)
+    weights = torch.randn(rows[0].shape, generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
+    probe = torch.stack([(rows[i] * weights).float().sum() for i in probed]).sum()
     grads = torch.autograd.grad(probe, [t for _, t in watched], retain_graph=retain_graph, allow_unused=True)
     result = []
     others = [j for j in range(batch) if j not in probed]
     for (label, _), grad in zip(watched, grads):
         if grad is None:
             continue
-        per_sample = grad.detach().float().reshape(batch, -1).norm(dim=1)
+        per_sample = grad.detach().float().movedim(sample_dim, 0).reshape(batch, -1).norm(dim=1)
         own = float(per_sample[probed].norm())
         other = per_sample[others]
         leaking = [others[int(j)] for j in torch.nonzero(other > 1e-6 * max(own, 1e-30)).flatten()]
         result.append(LeakEntry(label, own, float(other.norm()), leaking))
     return result
+
+
+def sample_leaks(model: nn.Module, out: torch.Tensor | None, watched: list[tuple[str, torch.Tensor]],
+                 call: Any, retain_graph: bool) -> list[LeakEntry]:
+    """The cross-sample probe: for each reading of which input axis is the batch (the first; the second too when
+    a layer of the model is sequence-first, whose correct input puts time first), the output axis of that size
+    (a prediction laid out ``(time, batch, classes)`` for CTC, say) is probed. Samples leak only when every
+    reading leaks: a correct model is separable along its real batch axis."""
+    if out is None or not out.requires_grad or out.dim() == 0:
+        return []
+    watched = [(label, t) for label, t in watched if t.requires_grad and t.dim() > 0]
+    if not watched:
+        return []
+    seq_first = bool(sequence_first_layers(model))
+    readings = []
+    for sample_dim in ((0, 1) if seq_first else (0,)):
+        if watched[0][1].dim() <= sample_dim:
+            continue
+        batch = watched[0][1].shape[sample_dim]
+        axes = [a for a in range(out.dim()) if out.shape[a] == batch]
+        inputs = [(label, t) for label, t in watched if t.dim() > sample_dim and t.shape[sample_dim] == batch]
+        # no axis of that size, or several (a similarity matrix of the batch with itself): nothing to read
+        if batch < 2 or len(axes) != 1 or _graph_batch([t for _, t in iter_tensors(call, depth=4)], batch):
+            continue
+        probed = [0]
+        if batch >= 3 and (out.dim() <= 2 or not seq_first):
+            probed.append(batch - 1)
+        readings.append((axes[0], probed, inputs, sample_dim))
+    found: list[LeakEntry] = []
+    for k, (axis, probed, inputs, sample_dim) in enumerate(readings):
+        entries = _probe(out, axis, probed, inputs, sample_dim, retain_graph or k < len(readings) - 1)
+        if not any(e.leaking_samples for e in entries):
+            return entries  # separable along this reading of the batch axis
+        found = found or entries
+    return found
 
 
 def eval_pass(ctx: AuditContext, restore_rng: Callable[[], None],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -179,10 +179,16 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     property that stands in for the C descriptor while the step runs."""
     names = {id(p): n for n, p in ctx.params.items()}
     left: dict[str, torch.Tensor] = {}
+    # which optimizer steps (numbered over every optimizer the step steps) each tensor's gradient spans: the
+    # step count at each accumulation since the tensor was last cleared, and which optimizer took each step
+    spans: dict[int, set[int]] = {}
+    step_log: list[set[int]] = []  # per step taken: the ids of the tensors that optimizer holds
 
-    def cleared() -> None:
+    def cleared(tensors: Iterable[torch.Tensor] | None = None) -> None:
         if not trace.loop_events or trace.loop_events[-1] != "zero_grad":
             trace.loop_events.append("zero_grad")
+        for t in tensors if tensors is not None else ():
+            spans.pop(id(t), None)
 
     def get_grad(tensor: torch.Tensor) -> Any:
         return _GRAD.__get__(tensor)
@@ -190,16 +196,17 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     def set_grad(tensor: torch.Tensor, value: Any) -> None:
         _GRAD.__set__(tensor, value)
         if value is None and id(tensor) in names:
-            cleared()
+            cleared([tensor])
 
     def del_grad(tensor: torch.Tensor) -> None:
         _GRAD.__delete__(tensor)
         if id(tensor) in names:
-            cleared()
+            cleared([tensor])
 
     trainable = [p for p in ctx.params.values() if p.requires_grad]
 
     def on_grad(p: torch.Tensor) -> None:
+        spans.setdefault(id(p), set()).add(len(step_log))
         if not trace.loop_events or trace.loop_events[-1] != "backward":
             trace.loop_events.append("backward")
             trace.backward_versions.append(sum(t._version for t in trainable))
@@ -229,7 +236,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
 
     def zero_grad_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            cleared()
+            cleared([p for g in self.param_groups for p in g["params"]] if isinstance(self, torch.optim.Optimizer)
+                    else list(self.parameters()))
             return original(self, *args, **kwargs)
 
         return wrapper
@@ -259,6 +267,14 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     def any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if all(opt is not seen for seen in trace.stepped_optimizers):
             trace.stepped_optimizers.append(opt)
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        # a gradient accumulated both before and after another optimizer's step of other tensors: this update
+        # applies what an earlier phase's backward (another objective) left on these tensors
+        stale = [names[i] for i in held if i in names and len(spans.get(i, ())) > 1
+                 and any(i not in step_log[k] for k in range(min(spans[i]), max(spans[i])))]
+        if stale and len(trace.cross_phase) < 8:
+            trace.cross_phase.append((len(step_log), sorted(stale)))
+        step_log.append(held)
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 

@@ -162,6 +162,9 @@ class StepTrace:
     """how many separate backward passes ``step_fn`` ran itself (micro-batches of one accumulated step)"""
     scaled_backward: bool = False
     """``step_fn`` scaled its loss with an enabled GradScaler before backward"""
+    cross_phase: list[tuple[int, list[str]]] = field(default_factory=list)
+    """``(step, tensors)`` for each optimizer step (numbered over all optimizers from 0) whose tensors' gradients
+    were accumulated both before and after another optimizer's earlier step: a phase's leftover gradient"""
     step_grads: list[int] = field(default_factory=list)
     """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
     loss_requires_grad: bool = False

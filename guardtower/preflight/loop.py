@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._util import fmt_names
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -174,3 +175,22 @@ def _cleared_before_use(events: list[str], versions: list[int]) -> int:
         elif event == "step":
             unused = cleared = None
     return dropped
+
+
+@check("optimizer_phases", emits=("LOOP-014",))
+def check_optimizer_phases(ctx: AuditContext) -> Iterable[Finding]:
+    """LOOP-014: a step_fn with one optimizer per part (a GAN's generator and discriminator) clears each
+    optimizer's gradients only after its own step, so one part's update applies what the other phase's backward
+    (another objective) left on its tensors."""
+    trace = ctx.trace
+    if trace is None or not trace.cross_phase:
+        return []
+    step, tensors = trace.cross_phase[0]
+    return [Finding(
+        "optimizer_phases", Severity.WARN,
+        f"optimizer step {step + 1} of the step applies gradients of {fmt_names(tensors)} that were accumulated "
+        "both before and after another optimizer's step: the earlier phase's backward (another loss, e.g. the "
+        "generator's through the discriminator) left gradients on these tensors and nothing cleared them, so this "
+        "update also follows that objective; call this optimizer's zero_grad() right before its own backward",
+        "LOOP-014", {"step": step, "tensors": tensors[:16], "count": len(tensors)},
+    )]

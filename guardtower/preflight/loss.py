@@ -100,6 +100,8 @@ class LossCall:
     ``_MAX_TARGETS`` ids): what the loss is asked to predict where"""
 
 
+#: raw logits all inside [0, 1] without a sigmoid behind them: a few (a small head at init) can, this many cannot
+_UNIT_LOGITS = 64
 #: autograd nodes of activations that bound a prediction, and the range they allow
 _BOUNDED: dict[str, tuple[str, float, float]] = {
     "SigmoidBackward0": ("sigmoid", 0.0, 1.0), "TanhBackward0": ("tanh", -1.0, 1.0),
@@ -383,7 +385,8 @@ def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
                 f"{call.input_shape}): softmax is applied twice; pass the raw logits",
                 "LOSS-004", {"fn": call.fn, "input_shape": list(call.input_shape), "min": lo, "max": hi},
             ))
-        elif call.fn == "binary_cross_entropy_with_logits" and in_unit and _numel(call.input_shape) >= 4:
+        elif call.fn == "binary_cross_entropy_with_logits" and in_unit and (
+                call.bound in ("sigmoid", "softmax") or _numel(call.input_shape) >= _UNIT_LOGITS):
             findings.append(Finding(
                 "loss_inputs", Severity.ERROR,
                 f"binary_cross_entropy_with_logits received values all in [0, 1] (shape {call.input_shape}): "

@@ -29,8 +29,10 @@ from guardtower.severity import Severity
 
 __all__ = ["ActivationRecord", "DEAD_FRACTION", "SATURATED_FRACTION", "MIN_ROWS"]
 
-#: a ReLU layer is reported when at least this fraction of its units is zero for every sample in the batch
-DEAD_FRACTION = 0.5
+#: a ReLU layer is reported when at least this fraction of its units is zero for every sample in the batch. When
+#: the samples look alike (a random frozen backbone's pooled features, a small batch), a healthy zero-bias layer has
+#: each unit negative on all of them with probability ~1/2, so half dead is the healthy ceiling, not a finding
+DEAD_FRACTION = 0.75
 #: a sigmoid/tanh layer is reported when at least this fraction of its outputs is within 1% of the asymptotes
 SATURATED_FRACTION = 0.5
 #: dead units are only judged on at least this many rows (samples x positions) per unit

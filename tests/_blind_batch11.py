@@ -1,0 +1,8 @@
+"""Blind batch 11: the parts collected in round 6, each by a helper who never read the checks (see each part)."""
+
+from __future__ import annotations
+
+from tests._blind import BlindCase
+from tests._blind_batch11_part_c import CASES as _PART_C
+
+CASES: list[BlindCase] = [*_PART_C]

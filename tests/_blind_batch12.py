@@ -1,0 +1,9 @@
+"""Blind batch 12: the parts collected in round 6, each by a helper who never read the checks (see each part)."""
+
+from __future__ import annotations
+
+from tests._blind import BlindCase
+from tests._blind_batch12_part_a import CASES as _PART_A
+from tests._blind_batch12_part_c import CASES as _PART_C
+
+CASES: list[BlindCase] = [*_PART_A, *_PART_C]
