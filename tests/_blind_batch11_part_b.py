@@ -91,9 +91,103 @@ def _c06_proof(bug: bool) -> bool:
     return any(not torch.equal(v, after[n]) for n, v in before.items())
 
 
+# --------------------------------------------------------------------------------------------- case-07
+# neural TSP solver trained by REINFORCE with a critic baseline: the critic value is not detached in the policy loss
+
+_C07_B, _C07_N, _C07_D = 8, 6, 32
+_C07_XY = torch.rand(_C07_B, _C07_N, 2, generator=_gen(1111))
+
+
+class _TSPAgent(nn.Module):
+    """Encode (self-attention over cities), attend and navigate (pointer decoder sampling a tour), plus a critic
+    that predicts the tour length from its own encoding of the cities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2, _C07_D)
+        self.encoder = nn.TransformerEncoderLayer(_C07_D, 4, 64, dropout=0.0, batch_first=True)
+        self.query = nn.GRUCell(_C07_D, _C07_D)
+        self.w_ref, self.w_q = nn.Linear(_C07_D, _C07_D, bias=False), nn.Linear(_C07_D, _C07_D, bias=False)
+        self.v = nn.Parameter(torch.randn(_C07_D) * 0.1)
+        self.start = nn.Parameter(torch.zeros(_C07_D))
+        self.critic = nn.ModuleDict({"embed": nn.Linear(2, _C07_D),
+                                     "encoder": nn.TransformerEncoderLayer(_C07_D, 4, 64, dropout=0.0,
+                                                                           batch_first=True),
+                                     "out": nn.Sequential(nn.Linear(_C07_D, _C07_D), nn.ReLU(),
+                                                          nn.Linear(_C07_D, 1))})
+
+    def forward(self, xy: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ref = self.encoder(self.embed(xy))
+        b, n, _ = ref.shape
+        h = self.start.expand(b, -1).contiguous()
+        inp = ref.mean(1)
+        visited = torch.zeros(b, n, dtype=torch.bool)
+        tour, log_probs = [], []
+        for _ in range(n):
+            h = self.query(inp, h)
+            scores = torch.tanh(self.w_ref(ref) + self.w_q(h).unsqueeze(1)) @ self.v
+            logp = F.log_softmax(scores.masked_fill(visited, float("-inf")), -1)
+            city = torch.multinomial(logp.exp().detach(), 1, generator=gen).squeeze(1)
+            log_probs.append(logp.gather(1, city[:, None]).squeeze(1))
+            tour.append(city)
+            visited = visited | F.one_hot(city, n).bool()
+            inp = ref[torch.arange(b), city]
+        c = self.critic
+        critique = c["out"](c["encoder"](c["embed"](xy)).mean(1)).squeeze(-1)
+        return torch.stack(tour, 1), critique, torch.stack(log_probs, 1).sum(1)
+
+
+def _c07_reward(xy: torch.Tensor, tour: torch.Tensor) -> torch.Tensor:
+    """Length of the closed tour (the quantity minimised)."""
+    ordered = xy.gather(1, tour.unsqueeze(-1).expand(-1, -1, 2))
+    closed = torch.cat([ordered, ordered[:, :1]], 1)
+    return (closed[:, 1:] - closed[:, :-1]).norm(dim=-1).sum(-1)
+
+
+def _c07_losses(agent: _TSPAgent, gen: torch.Generator, bug: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    tour, critique, log_probs = agent(_C07_XY, gen)
+    reward = _c07_reward(_C07_XY, tour)
+    baseline = critique if bug else critique.detach()  # the fix: stop the policy gradient at the critic
+    actor_loss = ((reward - baseline) * log_probs).mean()
+    critic_loss = F.mse_loss(reward, critique)
+    return actor_loss, critic_loss
+
+
+def _c07_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    agent = _TSPAgent().train()
+    gen = _gen(1112)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)  # one optimizer for actor and critic, as in the report
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        actor_loss, critic_loss = _c07_losses(agent, gen, bug)
+        (actor_loss + critic_loss).backward()
+        opt.step()
+        return actor_loss + critic_loss
+
+    return agent, step, _kw(optimizer=opt, inputs=_C07_XY)
+
+
+def _c07_proof(bug: bool) -> bool:
+    """The critic's gradient in the step is not the gradient of the critic loss alone: the policy loss reaches it."""
+    agent, _, _ = _c07_build(bug)
+    assert isinstance(agent, _TSPAgent)
+    actor_loss, critic_loss = _c07_losses(agent, _gen(1113), bug)
+    params = list(agent.critic.parameters())
+    total = torch.autograd.grad(actor_loss + critic_loss, params, retain_graph=True, allow_unused=True)
+    alone = torch.autograd.grad(critic_loss, params)
+    return not all(t is not None and torch.allclose(t, a, rtol=1e-4, atol=1e-7) for t, a in zip(total, alone))
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-06", "https://github.com/kdexd/virtex/issues/16", "BatchNorm mode / frozen backbone",
               "linear evaluation freezes every backbone weight but calls model.train(): the frozen ResNet's "
               "BatchNorm layers normalise with batch statistics and overwrite the pretrained running mean and var "
               "every step", _c06_build, _c06_proof),
+    BlindCase("b11-case-07", "https://github.com/astariul/encode-attend-navigate-pytorch/pull/3",
+              "detach / actor-critic baseline",
+              "the REINFORCE loss uses the critic's prediction as baseline without detaching it: the critic is "
+              "trained by the policy loss as well as by its own MSE, pulling its estimate away from the tour length",
+              _c07_build, _c07_proof),
 ]
