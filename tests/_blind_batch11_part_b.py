@@ -180,6 +180,102 @@ def _c07_proof(bug: bool) -> bool:
     return not all(t is not None and torch.allclose(t, a, rtol=1e-4, atol=1e-7) for t, a in zip(total, alone))
 
 
+# --------------------------------------------------------------------------------------------- case-08
+# MoCo v2 with a projection head outside the encoder: the momentum update moves the key encoder but not the key head
+
+_C08_B, _C08_DIM, _C08_K, _C08_M, _C08_T = 8, 16, 32, 0.9, 0.2
+_C08_IMG = torch.rand(_C08_B, 2, 3, 16, 16, generator=_gen(1121))  # two augmented views of every image
+_C08_QUEUE = F.normalize(torch.randn(_C08_DIM, _C08_K, generator=_gen(1122)), dim=0)
+
+
+class _TinyViT(nn.Module):
+    """Patch embedding (4x4 patches), a class token, two pre-norm transformer layers; returns the class token."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, width, 4, 4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos = nn.Parameter(torch.randn(1, 17, width) * 0.02)
+        self.blocks = nn.TransformerEncoder(nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=True,
+                                                                       norm_first=True), 2,
+                                    enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], 1) + self.pos
+        return self.norm(self.blocks(tokens)[:, 0])
+
+
+class _MoCo(nn.Module):
+    def __init__(self, bug: bool) -> None:
+        super().__init__()
+        self.bug = bug
+        self.encoder_q = _TinyViT()
+        self.encoder_k = copy.deepcopy(self.encoder_q)
+        self.head_q = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, _C08_DIM))
+        self.head_k = copy.deepcopy(self.head_q)
+        for p in [*self.encoder_k.parameters(), *self.head_k.parameters()]:
+            p.requires_grad = False
+        self.register_buffer("queue", _C08_QUEUE.clone())
+        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
+
+    @torch.no_grad()
+    def momentum_update(self) -> None:
+        pairs = [(self.encoder_q, self.encoder_k)] + ([] if self.bug else [(self.head_q, self.head_k)])
+        for online, key in pairs:
+            for param_q, param_k in zip(online.parameters(), key.parameters()):
+                param_k.data = param_k.data * _C08_M + param_q.data * (1.0 - _C08_M)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = F.normalize(self.head_q(self.encoder_q(images[:, 0])), dim=1)
+        with torch.no_grad():
+            k = F.normalize(self.head_k(self.encoder_k(images[:, 1])), dim=1)
+        return q, k
+
+    def loss(self, images: torch.Tensor) -> torch.Tensor:
+        q, k = self(images)
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone().detach()], 1) / _C08_T
+        loss = F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long))
+        with torch.no_grad():  # dequeue and enqueue
+            ptr = int(self.queue_ptr)
+            self.queue[:, ptr:ptr + k.shape[0]] = k.T
+            self.queue_ptr.fill_((ptr + k.shape[0]) % _C08_K)
+        return loss
+
+
+def _c08_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _MoCo(bug).train()
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1]
+    opt = torch.optim.SGD([{"params": decay, "weight_decay": 1e-4}, {"params": no_decay, "weight_decay": 0.0}],
+                          lr=0.03, momentum=0.9)
+
+    def step() -> torch.Tensor:
+        model.momentum_update()  # at the start of training_step, as in the report
+        opt.zero_grad()
+        loss = model.loss(_C08_IMG)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=_C08_IMG)
+
+
+def _c08_proof(bug: bool) -> bool:
+    """After three steps the key projection head is bitwise its initial copy while the query head it should follow
+    has moved."""
+    model, step, _ = _c08_build(bug)
+    assert isinstance(model, _MoCo)
+    before = [p.detach().clone() for p in model.head_k.parameters()]
+    q_before = [p.detach().clone() for p in model.head_q.parameters()]
+    for _ in range(3):
+        step()
+    q_moved = any(not torch.equal(b, p) for b, p in zip(q_before, model.head_q.parameters()))
+    return q_moved and all(torch.equal(b, p) for b, p in zip(before, model.head_k.parameters()))
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-06", "https://github.com/kdexd/virtex/issues/16", "BatchNorm mode / frozen backbone",
               "linear evaluation freezes every backbone weight but calls model.train(): the frozen ResNet's "
@@ -190,4 +286,9 @@ CASES: list[BlindCase] = [
               "the REINFORCE loss uses the critic's prediction as baseline without detaching it: the critic is "
               "trained by the policy loss as well as by its own MSE, pulling its estimate away from the tour length",
               _c07_build, _c07_proof),
+    BlindCase("b11-case-08", "https://github.com/Lightning-Universe/lightning-bolts/issues/1059",
+              "momentum encoder / EMA update incomplete",
+              "the MoCo momentum update walks only the key encoder's parameters: the key projection head that "
+              "produces the keys and the queue stays frozen at its initial copy while the query head trains",
+              _c08_build, _c08_proof),
 ]
