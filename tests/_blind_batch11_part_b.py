@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -276,6 +277,71 @@ def _c08_proof(bug: bool) -> bool:
     return q_moved and all(torch.equal(b, p) for b, p in zip(before, model.head_k.parameters()))
 
 
+# --------------------------------------------------------------------------------------------- case-09
+# diffusion policy (epsilon prediction): the denoising loss compares the network output with x_noisy, not the noise
+
+_C09_B, _C09_H, _C09_A, _C09_OBS, _C09_STEPS = 16, 4, 2, 6, 20
+_C09_OBS_X = torch.randn(_C09_B, _C09_OBS, generator=_gen(1131))
+_C09_ACT = torch.tanh(torch.randn(_C09_B, _C09_H, _C09_A, generator=_gen(1132)))  # expert action chunks
+
+
+def _c09_time_embed(t: torch.Tensor, dim: int = 16) -> torch.Tensor:
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(dim // 2) / (dim // 2 - 1))
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([args.sin(), args.cos()], -1)
+
+
+class _DiffusionMLP(nn.Module):
+    """Predicts the noise in a noised action chunk from the chunk, the diffusion step and the observation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.time_mlp = nn.Sequential(nn.Linear(16, 32), nn.Mish(), nn.Linear(32, 16))
+        self.net = nn.Sequential(nn.Linear(_C09_H * _C09_A + 16 + _C09_OBS, 64), nn.Mish(), nn.Linear(64, 64),
+                                 nn.Mish(), nn.Linear(64, _C09_H * _C09_A))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([x.flatten(1), self.time_mlp(_c09_time_embed(t)), cond], -1)
+        return self.net(h).view_as(x)
+
+
+_C09_BETAS = torch.linspace(1e-4, 0.2, _C09_STEPS)
+_C09_ABAR = torch.cumprod(1 - _C09_BETAS, 0)
+
+
+def _c09_loss(network: Callable[..., torch.Tensor], t: torch.Tensor, noise: torch.Tensor, bug: bool) -> torch.Tensor:
+    abar = _C09_ABAR[t][:, None, None]
+    x_noisy = abar.sqrt() * _C09_ACT + (1 - abar).sqrt() * noise  # q_sample
+    x_recon = network(x_noisy, t, _C09_OBS_X)
+    return F.mse_loss(x_recon, x_noisy if bug else noise)  # the fix: epsilon prediction regresses on the noise
+
+
+def _c09_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _DiffusionMLP().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-6)
+    gen = _gen(1133)
+
+    def loss_fn() -> torch.Tensor:
+        t = torch.randint(0, _C09_STEPS, (_C09_B,), generator=gen)
+        noise = torch.randn(_C09_ACT.shape, generator=gen)
+        return _c09_loss(model, t, noise, bug)
+
+    return model, _sgd_step(model, opt, loss_fn), _kw(optimizer=opt, inputs=(_C09_ACT, _C09_OBS_X))
+
+
+def _c09_proof(bug: bool) -> bool:
+    """The training loss is exactly zero for a 'denoiser' that returns its noisy input unchanged: the regression
+    target is the network's own input, so it learns an identity map and no noise (it is about 1 for the twin)."""
+    t = torch.randint(0, _C09_STEPS, (_C09_B,), generator=_gen(1134))
+    noise = torch.randn(_C09_ACT.shape, generator=_gen(1135))
+    identity = float(_c09_loss(lambda x, t, cond: x, t, noise, bug))
+    model, _, _ = _c09_build(bug)
+    with torch.no_grad():
+        real = float(_c09_loss(model, t, noise, bug))
+    return identity < 1e-12 < real
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-06", "https://github.com/kdexd/virtex/issues/16", "BatchNorm mode / frozen backbone",
               "linear evaluation freezes every backbone weight but calls model.train(): the frozen ResNet's "
@@ -291,4 +357,8 @@ CASES: list[BlindCase] = [
               "the MoCo momentum update walks only the key encoder's parameters: the key projection head that "
               "produces the keys and the queue stays frozen at its initial copy while the query head trains",
               _c08_build, _c08_proof),
+    BlindCase("b11-case-09", "https://github.com/irom-princeton/dppo/issues/14", "loss target",
+              "the epsilon-predicting diffusion policy is trained with mse_loss(x_recon, x_noisy): the network learns "
+              "to reproduce its noised input instead of the noise, the loss still falls and sampling is useless",
+              _c09_build, _c09_proof),
 ]
