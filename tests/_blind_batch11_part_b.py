@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests._blind import BlindCase, Case
-from tests._blind_batch5 import _gen, _kw, _sgd_step  # noqa: F401
+from tests._blind_batch5 import _gen, _kw, _sgd_step
 
 
 # --------------------------------------------------------------------------------------------- case-06
@@ -342,6 +342,69 @@ def _c09_proof(bug: bool) -> bool:
     return identity < 1e-12 < real
 
 
+# --------------------------------------------------------------------------------------------- case-10
+# FastSpeech2 mel loss: prediction and target multiplied by the frame mask, then MSE averaged over padded frames too
+
+_C10_PH, _C10_MEL, _C10_D = 40, 8, 32
+_C10_TEXT_LEN = torch.tensor([7, 5, 3, 6])
+_C10_DUR = torch.randint(1, 4, (4, 7), generator=_gen(1141)) * (torch.arange(7)[None] < _C10_TEXT_LEN[:, None])
+_C10_IDS = torch.randint(1, _C10_PH, (4, 7), generator=_gen(1142)) * (torch.arange(7)[None] < _C10_TEXT_LEN[:, None])
+_C10_MEL_LEN = _C10_DUR.sum(1)
+_C10_T = int(_C10_MEL_LEN.max())
+_C10_FRAME_MASK = torch.arange(_C10_T)[None] < _C10_MEL_LEN[:, None]  # True on real frames
+_C10_TARGET = torch.randn(4, _C10_T, _C10_MEL, generator=_gen(1143)) * _C10_FRAME_MASK[..., None]  # zero-padded
+
+
+class _FastSpeech(nn.Module):
+    """Phoneme encoder, length regulator with the ground-truth durations, mel decoder and a linear mel head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(_C10_PH, _C10_D, padding_idx=0)
+        self.encoder = nn.TransformerEncoderLayer(_C10_D, 2, 64, dropout=0.0, batch_first=True)
+        self.decoder = nn.TransformerEncoderLayer(_C10_D, 2, 64, dropout=0.0, batch_first=True)
+        self.frame_pos = nn.Parameter(torch.randn(1, 64, _C10_D) * 0.02)
+        self.mel = nn.Linear(_C10_D, _C10_MEL)
+
+    def forward(self, ids: torch.Tensor, durations: torch.Tensor) -> torch.Tensor:
+        text_pad = ids == 0
+        h = self.encoder(self.embed(ids), src_key_padding_mask=text_pad)
+        frames = [hb.repeat_interleave(db, 0) for hb, db in zip(h, durations)]
+        t = max(f.shape[0] for f in frames)
+        x = torch.stack([F.pad(f, (0, 0, 0, t - f.shape[0])) for f in frames]) + self.frame_pos[:, :t]
+        lens = durations.sum(1)
+        frame_pad = torch.arange(t)[None] >= lens[:, None]
+        return self.mel(self.decoder(x, src_key_padding_mask=frame_pad))
+
+
+def _c10_mel_loss(pred: torch.Tensor, target: torch.Tensor, frame_mask: torch.Tensor, bug: bool) -> torch.Tensor:
+    m = frame_mask[..., None]
+    if bug:  # the old loss: mask by multiplication, then average over every frame, padded ones included
+        return F.mse_loss(pred * m, target * m)
+    m = m.expand_as(pred)  # the fix: masked_select, so only real frames enter the mean
+    return F.mse_loss(pred.masked_select(m), target.masked_select(m))
+
+
+def _c10_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _FastSpeech().train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
+    return model, _sgd_step(model, opt, lambda: _c10_mel_loss(model(_C10_IDS, _C10_DUR), _C10_TARGET,
+                                                              _C10_FRAME_MASK, bug)), \
+        _kw(optimizer=opt, inputs=(_C10_IDS, _C10_DUR))
+
+
+def _c10_proof(bug: bool) -> bool:
+    """On the model's real predictions the training loss is not the mean squared error over the real frames: the
+    padded frames (error 0 after masking) dilute it by real_frames / all_frames, so shorter utterances weigh less."""
+    model, _, _ = _c10_build(bug)
+    with torch.no_grad():
+        pred = model(_C10_IDS, _C10_DUR)
+        loss = _c10_mel_loss(pred, _C10_TARGET, _C10_FRAME_MASK, bug)
+        real = ((pred - _C10_TARGET) ** 2)[_C10_FRAME_MASK].mean()
+    return not torch.allclose(loss, real, rtol=1e-4)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b11-case-06", "https://github.com/kdexd/virtex/issues/16", "BatchNorm mode / frozen backbone",
               "linear evaluation freezes every backbone weight but calls model.train(): the frozen ResNet's "
@@ -361,4 +424,8 @@ CASES: list[BlindCase] = [
               "the epsilon-predicting diffusion policy is trained with mse_loss(x_recon, x_noisy): the network learns "
               "to reproduce its noised input instead of the noise, the loss still falls and sampling is useless",
               _c09_build, _c09_proof),
+    BlindCase("b11-case-10", "https://github.com/EveryVoiceTTS/EveryVoice/pull/887", "loss masking / reduction",
+              "the FastSpeech2 mel loss multiplies prediction and target by the frame mask and then takes the MSE "
+              "over all frames: padded frames count as perfect predictions, scaling the loss and gradient down by "
+              "the batch's padding", _c10_build, _c10_proof),
 ]
