@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,6 @@ from torch import nn
 
 from tests._blind import BlindCase, Case
 from tests._blind_batch5 import _gen, _kw, _sgd_step
-
 
 # --------------------------------------------------------------------------------------------- case-06
 # linear evaluation of a frozen pretrained ResNet: model.train() puts the frozen backbone's BatchNorm in train mode
@@ -82,7 +81,7 @@ def _c06_build(bug: bool) -> Case:
 
 
 def _c06_proof(bug: bool) -> bool:
-    """After two steps the BatchNorm running statistics of the fully frozen backbone are no longer the pretrained ones."""
+    """After two steps the BatchNorm running statistics of the fully frozen backbone are not the pretrained ones."""
     model, step, _ = _c06_build(bug)
     assert isinstance(model, _LinearEval)
     before = {n: b.detach().clone() for n, b in model.backbone.named_buffers() if "running" in n}
@@ -209,6 +208,9 @@ class _TinyViT(nn.Module):
 
 
 class _MoCo(nn.Module):
+    queue: torch.Tensor
+    queue_ptr: torch.Tensor
+
     def __init__(self, bug: bool) -> None:
         super().__init__()
         self.bug = bug
