@@ -416,18 +416,22 @@ CASES: list[BlindCase] = [
               "detach / actor-critic baseline",
               "the REINFORCE loss uses the critic's prediction as baseline without detaching it: the critic is "
               "trained by the policy loss as well as by its own MSE, pulling its estimate away from the tour length",
-              _c07_build, _c07_proof),
+              _c07_build, _c07_proof,
+              known_miss="blind batch 11: a baseline that is not detached in the policy loss is arithmetic inside the loss; like a TD target, which terms must be constants is not judged"),
     BlindCase("b11-case-08", "https://github.com/Lightning-Universe/lightning-bolts/issues/1059",
               "momentum encoder / EMA update incomplete",
               "the MoCo momentum update walks only the key encoder's parameters: the key projection head that "
               "produces the keys and the queue stays frozen at its initial copy while the query head trains",
-              _c08_build, _c08_proof),
+              _c08_build, _c08_proof,
+              known_miss="blind batch 11: the momentum update runs outside any optimizer; which parts a momentum copy must follow is not judged"),
     BlindCase("b11-case-09", "https://github.com/irom-princeton/dppo/issues/14", "loss target",
               "the epsilon-predicting diffusion policy is trained with mse_loss(x_recon, x_noisy): the network learns "
               "to reproduce its noised input instead of the noise, the loss still falls and sampling is useless",
-              _c09_build, _c09_proof),
+              _c09_build, _c09_proof,
+              known_miss="blind batch 11: the regression target is a real tensor of the right shape; that it should be the noise, not the noised input, is the loss's arithmetic"),
     BlindCase("b11-case-10", "https://github.com/EveryVoiceTTS/EveryVoice/pull/887", "loss masking / reduction",
               "the FastSpeech2 mel loss multiplies prediction and target by the frame mask and then takes the MSE "
               "over all frames: padded frames count as perfect predictions, scaling the loss and gradient down by "
-              "the batch's padding", _c10_build, _c10_proof),
+              "the batch's padding", _c10_build, _c10_proof,
+              known_miss="blind batch 11: masking by multiplying leaves every real frame the same weight; only the scale (divided by padded frames too) differs, which one step cannot tell from a loss weight"),
 ]
