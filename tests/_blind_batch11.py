@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tests._blind import BlindCase
+from tests._blind_batch11_part_a import CASES as _PART_A
 from tests._blind_batch11_part_b import CASES as _PART_B
 from tests._blind_batch11_part_c import CASES as _PART_C
 
-CASES: list[BlindCase] = [*_PART_B, *_PART_C]
+CASES: list[BlindCase] = [*_PART_A, *_PART_B, *_PART_C]
