@@ -1,0 +1,81 @@
+"""Blind batch 13, part a: silent training bugs from public GitHub threads, each with its fixed twin.
+
+Collected by someone who does not write the audit's checks. Every case builds the user's setup on a tiny real
+model from a config in code (transformers T5, GPT-NeoX, OPT, BERT for pre-training and Qwen2; nothing is
+downloaded) and proves the bug without the audit on real runs and real tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests._blind import BlindCase, Case
+from tests._blind_batch5 import _gen, _kw, _llama_config, _sgd_step  # noqa: F401
+
+
+# --------------------------------------------------------------------------------------------- case-01
+# T5 fine-tuning passes the target ids as decoder_input_ids as well as labels: nothing is shifted right
+
+_C01_PAD, _C01_EOS = 0, 1
+_C01_SRC = torch.randint(3, 40, (4, 10), generator=_gen(1301))
+_C01_SRC_MASK = torch.ones_like(_C01_SRC)
+_C01_TGT = torch.randint(3, 40, (4, 7), generator=_gen(1302))
+_C01_TGT[:, -1] = _C01_EOS
+_C01_TGT[2, 5:] = _C01_PAD
+_C01_TGT[3, 4:] = _C01_PAD
+
+
+def _c01_t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=40, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+                   dropout_rate=0.0, pad_token_id=_C01_PAD, eos_token_id=_C01_EOS, decoder_start_token_id=_C01_PAD)
+    return T5ForConditionalGeneration(cfg)
+
+
+def _c01_batch(tgt: torch.Tensor, bug: bool) -> dict[str, torch.Tensor]:
+    if bug:  # the report: decoder_input_ids = labels = the target ids
+        return {"input_ids": _C01_SRC, "attention_mask": _C01_SRC_MASK, "decoder_input_ids": tgt, "labels": tgt}
+    labels = tgt.masked_fill(tgt == _C01_PAD, -100)  # the fix: labels only (pads -> -100); the model shifts them
+    return {"input_ids": _C01_SRC, "attention_mask": _C01_SRC_MASK, "labels": labels}
+
+
+def _c01_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _c01_t5().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = _c01_batch(_C01_TGT, bug)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=batch)
+
+
+def _c01_proof(bug: bool) -> bool:
+    """The prediction at target position t changes when only the target token at t is changed: the answer leaks."""
+    model, step, _ = _c01_build(bug)
+    for _ in range(3):
+        step()
+    model.eval()
+    t = 2
+    other = _C01_TGT.clone()
+    other[:, t] = (other[:, t] + 5) % 37 + 3
+    with torch.no_grad():
+        a = model(**_c01_batch(_C01_TGT, bug)).logits[:, t]
+        b = model(**_c01_batch(other, bug)).logits[:, t]
+    return not torch.allclose(a, b, atol=1e-5)
+
+
+CASES: list[BlindCase] = [
+    BlindCase("b13-case-01", "https://github.com/huggingface/transformers/issues/11977", "seq2seq decoder inputs",
+              "T5 is fed its target ids unshifted as decoder_input_ids, so each position sees the token it must "
+              "predict and the loss falls while the model learns to copy", _c01_build, _c01_proof),
+]
