@@ -74,8 +74,50 @@ def _c01_proof(bug: bool) -> bool:
     return not torch.allclose(a, b, atol=1e-5)
 
 
+# --------------------------------------------------------------------------------------------- case-02
+# GPT trained with its weights cast to bfloat16 and no fp32 master copy: AdamW's small updates round away
+
+_C02_IDS = torch.randint(3, 40, (4, 12), generator=_gen(1311))
+_C02_LR = 2e-5
+
+
+def _c02_build(bug: bool) -> Case:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    model = GPTNeoXForCausalLM(cfg).train()
+    if bug:  # the report: weights (and so the optimizer's writes) live in bf16
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=_C02_LR, weight_decay=0.01)
+
+    def loss_fn() -> torch.Tensor:
+        # the fix: fp32 master weights, bf16 only for the forward compute
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not bug):
+            return model(input_ids=_C02_IDS, labels=_C02_IDS).loss
+
+    return model, _sgd_step(model, opt, loss_fn), _kw(optimizer=opt, inputs={"input_ids": _C02_IDS,
+                                                                             "labels": _C02_IDS})
+
+
+def _c02_proof(bug: bool) -> bool:
+    """After a real AdamW step most weight entries are bit-for-bit unchanged, the LayerNorm gains all of them."""
+    model, step, _ = _c02_build(bug)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step()
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in model.named_parameters())
+    total = sum(b.numel() for b in before.values())
+    ln_moved = any(bool((p.detach() != before[n]).any()) for n, p in model.named_parameters()
+                   if "layernorm" in n and n.endswith("weight"))
+    return moved / total < 0.5 and not ln_moved
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-01", "https://github.com/huggingface/transformers/issues/11977", "seq2seq decoder inputs",
               "T5 is fed its target ids unshifted as decoder_input_ids, so each position sees the token it must "
               "predict and the loss falls while the model learns to copy", _c01_build, _c01_proof),
+    BlindCase("b13-case-02", "https://github.com/workofart/ml-by-hand/pull/85", "low-precision master weights",
+              "the GPT's weights are stored in bf16 with no fp32 master copy, so most of AdamW's per-step updates "
+              "round back to the old value and those weights never move", _c02_build, _c02_proof),
 ]
