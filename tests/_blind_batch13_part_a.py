@@ -113,6 +113,58 @@ def _c02_proof(bug: bool) -> bool:
     return moved / total < 0.5 and not ln_moved
 
 
+# --------------------------------------------------------------------------------------------- case-03
+# SFT of a causal LM with tokenizer.pad_token = tokenizer.eos_token: the collator masks every EOS label
+
+_C03_WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(36)]
+_C03_TEXTS = ["<s> w1 w5 w9 w2 w7 </s>", "<s> w3 w3 w8 </s>", "<s> w10 w11 w12 w13 w14 w15 w16 </s>",
+              "<s> w20 w4 </s>"]
+
+
+def _c03_tokenizer(bug: bool) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(_C03_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if bug:
+        hf.pad_token = hf.eos_token  # the report's notebook line
+    else:
+        hf.pad_token = "<pad>"  # the fix: a pad token that is not the EOS
+    hf.padding_side = "right"
+    return hf
+
+
+def _c03_batch(bug: bool) -> dict[str, torch.Tensor]:
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = _c03_tokenizer(bug)
+    feats = [tok(t) for t in _C03_TEXTS]
+    batch = DataCollatorForLanguageModeling(tok, mlm=False)(feats)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["labels"]}
+
+
+def _c03_build(bug: bool) -> Case:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=len(_C03_WORDS), hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                    num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0,
+                    attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = OPTForCausalLM(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = _c03_batch(bug)
+    return model, _sgd_step(model, opt, lambda: model(**batch).loss), _kw(optimizer=opt, inputs=batch)
+
+
+def _c03_proof(bug: bool) -> bool:
+    """Every text ends in EOS, yet no position of the batch the collator builds has EOS as a supervised label."""
+    _, _, kwargs = _c03_build(bug)
+    ends_in_eos = all(t.split()[-1] == "</s>" for t in _C03_TEXTS)
+    return ends_in_eos and int((kwargs["inputs"]["labels"] == 2).sum()) == 0
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-01", "https://github.com/huggingface/transformers/issues/11977", "seq2seq decoder inputs",
               "T5 is fed its target ids unshifted as decoder_input_ids, so each position sees the token it must "
@@ -120,4 +172,7 @@ CASES: list[BlindCase] = [
     BlindCase("b13-case-02", "https://github.com/workofart/ml-by-hand/pull/85", "low-precision master weights",
               "the GPT's weights are stored in bf16 with no fp32 master copy, so most of AdamW's per-step updates "
               "round back to the old value and those weights never move", _c02_build, _c02_proof),
+    BlindCase("b13-case-03", "https://github.com/mlabonne/llm-course/issues/33", "labels / special tokens",
+              "with pad_token set to eos_token the LM collator turns every EOS label into -100, so the model is "
+              "never taught to stop while its loss falls normally", _c03_build, _c03_proof),
 ]
