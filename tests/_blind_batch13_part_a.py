@@ -165,6 +165,64 @@ def _c03_proof(bug: bool) -> bool:
     return ends_in_eos and int((kwargs["inputs"]["labels"] == 2).sum()) == 0
 
 
+# --------------------------------------------------------------------------------------------- case-04
+# BERT post-training (MLM + NSP) calls clip_grad_norm_ after optimizer.step(): the update is never clipped
+
+_C04_MAX_NORM = 1.0
+_C04_IDS = torch.randint(5, 40, (4, 12), generator=_gen(1321))
+_C04_IDS[:, 0] = 2
+_C04_IDS[:, 6] = 3
+_C04_IDS[:, -1] = 3
+_C04_TYPES = torch.zeros_like(_C04_IDS)
+_C04_TYPES[:, 7:] = 1
+_C04_MLM = torch.full_like(_C04_IDS, -100)
+_C04_MLM[:, [2, 4, 9]] = _C04_IDS[:, [2, 4, 9]]
+_C04_MASKED = _C04_IDS.clone()
+_C04_MASKED[:, [2, 4, 9]] = 4  # [MASK]
+_C04_NSP = torch.tensor([0, 1, 0, 1])
+
+
+def _c04_build(bug: bool) -> Case:
+    from transformers import BertConfig, BertForPreTraining
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, pad_token_id=0)
+    model = BertForPreTraining(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-5)
+    batch = {"input_ids": _C04_MASKED, "token_type_ids": _C04_TYPES, "attention_mask": torch.ones_like(_C04_IDS),
+             "labels": _C04_MLM, "next_sentence_label": _C04_NSP}
+
+    def step() -> torch.Tensor:
+        loss = model(**batch).loss
+        loss.backward()
+        if not bug:
+            nn.utils.clip_grad_norm_(model.parameters(), _C04_MAX_NORM)
+        opt.step()
+        if bug:  # the report: clipping after the step has already used the gradients
+            nn.utils.clip_grad_norm_(model.parameters(), _C04_MAX_NORM)
+        opt.zero_grad()
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=batch)
+
+
+def _c04_proof(bug: bool) -> bool:
+    """The gradient the optimizer reads inside step() has a norm well above max_norm (captured by a step hook)."""
+    model, step, kwargs = _c04_build(bug)
+    opt = kwargs["optimizer"]
+    seen: list[float] = []
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kw: Any) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    handle = opt.register_step_pre_hook(hook)
+    step()
+    handle.remove()
+    return seen[0] > 1.5 * _C04_MAX_NORM
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-01", "https://github.com/huggingface/transformers/issues/11977", "seq2seq decoder inputs",
               "T5 is fed its target ids unshifted as decoder_input_ids, so each position sees the token it must "
@@ -175,4 +233,7 @@ CASES: list[BlindCase] = [
     BlindCase("b13-case-03", "https://github.com/mlabonne/llm-course/issues/33", "labels / special tokens",
               "with pad_token set to eos_token the LM collator turns every EOS label into -100, so the model is "
               "never taught to stop while its loss falls normally", _c03_build, _c03_proof),
+    BlindCase("b13-case-04", "https://github.com/taesunwhang/UMS-ResSel/issues/3", "gradient clipping order",
+              "BERT post-training clips the gradients only after optimizer.step() has applied them, so the "
+              "configured max gradient norm never limits any update", _c04_build, _c04_proof),
 ]
