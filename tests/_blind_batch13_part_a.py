@@ -223,6 +223,53 @@ def _c04_proof(bug: bool) -> bool:
     return seen[0] > 1.5 * _C04_MAX_NORM
 
 
+# --------------------------------------------------------------------------------------------- case-05
+# SFT packager finds no trailing pads in a left-padded batch: the attention mask comes out all ones
+
+_C05_PAD = 2
+_C05_LENS = [12, 7, 9, 5]
+_C05_IDS = torch.randint(3, 40, (4, 12), generator=_gen(1331))
+for _row, _n in enumerate(_C05_LENS):
+    _C05_IDS[_row, : 12 - _n] = _C05_PAD  # left padding
+    _C05_IDS[_row, 12 - _n] = 1  # BOS
+_C05_LABELS = _C05_IDS.masked_fill((_C05_IDS == _C05_PAD) | (_C05_IDS == 1), -100)
+
+
+def _c05_mask(ids: torch.Tensor, bug: bool) -> torch.Tensor:
+    if bug:  # the report: content_length stays the full length, so every position is marked real
+        return torch.ones_like(ids)
+    mask = torch.zeros_like(ids)  # the fix: the real tokens are the last n of each left-padded row
+    for row, n in enumerate(_C05_LENS):
+        mask[row, ids.shape[1] - n:] = 1
+    return mask
+
+
+def _c05_build(bug: bool) -> Case:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      pad_token_id=_C05_PAD, bos_token_id=1, eos_token_id=_C05_PAD)
+    model = Qwen2ForCausalLM(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = {"input_ids": _C05_IDS, "attention_mask": _c05_mask(_C05_IDS, bug), "labels": _C05_LABELS}
+    return model, _sgd_step(model, opt, lambda: model(**batch).loss), _kw(optimizer=opt, inputs=batch)
+
+
+def _c05_proof(bug: bool) -> bool:
+    """The loss on the real tokens changes when only the ids under the left padding are changed."""
+    model, _, kwargs = _c05_build(bug)
+    model.eval()
+    batch = kwargs["inputs"]
+    other = batch["input_ids"].clone()
+    other[other == _C05_PAD] = 7
+    with torch.no_grad():
+        a = model(**batch).loss
+        b = model(input_ids=other, attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    return not torch.allclose(a, b, atol=1e-5)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-01", "https://github.com/huggingface/transformers/issues/11977", "seq2seq decoder inputs",
               "T5 is fed its target ids unshifted as decoder_input_ids, so each position sees the token it must "
@@ -236,4 +283,7 @@ CASES: list[BlindCase] = [
     BlindCase("b13-case-04", "https://github.com/taesunwhang/UMS-ResSel/issues/3", "gradient clipping order",
               "BERT post-training clips the gradients only after optimizer.step() has applied them, so the "
               "configured max gradient norm never limits any update", _c04_build, _c04_proof),
+    BlindCase("b13-case-05", "https://github.com/NVIDIA-NeMo/Automodel/pull/3704", "attention mask / padding",
+              "the left-padded SFT batch gets an all-ones attention mask, so every real token attends the pad run "
+              "while the -100 labels keep the loss curve looking normal", _c05_build, _c05_proof),
 ]
