@@ -100,9 +100,96 @@ def _c06_proof(bug: bool) -> bool:
     return not torch.allclose(pred.grad, want, atol=1e-6)
 
 
+# --------------------------------------------------------------------------------------------- case-07
+# CapsNet dynamic routing: F.softmax(b_ij.unsqueeze(0)) without dim normalises over the input capsules, not over
+# the output capsules each input capsule routes to
+
+_C07_B, _C07_CLASSES = 6, 5
+_C07_IMG = torch.rand(_C07_B, 1, 12, 12, generator=_gen(1311))
+_C07_Y = torch.tensor([0, 1, 2, 3, 4, 0])
+
+
+def _c07_squash(s: torch.Tensor, dim: int) -> torch.Tensor:
+    n2 = (s ** 2).sum(dim=dim, keepdim=True)
+    return n2 / (1 + n2) * s / torch.sqrt(n2 + 1e-9)
+
+
+class _DigitCaps(nn.Module):
+    def __init__(self, in_caps: int, in_size: int, out_caps: int, out_size: int, implicit_dim: bool) -> None:
+        super().__init__()
+        self.in_caps, self.out_caps, self.implicit_dim = in_caps, out_caps, implicit_dim
+        self.W = nn.Parameter(torch.empty(in_caps, out_caps, out_size, in_size).uniform_(-in_caps ** -0.5,
+                                                                                          in_caps ** -0.5))
+        self.last_c: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, iters: int = 3) -> torch.Tensor:
+        b = x.size(0)
+        x = torch.stack([x] * self.out_caps, dim=2)  # [B, in, out, in_size]
+        u_hat = torch.matmul(self.W.unsqueeze(0), x.unsqueeze(4))  # [B, in, out, out_size, 1]
+        u_det = u_hat.detach()
+        b_ij = torch.zeros(self.in_caps, self.out_caps, 1)
+        v_j = u_hat.new_zeros(())
+        for it in range(iters):
+            if self.implicit_dim:
+                c_ij = F.softmax(b_ij.unsqueeze(0))  # the report: implicit dim picks dim 1 (input capsules)
+            else:
+                c_ij = F.softmax(b_ij.unsqueeze(0), dim=2)  # the fix: over the output capsules
+            self.last_c = c_ij.detach()
+            c_ij = torch.cat([c_ij] * b, dim=0).unsqueeze(4)
+            if it == iters - 1:
+                v_j = _c07_squash((c_ij * u_hat).sum(dim=1, keepdim=True), dim=3)
+            else:
+                v_j = _c07_squash((c_ij * u_det).sum(dim=1, keepdim=True), dim=3)
+                b_ij = b_ij + torch.matmul(u_det.transpose(3, 4), v_j).squeeze(4).mean(dim=0)
+        return v_j.squeeze(4).squeeze(1)  # [B, out_caps, out_size]
+
+
+class _CapsNet(nn.Module):
+    def __init__(self, implicit_dim: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 5)  # 12 -> 8
+        self.primary = nn.Conv2d(16, 4 * 8, 3, stride=2)  # 8 -> 3: 4 capsule maps of 8-D capsules
+        self.digit = _DigitCaps(4 * 3 * 3, 8, _C07_CLASSES, 8, implicit_dim)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv1(img))
+        u = self.primary(h).view(img.size(0), 4, 8, 3, 3).permute(0, 1, 3, 4, 2).reshape(img.size(0), -1, 8)
+        return self.digit(_c07_squash(u, dim=-1))
+
+
+def _c07_margin_loss(v: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    length = v.norm(dim=-1)
+    t = F.one_hot(y, _C07_CLASSES).float()
+    loss = t * F.relu(0.9 - length) ** 2 + 0.5 * (1 - t) * F.relu(length - 0.1) ** 2
+    return loss.sum(dim=1).mean()
+
+
+def _c07_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _CapsNet(implicit_dim=bug).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, _sgd_step(model, opt, lambda: _c07_margin_loss(model(_C07_IMG), _C07_Y)), \
+        _kw(optimizer=opt, inputs=_C07_IMG)
+
+
+def _c07_proof(bug: bool) -> bool:
+    """The routing coupling coefficients of each input capsule should be a distribution over the output capsules
+    (sum to 1 over dim 2); with the implicit softmax dim they sum to 1 over the input capsules instead."""
+    model, _, _ = _c07_build(bug)
+    with torch.no_grad():
+        model(_C07_IMG)
+    c = model.digit.last_c
+    assert c is not None
+    return not torch.allclose(c.sum(dim=2), torch.ones_like(c.sum(dim=2)), atol=1e-5)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-06", "https://github.com/IntelLabs/matsciml/pull/347", "loss / shape broadcasting",
               "the graph-level energy readout is (B,) while the labels are (B, 1): MSELoss broadcasts to a (B, B) "
               "matrix and trains every graph toward the mean label of the batch instead of its own, with only a "
               "UserWarning in the log", _c06_build, _c06_proof),
+    BlindCase("b13-case-07", "https://github.com/motokimura/capsnet_pytorch/pull/1", "softmax over the wrong dim",
+              "the dynamic-routing softmax is called without dim and normalises the coupling coefficients over the "
+              "input capsules instead of over the output capsules, so routing weights are tiny and do not form a "
+              "distribution per input capsule while the margin loss still trains", _c07_build, _c07_proof),
 ]
