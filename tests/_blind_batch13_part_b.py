@@ -183,6 +183,68 @@ def _c07_proof(bug: bool) -> bool:
     return not torch.allclose(c.sum(dim=2), torch.ones_like(c.sum(dim=2)), atol=1e-5)
 
 
+# --------------------------------------------------------------------------------------------- case-08
+# channel pruning with model speedup: the pruned layers are replaced by smaller new modules, but fine-tuning keeps
+# the optimizer built before speedup, which still holds the old (now orphaned) parameters
+
+_C08_IMG = torch.randn(8, 3, 16, 16, generator=_gen(1321))
+_C08_Y = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def _c08_speedup(model: _SmallCNN, keep: int) -> None:
+    """Physically remove the conv1 filters with the smallest L1 norm: new, smaller conv1 / bn1 / conv2 modules
+    with the kept weights copied in (what a pruning tool's model speedup does)."""
+    idx = model.conv1.weight.detach().abs().sum(dim=(1, 2, 3)).argsort(descending=True)[:keep].sort().values
+    c1, b1, c2 = nn.Conv2d(3, keep, 3, padding=1), nn.BatchNorm2d(keep), nn.Conv2d(keep, 32, 3, padding=1)
+    with torch.no_grad():
+        c1.weight.copy_(model.conv1.weight[idx])
+        c1.bias.copy_(model.conv1.bias[idx])
+        b1.weight.copy_(model.bn1.weight[idx])
+        b1.bias.copy_(model.bn1.bias[idx])
+        b1.running_mean.copy_(model.bn1.running_mean[idx])
+        b1.running_var.copy_(model.bn1.running_var[idx])
+        c2.weight.copy_(model.conv2.weight[:, idx])
+        c2.bias.copy_(model.conv2.bias)
+    model.conv1, model.bn1, model.conv2 = c1, b1, c2
+
+
+def _c08_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _SmallCNN().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    _sgd_step(model, opt, lambda: F.cross_entropy(model(_C08_IMG), _C08_Y))()  # (pre-)training before pruning
+    _c08_speedup(model, keep=10)
+    if not bug:  # the fix: a new optimizer over the sped-up model's parameters for fine-tuning
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    return model, _sgd_step(model, opt, lambda: F.cross_entropy(model(_C08_IMG), _C08_Y)), \
+        _kw(optimizer=opt, inputs=_C08_IMG)
+
+
+def _c08_proof(bug: bool) -> bool:
+    """After a fine-tuning step the replaced layers (conv1, bn1, conv2) have gradients but their weights are
+    exactly unchanged: the optimizer steps the orphaned pre-speedup tensors instead."""
+    model, step, _ = _c08_build(bug)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in ("conv1", "conv2")}
+    step()
+    params = dict(model.named_parameters())
+    has_grad = all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in before
+                   if n.endswith("weight"))
+    return has_grad and all(torch.equal(params[n].detach(), v) for n, v in before.items())
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-06", "https://github.com/IntelLabs/matsciml/pull/347", "loss / shape broadcasting",
               "the graph-level energy readout is (B,) while the labels are (B, 1): MSELoss broadcasts to a (B, B) "
@@ -192,4 +254,8 @@ CASES: list[BlindCase] = [
               "the dynamic-routing softmax is called without dim and normalises the coupling coefficients over the "
               "input capsules instead of over the output capsules, so routing weights are tiny and do not form a "
               "distribution per input capsule while the margin loss still trains", _c07_build, _c07_proof),
+    BlindCase("b13-case-08", "https://github.com/microsoft/nni/issues/4521", "optimizer holds stale parameters",
+              "after pruning speedup swaps conv1/bn1/conv2 for smaller new modules, fine-tuning reuses the optimizer "
+              "created before the swap: the new layers get gradients but are never updated, only the untouched "
+              "head trains and the loss still moves", _c08_build, _c08_proof),
 ]
