@@ -245,6 +245,83 @@ def _c08_proof(bug: bool) -> bool:
     return has_grad and all(torch.equal(params[n].detach(), v) for n, v in before.items())
 
 
+# --------------------------------------------------------------------------------------------- case-09
+# vectorised-env A2C with GAE: the critic loss is advantages.pow(2).mean() with the advantages built from the
+# value predictions with gradients on, so the critic is trained through its own bootstrapped targets
+
+_C09_T, _C09_ENVS, _C09_OBS, _C09_ACT = 6, 3, 8, 4
+_C09_STATES = torch.randn(_C09_T * _C09_ENVS, _C09_OBS, generator=_gen(1331))
+_C09_ACTIONS = torch.randint(0, _C09_ACT, (_C09_T, _C09_ENVS), generator=_gen(1332))
+_C09_REWARDS = torch.randn(_C09_T, _C09_ENVS, generator=_gen(1333))
+_C09_MASKS = (torch.rand(_C09_T, _C09_ENVS, generator=_gen(1334)) > 0.15).float()  # 0 where an episode ended
+_C09_GAMMA, _C09_LAM, _C09_ENT = 0.999, 0.95, 0.01
+
+
+class _A2C(nn.Module):
+    """Separate actor and critic MLPs over the batched env states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(_C09_OBS, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                    nn.Linear(32, 1))
+        self.actor = nn.Sequential(nn.Linear(_C09_OBS, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                   nn.Linear(32, _C09_ACT))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.critic(x).squeeze(-1), self.actor(x)
+
+
+def _c09_losses(value_preds: torch.Tensor, log_probs: torch.Tensor, entropy: torch.Tensor,
+                bug: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    advantages = torch.zeros(_C09_T, _C09_ENVS)
+    gae: Any = 0.0
+    for t in reversed(range(_C09_T - 1)):
+        td_error = _C09_REWARDS[t] + _C09_GAMMA * _C09_MASKS[t] * value_preds[t + 1] - value_preds[t]
+        gae = td_error + _C09_GAMMA * _C09_LAM * _C09_MASKS[t] * gae
+        if not bug:
+            gae = gae.detach()
+        advantages[t] = gae
+    if bug:  # the tutorial: regress the advantages themselves to zero, through the whole GAE chain
+        critic_loss = advantages.pow(2).mean()
+    else:  # the fix: regress V(s_t) to a fixed target
+        value_targets = advantages + value_preds.detach()
+        critic_loss = (value_targets - value_preds).pow(2).mean()
+    actor_loss = -(advantages.detach() * log_probs).mean() - _C09_ENT * entropy.mean()
+    return critic_loss, actor_loss, advantages
+
+
+def _c09_forward(model: _A2C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values, logits = model(_C09_STATES)
+    dist = torch.distributions.Categorical(logits=logits.view(_C09_T, _C09_ENVS, _C09_ACT))
+    return values.view(_C09_T, _C09_ENVS), dist.log_prob(_C09_ACTIONS), dist.entropy()
+
+
+def _c09_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _A2C().train()
+    # one optimizer, the tutorial's two learning rates as parameter groups (critic 5e-3, actor 1e-3)
+    opt = torch.optim.RMSprop([{"params": model.critic.parameters(), "lr": 5e-3},
+                               {"params": model.actor.parameters(), "lr": 1e-3}])
+
+    def loss_fn() -> torch.Tensor:
+        critic_loss, actor_loss, _ = _c09_losses(*_c09_forward(model), bug)
+        return critic_loss + actor_loss
+
+    return model, _sgd_step(model, opt, loss_fn), _kw(optimizer=opt, inputs=_C09_STATES)
+
+
+def _c09_proof(bug: bool) -> bool:
+    """The critic-loss gradient on each value prediction is not the TD semi-gradient -2/N * A_t (regressing V(s_t)
+    toward a fixed target): it also flows into V(s_{t+1}) through the bootstrapped targets."""
+    model, _, _ = _c09_build(bug)
+    values, log_probs, entropy = _c09_forward(model)
+    values = values.detach().requires_grad_(True)
+    critic_loss, _, adv = _c09_losses(values, log_probs.detach(), entropy.detach(), bug)
+    (grad,) = torch.autograd.grad(critic_loss, values)
+    want = -2.0 / values.numel() * adv.detach()
+    return not torch.allclose(grad, want, atol=1e-7)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-06", "https://github.com/IntelLabs/matsciml/pull/347", "loss / shape broadcasting",
               "the graph-level energy readout is (B,) while the labels are (B, 1): MSELoss broadcasts to a (B, B) "
@@ -258,4 +335,8 @@ CASES: list[BlindCase] = [
               "after pruning speedup swaps conv1/bn1/conv2 for smaller new modules, fine-tuning reuses the optimizer "
               "created before the swap: the new layers get gradients but are never updated, only the untouched "
               "head trains and the loss still moves", _c08_build, _c08_proof),
+    BlindCase("b13-case-09", "https://github.com/Farama-Foundation/Gymnasium/issues/1494", "RL / target not detached",
+              "the A2C critic loss is the squared GAE advantage with the value predictions still attached inside the "
+              "bootstrapped targets, so the critic is pushed to move V(s_{t+1}) toward V(s_t) as well as fitting "
+              "returns, instead of regressing V(s_t) to a fixed target", _c09_build, _c09_proof),
 ]
