@@ -1,24 +1,22 @@
 """Blind batch 13, part b: silent training bugs from public GitHub threads outside NLP, each with its fixed twin.
 
 Collected by someone who does not write the audit's checks. Every case builds the user's setup on a tiny real
-model in plain torch (MODELS_PLACEHOLDER; nothing is downloaded) and proves the bug without the audit on real
-runs and real tensors.
+model in plain torch (a message-passing GNN regressing graph energies, a capsule network with dynamic routing, a
+small conv classifier pruned and sped up before fine-tuning, an A2C actor-critic on batched env rollouts with GAE, and
+an ESRGAN-style RRDB generator with a VGG-style discriminator under a GradScaler; nothing is downloaded) and proves
+the bug without the audit on real runs and real tensors.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tests._blind import BlindCase, Case
-from tests._blind_batch5 import _gen, _kw, _llama_config, _sgd_step
-
-_ = (copy, Any, _llama_config)
-
+from tests._blind_batch5 import _gen, _kw, _llama_config, _sgd_step  # noqa: F401
 
 # --------------------------------------------------------------------------------------------- case-06
 # materials GNN energy regression: graph readout is (B,), labels come out of the pipeline as (B, 1); MSELoss
@@ -178,7 +176,7 @@ def _c07_proof(bug: bool) -> bool:
     model, _, _ = _c07_build(bug)
     with torch.no_grad():
         model(_C07_IMG)
-    c = model.digit.last_c
+    c = cast(_CapsNet, model).digit.last_c
     assert c is not None
     return not torch.allclose(c.sum(dim=2), torch.ones_like(c.sum(dim=2)), atol=1e-5)
 
@@ -209,15 +207,18 @@ def _c08_speedup(model: _SmallCNN, keep: int) -> None:
     with the kept weights copied in (what a pruning tool's model speedup does)."""
     idx = model.conv1.weight.detach().abs().sum(dim=(1, 2, 3)).argsort(descending=True)[:keep].sort().values
     c1, b1, c2 = nn.Conv2d(3, keep, 3, padding=1), nn.BatchNorm2d(keep), nn.Conv2d(keep, 32, 3, padding=1)
+    def t(x: Any) -> torch.Tensor:
+        return cast(torch.Tensor, x)
+
     with torch.no_grad():
         c1.weight.copy_(model.conv1.weight[idx])
-        c1.bias.copy_(model.conv1.bias[idx])
+        t(c1.bias).copy_(t(model.conv1.bias)[idx])
         b1.weight.copy_(model.bn1.weight[idx])
         b1.bias.copy_(model.bn1.bias[idx])
-        b1.running_mean.copy_(model.bn1.running_mean[idx])
-        b1.running_var.copy_(model.bn1.running_var[idx])
+        t(b1.running_mean).copy_(t(model.bn1.running_mean)[idx])
+        t(b1.running_var).copy_(t(model.bn1.running_var)[idx])
         c2.weight.copy_(model.conv2.weight[:, idx])
-        c2.bias.copy_(model.conv2.bias)
+        t(c2.bias).copy_(t(model.conv2.bias))
     model.conv1, model.bn1, model.conv2 = c1, b1, c2
 
 
@@ -240,8 +241,8 @@ def _c08_proof(bug: bool) -> bool:
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in ("conv1", "conv2")}
     step()
     params = dict(model.named_parameters())
-    has_grad = all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in before
-                   if n.endswith("weight"))
+    grads = [params[n].grad for n in before if n.endswith("weight")]
+    has_grad = all(g is not None and float(g.abs().sum()) > 0 for g in grads)
     return has_grad and all(torch.equal(params[n].detach(), v) for n, v in before.items())
 
 
@@ -314,12 +315,151 @@ def _c09_proof(bug: bool) -> bool:
     """The critic-loss gradient on each value prediction is not the TD semi-gradient -2/N * A_t (regressing V(s_t)
     toward a fixed target): it also flows into V(s_{t+1}) through the bootstrapped targets."""
     model, _, _ = _c09_build(bug)
-    values, log_probs, entropy = _c09_forward(model)
+    values, log_probs, entropy = _c09_forward(cast(_A2C, model))
     values = values.detach().requires_grad_(True)
     critic_loss, _, adv = _c09_losses(values, log_probs.detach(), entropy.detach(), bug)
     (grad,) = torch.autograd.grad(critic_loss, values)
     want = -2.0 / values.numel() * adv.detach()
     return not torch.allclose(grad, want, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------- case-10
+# ESRGAN super-resolution GAN under AMP: the epoch loop passes g_optimizer in the d_optimizer slot, so the
+# discriminator step steps the generator's optimizer again and the discriminator is never updated
+
+_C10_LR = torch.rand(4, 3, 8, 8, generator=_gen(1341))
+_C10_GT = F.interpolate(_C10_LR, scale_factor=2, mode="bicubic", align_corners=False).clamp(0, 1) \
+    + 0.05 * torch.randn(4, 3, 16, 16, generator=_gen(1342))
+
+
+class _RDB(nn.Module):
+    def __init__(self, nf: int, gc: int) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(nf, gc, 3, padding=1), nn.Conv2d(nf + gc, gc, 3, padding=1)
+        self.c3 = nn.Conv2d(nf + 2 * gc, nf, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = F.leaky_relu(self.c1(x), 0.2)
+        x2 = F.leaky_relu(self.c2(torch.cat([x, x1], 1)), 0.2)
+        return x + 0.2 * self.c3(torch.cat([x, x1, x2], 1))
+
+
+class _RRDBNet(nn.Module):
+    """A two-block residual-in-residual dense generator with x2 nearest-neighbour upsampling."""
+
+    def __init__(self, nf: int = 16) -> None:
+        super().__init__()
+        self.conv_first = nn.Conv2d(3, nf, 3, padding=1)
+        self.trunk = nn.Sequential(_RDB(nf, 8), _RDB(nf, 8))
+        self.conv_trunk = nn.Conv2d(nf, nf, 3, padding=1)
+        self.up = nn.Conv2d(nf, nf, 3, padding=1)
+        self.conv_last = nn.Conv2d(nf, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.conv_first(x)
+        f = f + self.conv_trunk(self.trunk(f))
+        f = F.leaky_relu(self.up(F.interpolate(f, scale_factor=2, mode="nearest")), 0.2)
+        return self.conv_last(f)
+
+
+class _VGGDisc(nn.Module):
+    def __init__(self, nf: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, nf, 3, padding=1), nn.LeakyReLU(0.2),
+            nn.Conv2d(nf, nf, 4, 2, 1, bias=False), nn.BatchNorm2d(nf), nn.LeakyReLU(0.2),
+            nn.Conv2d(nf, 2 * nf, 3, padding=1, bias=False), nn.BatchNorm2d(2 * nf), nn.LeakyReLU(0.2),
+            nn.Conv2d(2 * nf, 2 * nf, 4, 2, 1, bias=False), nn.BatchNorm2d(2 * nf), nn.LeakyReLU(0.2))
+        self.classifier = nn.Sequential(nn.Linear(2 * nf * 4 * 4, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).flatten(1))
+
+
+class _ESRGAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g_model, self.d_model = _RRDBNet(), _VGGDisc()
+
+    def forward(self, lr: torch.Tensor) -> torch.Tensor:
+        return self.g_model(lr)
+
+
+class _ContentLoss(nn.Module):
+    """Feature-space L1 on a frozen conv feature extractor (stands in for the frozen VGG19 layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fe = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)).eval()
+        for p in self.fe.parameters():
+            p.requires_grad = False
+
+    def forward(self, sr: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
+        return F.l1_loss(self.fe(sr), self.fe(gt))
+
+
+def _c10_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _ESRGAN().train()
+    g_model, d_model = model.g_model, model.d_model
+    content_criterion = _ContentLoss()
+    adversarial_criterion = nn.BCEWithLogitsLoss()
+    g_optimizer = torch.optim.Adam(g_model.parameters(), lr=1e-4, betas=(0.9, 0.99))
+    d_optimizer = torch.optim.Adam(d_model.parameters(), lr=1e-4, betas=(0.9, 0.99))
+    scaler = torch.amp.GradScaler("cpu")
+    real_label, fake_label = torch.ones(4, 1), torch.zeros(4, 1)
+    pixel_w, content_w, adv_w = 0.01, 1.0, 0.005
+    # the report: train(..., g_optimizer, g_optimizer, ...); the fix passes d_optimizer in the second slot
+    d_opt_used = g_optimizer if bug else d_optimizer
+
+    def step() -> torch.Tensor:
+        lr, gt = _C10_LR, _C10_GT
+        for p in d_model.parameters():
+            p.requires_grad = False
+        g_model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            sr = g_model(lr)
+            gt_output = d_model(gt.detach().clone())
+            sr_output = d_model(sr)
+            pixel_loss = F.l1_loss(sr.float(), gt)
+            content_loss = content_criterion(sr, gt)
+            d_loss_gt = adversarial_criterion(gt_output - torch.mean(sr_output), fake_label) * 0.5
+            d_loss_sr = adversarial_criterion(sr_output - torch.mean(gt_output), real_label) * 0.5
+            g_loss = pixel_w * pixel_loss + content_w * content_loss + adv_w * (d_loss_gt + d_loss_sr)
+        scaler.scale(g_loss).backward()
+        scaler.step(g_optimizer)
+        scaler.update()
+
+        for p in d_model.parameters():
+            p.requires_grad = True
+        d_model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            gt_output = d_model(gt)
+            sr_output = d_model(sr.detach().clone())
+            d_loss_gt = adversarial_criterion(gt_output - torch.mean(sr_output), real_label) * 0.5
+        scaler.scale(d_loss_gt).backward(retain_graph=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            sr_output = d_model(sr.detach().clone())
+            d_loss_sr = adversarial_criterion(sr_output - torch.mean(gt_output), fake_label) * 0.5
+        scaler.scale(d_loss_sr).backward()
+        scaler.step(d_opt_used)
+        scaler.update()
+        return g_loss
+
+    return model, step, _kw(optimizer=g_optimizer, inputs=_C10_LR, scaler=scaler)
+
+
+def _c10_proof(bug: bool) -> bool:
+    """After a full generator + discriminator iteration the discriminator has non-zero gradients from its loss
+    but not one of its weights has changed: no optimizer over its parameters is ever stepped."""
+    model, step, _ = _c10_build(bug)
+    d_model = cast(_ESRGAN, model).d_model
+    before = [p.detach().clone() for p in d_model.parameters()]
+    step()
+    grads = [p.grad for p in d_model.parameters()]
+    has_grad = all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads if g is not None) > 0
+    unchanged = all(torch.equal(b, p.detach()) for b, p in zip(before, d_model.parameters()))
+    return has_grad and unchanged
 
 
 CASES: list[BlindCase] = [
@@ -339,4 +479,8 @@ CASES: list[BlindCase] = [
               "the A2C critic loss is the squared GAE advantage with the value predictions still attached inside the "
               "bootstrapped targets, so the critic is pushed to move V(s_{t+1}) toward V(s_t) as well as fitting "
               "returns, instead of regressing V(s_t) to a fixed target", _c09_build, _c09_proof),
+    BlindCase("b13-case-10", "https://github.com/Lornatang/ESRGAN-PyTorch/issues/39", "GAN / wrong optimizer stepped",
+              "the training loop is called with g_optimizer for both the generator and the discriminator slot: "
+              "the discriminator step re-steps the generator and the discriminator is never updated, while both "
+              "losses keep printing plausible values", _c10_build, _c10_proof),
 ]
