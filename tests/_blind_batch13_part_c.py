@@ -2,13 +2,11 @@
 
 Collected by someone who does not write the audit's checks. Every case builds the user's setup on a tiny real
 model (a transformers BERT sequence classifier and a GPT-2 causal LM, both from tiny configs in code; a plain
-torch ASPP segmentation head, a tabular MLP regressor and a small DCGAN-style generator/discriminator pair;
+torch ASPP segmentation head, a tabular MLP regressor and an LSTM sequence regressor;
 nothing is downloaded) and proves the bug without the audit on real runs and real tensors.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +14,6 @@ from torch import nn
 
 from tests._blind import BlindCase, Case
 from tests._blind_batch5 import _gen, _kw, _sgd_step
-
 
 # --------------------------------------------------------------------------------------------- case-11
 # BERT classifier trained while still in eval mode (from_pretrained returns eval(); the loop never calls train())
@@ -30,8 +27,9 @@ def _c11_bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     cfg = BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=32, num_labels=2,
+                     intermediate_size=64, max_position_embeddings=32,
                      hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3)
+    cfg.num_labels = 2
     return BertForSequenceClassification(cfg)
 
 
@@ -100,10 +98,11 @@ def _c12_proof(bug: bool) -> bool:
     """After two training steps the atrous branch weights are exactly what they were at construction."""
     model, step, _ = _c12_build(bug)
     assert isinstance(model, _WAB)
-    before = [conv[0].weight.detach().clone() for conv in model.convlist]
+    weights = [w for conv in model.convlist for w in conv.parameters() if w.dim() == 4]
+    before = [w.detach().clone() for w in weights]
     step()
     step()
-    return all(torch.equal(b, conv[0].weight) for b, conv in zip(before, model.convlist))
+    return all(torch.equal(b, w) for b, w in zip(before, weights))
 
 
 # --------------------------------------------------------------------------------------------- case-13
@@ -180,6 +179,54 @@ def _c14_proof(bug: bool) -> bool:
     return not bool((labels == _C14_EOS).any())
 
 
+# --------------------------------------------------------------------------------------------- case-15
+# LSTM churn model: clip_grad_norm_ is called after optimizer.step(), so the step applies the unclipped gradient
+
+_C15_X = torch.randn(8, 20, 5, generator=_gen(1351)) * 3.0
+_C15_Y = torch.randn(8, 1, generator=_gen(1352)) * 5.0
+_C15_MAX_NORM, _C15_LR = 0.5, 0.05
+
+
+class _SeqRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(5, 32, batch_first=True)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def _c15_build(bug: bool) -> Case:
+    torch.manual_seed(0)
+    model = _SeqRegressor().train()
+    opt = torch.optim.SGD(model.parameters(), lr=_C15_LR)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(_C15_X), _C15_Y)
+        loss.backward()
+        if bug:
+            opt.step()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), _C15_MAX_NORM)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), _C15_MAX_NORM)
+            opt.step()
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=_C15_X)
+
+
+def _c15_proof(bug: bool) -> bool:
+    """Plain SGD moved the weights by lr * the raw gradient: the update's norm is far above lr * max_norm."""
+    model, step, _ = _c15_build(bug)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    delta = torch.linalg.vector_norm(torch.stack([(p.detach() - b).norm() for p, b in zip(model.parameters(), before)]))
+    return bool(delta > 1.5 * _C15_LR * _C15_MAX_NORM)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b13-case-11", "https://blog.gitcode.com/aaf1a3e9256e4b90362e3f2bdf3e7018.html",
               "train/eval mode",
@@ -200,4 +247,8 @@ CASES: list[BlindCase] = [
               "with pad_token set to eos_token, the collator's labels[labels == pad_id] = -100 also masks each "
               "sequence's real EOS: the causal LM is never trained to emit EOS and generates without stopping",
               _c14_build, _c14_proof),
+    BlindCase("b13-case-15", "https://theneuralbase.com/pytorch/learn/intermediate/gradient-exploding-gradient-clipping/",
+              "gradient clipping order",
+              "clip_grad_norm_ runs after optimizer.step(): the step has already applied the raw, unclipped gradient, "
+              "so clipping never limits any update of the LSTM", _c15_build, _c15_proof),
 ]
