@@ -401,7 +401,7 @@ _CORE: tuple[FailureMode, ...] = (
         "RELU-001", "Dead ReLUs", Severity.WARN,
         "At least three quarters of a ReLU layer's units output zero for every sample in the batch (judged on at "
         "least 4 rows per unit; on samples that look alike half is the healthy ceiling); nn.ReLU-style modules and "
-        "F.relu calls are both measured.",
+        "F.relu calls inside the model are both measured (a relu in the step's own loss is a hinge).",
         "Dead units pass no gradient, so they never recover; the network just behaves like a smaller one.",
         "Check bias init and input normalisation, lower the learning rate, or use LeakyReLU/GELU.",
         "https://cs231n.github.io/neural-networks-1/#actfun",

@@ -285,5 +285,7 @@ CASES: list[BlindCase] = [
               "configured max gradient norm never limits any update", _c04_build, _c04_proof),
     BlindCase("b13-case-05", "https://github.com/NVIDIA-NeMo/Automodel/pull/3704", "attention mask / padding",
               "the left-padded SFT batch gets an all-ones attention mask, so every real token attends the pad run "
-              "while the -100 labels keep the loss curve looking normal", _c05_build, _c05_proof),
+              "while the -100 labels keep the loss curve looking normal", _c05_build, _c05_proof,
+              # true of the reproduction: its examples end without EOS, so nothing teaches the model to stop
+              known_alarm=("DATA-010",)),
 ]

@@ -887,6 +887,21 @@ def _dead_relu_squared(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(_X), _Y), {}
 
 
+def test_relu_001_ignores_a_hinge_in_the_steps_own_loss() -> None:
+    """A margin loss's relu (CapsNet, SVM hinge) is zero where the margin is met: not a dead layer."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    x, y = torch.randn(8, 8), torch.arange(8) % 5
+    onehot = F.one_hot(y, 5).float()
+
+    def loss() -> torch.Tensor:
+        lengths = m(x).sigmoid()
+        # every length is under the margin 0.95: the non-target hinge is zero everywhere, as it should be
+        return (onehot * F.relu(0.95 - lengths) ** 2 + 0.5 * (1 - onehot) * F.relu(lengths - 0.95) ** 2).sum(1).mean()
+
+    assert not audit(m, loss).by_id("RELU-001")
+
+
 @case("ACT-001")
 def _saturated_tanh(bug: bool) -> Case:
     m = mlp(act=nn.Tanh())

@@ -161,6 +161,8 @@ class _Recorder:
         cur = self.current()
         if cur is not None and _is_activation_class(cur[1]):
             return
+        if cur is None and kind == "relu":
+            return  # a relu in the step's own arithmetic is a hinge or margin loss: zero is where it is satisfied
         site = self.site(f"{cur[0] if cur else '<step_fn>'}:{kind}")
         with torch.no_grad():
             if kind == "relu":
