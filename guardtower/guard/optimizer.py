@@ -678,15 +678,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
             scaler = self._accelerated.scaler()
         return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
+    def _unscaled_norms(self, scale: Tensor | float | None) -> Tensor:
+        """Each tensor's gradient norm, divided by the loss scale the gradients still carry under a GradScaler
+        (a device tensor is never read on the host)."""
+        norms = self._meter.norms(self._params)
+        if isinstance(scale, Tensor):
+            return norms / scale.to(self._device, torch.float32, non_blocking=True).reshape(())
+        return norms if scale is None else norms / scale
+
     def _reproduces(self, loss: Any, scale: Tensor | float | None = None) -> Tensor:
         """bool 0-d: the gradients now in ``.grad`` (a triage recompute, still multiplied by ``scale`` under a
         GradScaler) would be rejected against the same baselines. Judging does not fold anything in: only
         ``update()`` changes the detector."""
-        norms = self._meter.norms(self._params)
-        if isinstance(scale, Tensor):
-            norms = norms / scale.to(norms.device, torch.float32).reshape(())
-        elif scale is not None:
-            norms = norms / scale
+        norms = self._unscaled_norms(scale)
         global_norm = torch.linalg.vector_norm(norms)
         _, loss_t = self._loss_tensor(loss)
         bad = (global_norm * 0.0) != 0.0
@@ -710,9 +714,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """
         device = self._device
         detector = self.detector
-        norms = self._meter.norms(self._params)
-        if grad_scale is not None:  # GradScaler handed us still-scaled gradients
-            norms = norms / grad_scale.to(device, torch.float32, non_blocking=True).reshape(())
+        norms = self._unscaled_norms(grad_scale)
         global_norm = torch.linalg.vector_norm(norms)
         loss_value, loss_t = self._loss_tensor(loss)
         verdict = detector.judge(norms, global_norm, loss_t)

@@ -76,6 +76,7 @@ def sample_leaks(model: nn.Module, out: torch.Tensor | None, watched: list[tuple
     if not watched:
         return []
     seq_first = bool(sequence_first_layers(model))
+    call_tensors = [t for _, t in iter_tensors(call, depth=4)]
     readings = []
     for sample_dim in ((0, 1) if seq_first else (0,)):
         if watched[0][1].dim() <= sample_dim:
@@ -84,7 +85,7 @@ def sample_leaks(model: nn.Module, out: torch.Tensor | None, watched: list[tuple
         axes = [a for a in range(out.dim()) if out.shape[a] == batch]
         inputs = [(label, t) for label, t in watched if t.dim() > sample_dim and t.shape[sample_dim] == batch]
         # no axis of that size, or several (a similarity matrix of the batch with itself): nothing to read
-        if batch < 2 or len(axes) != 1 or _graph_batch([t for _, t in iter_tensors(call, depth=4)], batch):
+        if batch < 2 or len(axes) != 1 or _graph_batch(call_tensors, batch):
             continue
         probed = [0]
         if batch >= 3 and (out.dim() <= 2 or not seq_first):
