@@ -173,6 +173,60 @@ def _c03_proof(bug: bool) -> bool:
     return torch.equal(before, model[0].weight.detach())
 
 
+# --------------------------------------------------------------------------------------------- case-04
+
+
+class _GatedFusionSeg(nn.Module):
+    """Visual tokens plus a language-fused residual that passes through a learned tanh gate (bias-free MLP)."""
+
+    def __init__(self, bug: bool, dim: int = 16, n_cls: int = 3) -> None:
+        super().__init__()
+        self.vis = nn.Linear(8, dim)
+        self.fusion = nn.Linear(2 * dim, dim)
+        self.res_gate = nn.Sequential(nn.Linear(dim, dim, bias=False), nn.ReLU(),
+                                      nn.Linear(dim, dim, bias=False), nn.Tanh())
+        if bug:
+            nn.init.zeros_(self.res_gate[0].weight)
+        nn.init.zeros_(self.res_gate[2].weight)
+        self.head = nn.Linear(dim, n_cls)
+
+    def forward(self, pix: torch.Tensor, lang: torch.Tensor) -> torch.Tensor:
+        x = self.vis(pix)
+        x_residual = self.fusion(torch.cat([x, lang[:, None].expand_as(x)], -1))
+        x = x + self.res_gate(x_residual) * x_residual
+        return self.head(x)
+
+
+_C04_PIX = torch.randn(4, 12, 8, generator=_gen(401))
+_C04_LANG = torch.randn(4, 16, generator=_gen(402))
+_C04_Y = torch.randint(0, 3, (4, 12), generator=_gen(403))
+
+
+def _c04_loss(model: _GatedFusionSeg) -> torch.Tensor:
+    return F.cross_entropy(model(_C04_PIX, _C04_LANG).transpose(1, 2), _C04_Y)
+
+
+def _c04_build(bug: bool) -> Case:
+    """Per-token segmentation with a gated multimodal residual whose two gate layers are both zero-initialised."""
+    torch.manual_seed(0)
+    model = _GatedFusionSeg(bug).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: _c04_loss(model))
+    return model, step, _kw(optimizer=opt, inputs=(_C04_PIX, _C04_LANG))
+
+
+def _c04_proof(bug: bool) -> bool:
+    """After three training steps the gate is still exactly at its initial values and the fusion layer behind it
+    got exactly zero gradient (only weight decay touches it)."""
+    model, step, _ = _c04_build(bug)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("res_gate")}
+    fusion_grad = 0.0
+    for _ in range(3):
+        step()
+        fusion_grad += float(sum(p.grad.abs().sum() for p in model.fusion.parameters()))
+    params = dict(model.named_parameters())
+    return fusion_grad == 0.0 and all(torch.equal(v, params[n].detach()) for n, v in before.items())
+
 CASES: list[BlindCase] = [
     BlindCase("b14-case-01", "https://github.com/microsoft/LoRA/issues/120", "activation checkpointing",
               "Reentrant checkpointing over blocks whose input comes from a frozen embedding leaves every LoRA "
@@ -184,4 +238,7 @@ CASES: list[BlindCase] = [
     BlindCase("b14-case-03", "https://github.com/d2l-ai/d2l-en/pull/2600", ".data detaches parameters",
               "Custom layers use weight.data and bias.data in forward, so autograd never reaches their "
               "parameters and they never update.", _c03_build, _c03_proof),
+    BlindCase("b14-case-04", "https://github.com/yz93/LAVT-RIS/issues/25", "zero initialisation / dead gate",
+              "Both bias-free layers of a residual gate are zero-initialised, so the gate and the fusion branch "
+              "behind it get exactly zero gradient and stay off for the whole run.", _c04_build, _c04_proof),
 ]
