@@ -1,0 +1,10 @@
+"""Blind batch 14: two parts of four reports, each collected by a helper who never read the checks and whose
+report named nothing of its cases before the measurement (see each part)."""
+
+from __future__ import annotations
+
+from tests._blind import BlindCase
+from tests._blind_batch14_part_a import CASES as _PART_A
+from tests._blind_batch14_part_b import CASES as _PART_B
+
+CASES: list[BlindCase] = [*_PART_A, *_PART_B]
