@@ -1,7 +1,7 @@
 """The one delivery engine behind every sink (OpenTelemetry's BatchProcessor/exporter split).
 
-A sink is only a destination: ``handle_batch(events)`` sends and raises on failure (``TransientError``
-when trying again may help), ``close()`` shuts it down. ``Delivery`` owns everything else, once, for
+A sink is only a destination: ``handle(event)`` (or ``handle_batch(events)``, to send several in one go)
+sends and raises on failure (``TransientError`` when trying again may help), ``close()`` shuts it down. ``Delivery`` owns everything else, once, for
 every sink: the bounded queue and its worker thread, batching (or a sink's own grouping ``Batcher``),
 the retry policy (tenacity, honouring Retry-After against a deadline), a destination's rate limit, the
 durable spool with acknowledgements and replay, drop and failure counting with a reason, one
@@ -302,6 +302,9 @@ class Delivery:
         self._probe_max = max(self._probe_min, float(getattr(sink, "max_retry_interval", _PROBE_MAX_S)))
         make_batcher = getattr(sink, "make_batcher", None)
         self._make_batcher: Callable[[], Batcher] = make_batcher if callable(make_batcher) else _Chunks
+        # a sink with only handle(): the engine loops over its events, so it sends them one at a time; one
+        # that raises then leaves no doubt which got through (the ones before it are never sent twice)
+        self._one_by_one = not any(callable(getattr(sink, m, None)) for m in ("export", "handle_batch"))
         self._reset()
         self._persist = self._spool() is not None
         on_fork(self)
@@ -565,6 +568,9 @@ class Delivery:
         if self._backlog and self._spool() is not None and not self._stop.is_set():
             self._finish(batch, spool_reason="destination unavailable: queued behind the spool", backlog=True)
             return
+        if self._one_by_one and batch.note is None and len(batch.events) > 1:
+            self._send_each(batch)
+            return
         try:
             send_with_retry(self._export, batch, getattr(self.sink, "retry", None), stop=self._stop,
                             throttle=getattr(self.sink, "throttle", None), sleep=getattr(self.sink, "sleep", None))
@@ -576,19 +582,22 @@ class Delivery:
         except Exception as exc:  # refused by the destination (or a sink's bug): resending cannot help
             reason = _describe(exc)
             if batch.note is None and len(batch.events) > 1:
-                self._isolate(batch)  # one bad event must not take the others down
+                self._send_each(batch)  # one bad event must not take the others down
             else:
                 self._finish(batch, failed_events=list(batch.events), reason=reason)
         else:
             self._finish(batch)
 
-    def _isolate(self, batch: Batch) -> None:
-        if not self._claim(batch):
-            return
-        for event in batch.events:
-            self._send(Batch((event,)))
+    def _send_each(self, batch: Batch) -> None:
+        """Send ``batch`` event by event, each in flight on its own (unless ``close`` already spooled it)."""
+        singles = [Batch((event,)) for event in batch.events]
         with self._cond:
-            self._counts["batches_split"] += 1
+            if id(batch) in self._orphaned:
+                self._orphaned.discard(id(batch))
+                return
+            self._inflight = [b for b in self._inflight if b is not batch] + singles
+        for single in singles:
+            self._send(single)
 
     def _claim(self, batch: Batch) -> bool:
         """Take ``batch`` back from the in-flight list; False when ``close`` already spooled it."""
@@ -732,7 +741,8 @@ class Delivery:
         with self._qlock:
             live = set(self._on_disk)  # accepted but not tried yet: the worker sends those itself
         try:
-            for chunk in spool.pending_chunks(int(getattr(self.sink, "replay_batch", self.batch_max))):
+            size = 1 if self._one_by_one else int(getattr(self.sink, "replay_batch", self.batch_max))
+            for chunk in spool.pending_chunks(size):
                 if self._stop.is_set():
                     ok = False
                     break

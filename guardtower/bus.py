@@ -58,8 +58,9 @@ class Sink(Protocol):
 class BaseSink:
     """Convenient defaults for sinks: a sink is a destination, the delivery engine does the rest.
 
-    ``handle_batch(events)`` sends and raises on failure (``guardtower._delivery.TransientError`` when a
-    retry may help); ``close()`` shuts the destination down. Attributes the engine reads (with these
+    ``handle(event)`` sends and raises on failure (``guardtower._delivery.TransientError`` when a retry may
+    help); a sink that sends several events in one go defines ``handle_batch(events)`` too (without it, the
+    engine hands over one event at a time, so a failure names exactly the event it concerns); ``close()`` shuts the destination down. Attributes the engine reads (with these
     defaults for sinks that do not subclass ``BaseSink``): ``rank_zero_only`` — with ``main_process_only``
     buses, act on rank 0 only (remote sinks: trackers, alerts); ``queue_size`` — the bound of the queue;
     ``spool`` — a ``Spool`` for what cannot be delivered (None: counted as dropped); ``replay_spool`` —
@@ -76,11 +77,6 @@ class BaseSink:
 
     def handle(self, event: Event) -> None:
         raise NotImplementedError
-
-    def handle_batch(self, events: list[Event]) -> None:
-        """Send what the worker drained in one go; override to write or send in batches."""
-        for event in events:
-            self.handle(event)
 
     def use_log_dir(self, log_dir: Path) -> None:
         """A guard with ``log_dir`` adopted this sink: sinks with a default spool may move it there."""

@@ -143,8 +143,6 @@ def test_overflow_goes_to_the_spool_on_the_worker_and_is_replayed(tmp_path: Path
 class RejectingSpoolingSink(SpoolingSink):
     """A destination that refuses one event for good (a 4xx): the rest of the spool still goes through."""
 
-    replay_batch = 1
-
     def handle(self, event: Event) -> None:
         self.gate.wait(10)
         if event.step == 7:
@@ -171,6 +169,39 @@ def test_an_event_refused_on_replay_is_quarantined_and_the_rest_is_replayed(tmp_
     refused = sink.spool.refused()
     assert [e.event.step for e in refused] == [7] and "cannot take step 7" in refused[0].reason
     assert stats["replayed"] + stats["replay_refused"] == stats["spooled"] and stats["replay_refused"] == 1
+    bus.close(timeout=5)
+
+
+class RefusingSink(InMemorySink):
+    """Only ``handle()``, blocked on its first event until ``gate`` opens, refusing step 3 for good."""
+
+    name = "refusing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def handle(self, event: Event) -> None:
+        self.entered.set()
+        self.gate.wait(10)
+        if event.step == 3:
+            raise ValueError("cannot take step 3")
+        super().handle(event)
+
+
+def test_a_sink_with_only_handle_that_refuses_one_event_gets_each_other_event_once() -> None:
+    sink = RefusingSink()
+    bus = EventBus([sink])
+    bus.publish(SummaryEvent(step=0))
+    assert sink.entered.wait(10)  # the worker holds step 0: steps 1..9 wait together for its next round
+    for i in range(1, 10):
+        bus.publish(SummaryEvent(step=i))
+    sink.gate.set()
+    assert bus.flush(timeout=10)
+    stats = bus.stats()["sinks"]["refusing"]
+    assert [e.step for e in sink.events] == [0, 1, 2, 4, 5, 6, 7, 8, 9]  # in order, none twice
+    assert stats["delivered"] == 9 and stats["failed"] == 1 and adds_up(stats)
     bus.close(timeout=5)
 
 
