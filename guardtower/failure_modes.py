@@ -234,7 +234,9 @@ _CORE: tuple[FailureMode, ...] = (
         "The parameter is connected to the graph, so connectivity checks pass, but something upstream (dead "
         "ReLUs, clamps, zero-initialised layers, fully masked outputs) blocks every signal.",
         "Find what zeroes the signal: dead ReLUs (RELU-001), saturated clamps, or a zero-initialised layer "
-        "between this one and the loss.",
+        "between this one and the loss. When the audit has the optimizer it runs the step twice more: a gradient "
+        "that flows once the weights have moved (a zero-initialised gate or projection after it, by design) is "
+        "only INFO.",
         "https://cs231n.github.io/neural-networks-3/#gradcheck",
         ("gradients",),
     ),

@@ -1619,3 +1619,40 @@ def test_a_per_epoch_schedule_stepped_outside_the_step_is_not_sched_003() -> Non
     model, step, kwargs = _scheduled(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.1),
                                      total=2000, per_step=0)
     assert not [f for f in audit(model, step, **kwargs) if f.catalog_id.startswith("SCHED-")]
+
+
+class _ZeroGatedBranch(nn.Module):
+    """A residual branch behind a gate whose last projection starts at zero (ControlNet, ReZero-style)."""
+
+    def __init__(self, both_zero: bool) -> None:
+        super().__init__()
+        self.branch = nn.Linear(8, 8)
+        self.gate = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False))
+        nn.init.zeros_(self.gate[2].weight)
+        if both_zero:  # the two gate layers hold each other at zero: nothing behind them ever learns
+            nn.init.zeros_(self.gate[0].weight)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.branch(x)
+        return self.head(x + self.gate(h) * h)
+
+
+@pytest.mark.parametrize("own_backward", [True, False])
+def test_grad_004_is_info_when_a_zero_initialised_gate_holds_the_gradient_for_the_first_step_only(
+        own_backward: bool) -> None:
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(3)), torch.randn(16, 1)
+    for both_zero in (False, True):
+        torch.manual_seed(0)
+        m = _ZeroGatedBranch(both_zero)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        loss = lambda: F.mse_loss(m(x), y)  # noqa: E731
+        step = sgd_step(m, opt, loss) if own_backward else loss
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        (finding,) = audit(m, step, optimizer=opt, inputs=x).by_id("GRAD-004")
+        assert all(torch.equal(before[n], p) for n, p in m.named_parameters())  # the extra steps are put back
+        assert set(finding.details["params"]) >= {"branch.weight", "gate.0.weight"}
+        if both_zero:
+            assert finding.severity == Severity.WARN and "gate.2.weight" in finding.details["params"]
+        else:
+            assert finding.severity == Severity.INFO and finding.details["first_step_only"]

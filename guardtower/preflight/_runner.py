@@ -29,7 +29,9 @@ from guardtower.preflight._step import (
 )
 from guardtower.preflight._update import measure_update, user_step_moves
 from guardtower.preflight._schedule import ScheduleState, find_scheduler
+from guardtower.preflight._second_step import gradients_after_one_update, zero_gradients
 from guardtower.preflight._util import base_optimizer, is_causal_lm, is_library_model, unique_params
+from guardtower._dist import is_distributed, world_size
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
@@ -211,6 +213,16 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 trace.update = measure_update(ctx)
             except Exception as exc:
                 trace.update_error = exc
+            state.restore_values()
+        zero = zero_gradients(trace.grads) if "second_step" in needs and trace.error is None else []
+        if zero and not (is_distributed() and world_size() > 1):  # every rank would have to run it, or none
+            report.notes.append(f"step_fn ran twice more (then every value is put back): {len(zero)} tensor(s) got "
+                                "an all-zero gradient, so the audit checked whether they get one once the step "
+                                "has updated the weights")
+            state.clear_grads()
+            with state.isolated_optimizers():
+                trace.flows_after_update = gradients_after_one_update(
+                    counted_step, ctx.params, zero, state.restore_rng, optimizer, user_backward=trace.user_backward)
             state.restore_values()
         grads = trace.input_grads
         if ("input_independence" in needs and grads and all(not g for g in grads.values())

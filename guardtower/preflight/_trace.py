@@ -19,9 +19,10 @@ __all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Fu
 #: ``future`` one eval-mode pass of the model for a next-token setup (does a prediction see later tokens?),
 #: ``eval_mode`` one eval-mode pass of a model that is not a library one (does dropout still drop?),
 #: ``padding`` three gradient-free eval-mode passes of one padded row (does its prediction read its padding?)
-Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode", "padding"]
+Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode", "padding",
+               "second_step"]
 NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future",
-                                    "eval_mode", "padding"})
+                                    "eval_mode", "padding", "second_step"})
 
 
 @dataclass
@@ -192,6 +193,9 @@ class StepTrace:
     update: dict[str, UpdateStats] = field(default_factory=dict)
     """param name -> what the trial optimizer step did to it (``update`` need)"""
     update_error: BaseException | None = None
+    flows_after_update: set[str] | None = None
+    """of the tensors with an all-zero gradient, those that get one in a second step after one real update
+    (``second_step`` need); None: not measured"""
     input_independent: bool | None = None
     """the loss was bitwise unchanged on perturbed inputs (``input_independence`` need); None: not asked/unknown"""
     padded_labels_ignored: bool | None = None

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._second_step import zero_gradients
 from guardtower.preflight._trace import UpdateStats
 from guardtower.preflight._util import fmt_names, is_lora_factor, trained_ids
 from guardtower.report import Finding
@@ -41,7 +42,7 @@ def _grads_ready(ctx: AuditContext) -> bool:
     return ctx.trace is not None and ctx.trace.backward
 
 
-@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"))
+@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"), needs=("second_step",))
 def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-001 trainable parameters without a gradient, GRAD-004 gradients that are exactly zero."""
     if not _grads_ready(ctx):
@@ -91,12 +92,21 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
             "used under no_grad/detach, or replaced after the graph was built)",
             "GRAD-001", {"params": missing},
         ))
-    zero = []
-    for n in trainable:
-        g = grads.get(n)
-        # LoRA factors: the random one has a zero gradient at step 1 by design; the LoRA checks judge them
-        if g is not None and g.numel() > 0 and not is_lora_factor(n) and not bool(g.any()):
-            zero.append(n)
+    # LoRA factors: the random one has a zero gradient at step 1 by design; the LoRA checks judge them
+    zero = [n for n in zero_gradients(grads) if ctx.params[n].requires_grad and not is_lora_factor(n)]
+    flows = ctx.trace.flows_after_update or set()
+    late = [n for n in zero if n in flows]
+    if late:
+        # consequence: a zero-initialised layer downstream (a gate, a zero-init projection) moved in the first
+        # update, and from the second step on these learn: the design of a gated or zero-init branch
+        findings.append(Finding(
+            "grad_connectivity", Severity.INFO,
+            f"{len(late)} trainable parameter(s) got an all-zero gradient in the first step only: {fmt_names(late)}; "
+            "after one update they get one (a zero-initialised layer after them, such as a gate or a zero-init "
+            "projection, passes no gradient until it has moved)",
+            "GRAD-004", {"params": late, "first_step_only": True},
+        ))
+        zero = [n for n in zero if n not in flows]
     if zero:
         # consequence: a weight that cannot learn is a finding; a bias or norm shift alone with no gradient is
         # usually a symmetry of the loss (a pairwise loss cancels a shared shift)
