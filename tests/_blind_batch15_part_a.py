@@ -72,9 +72,128 @@ def _c01_proof(bug: bool) -> bool:
     return bool((logits[:, 0].argmax(-1) == _SOT).all())
 
 
+# --------------------------------------------------------------------------------------------- case-02
+
+
+def _c02_selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        D: torch.Tensor, z: torch.Tensor, delta_bias: torch.Tensor) -> torch.Tensor:
+    """selective_scan_ref: u, delta, z (b, d, l); A (d, n); B, C (b, n, l)."""
+    delta = F.softplus(delta + delta_bias[..., None])
+    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A))
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    x = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(u.shape[2]):
+        x = dA[:, :, i] * x + dBu[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", x, C[:, :, i]))
+    y = torch.stack(ys, 2) + u * D[:, None]
+    return y * F.silu(z)
+
+
+def _c02_mamba_inner(xz: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor, x_proj_w: torch.Tensor,
+                     dt_proj_w: torch.Tensor, out_proj_w: torch.Tensor, out_proj_b: torch.Tensor | None,
+                     A: torch.Tensor, D: torch.Tensor, delta_bias: torch.Tensor) -> torch.Tensor:
+    """mamba_inner_fn (reference path): the fused kernel is handed the projection *weights*, not the modules."""
+    L, dt_rank, n = xz.shape[-1], dt_proj_w.shape[1], A.shape[1]
+    x, z = xz.chunk(2, 1)
+    x = F.silu(F.conv1d(x, conv_w, conv_b, padding=conv_w.shape[-1] - 1, groups=x.shape[1])[..., :L])
+    x_dbl = F.linear(x.transpose(1, 2).reshape(-1, x.shape[1]), x_proj_w)  # ((b l), r + 2n)
+    b = xz.shape[0]
+    delta = (dt_proj_w @ x_dbl[:, :dt_rank].t()).reshape(-1, b, L).transpose(0, 1)
+    Bm = x_dbl[:, dt_rank:dt_rank + n].reshape(b, L, n).transpose(1, 2)
+    Cm = x_dbl[:, dt_rank + n:].reshape(b, L, n).transpose(1, 2)
+    y = _c02_selective_scan(x, delta, A, Bm, Cm, D, z, delta_bias)
+    return F.linear(y.transpose(1, 2), out_proj_w, out_proj_b)
+
+
+class _C02Mamba(nn.Module):
+    """mamba_simple.Mamba: in_proj, depthwise causal conv, x_proj / dt_proj, selective scan, out_proj."""
+
+    def __init__(self, d_model: int, use_fast_path: bool, d_state: int = 4, d_conv: int = 3, expand: int = 2) -> None:
+        super().__init__()
+        d_inner = expand * d_model
+        self.dt_rank = max(1, d_model // 16)
+        self.d_state = d_state
+        self.use_fast_path = use_fast_path
+        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
+        self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
+        self.x_proj = nn.Linear(d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1).float().repeat(d_inner, 1)))
+        self.D = nn.Parameter(torch.ones(d_inner))
+        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, L, _ = hidden_states.shape
+        xz = (self.in_proj.weight @ hidden_states.reshape(b * L, -1).t()).reshape(-1, b, L).transpose(0, 1)
+        A = -torch.exp(self.A_log.float())
+        if self.use_fast_path:
+            return _c02_mamba_inner(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight,
+                                    self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias, A,
+                                    self.D.float(), self.dt_proj.bias.float())
+        x, z = xz.chunk(2, 1)
+        x = F.silu(self.conv1d(x)[..., :L])
+        x_dbl = self.x_proj(x.transpose(1, 2).reshape(b * L, -1))
+        dt, Bm, Cm = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = (self.dt_proj.weight @ dt.t()).reshape(-1, b, L).transpose(0, 1)
+        Bm = Bm.reshape(b, L, -1).transpose(1, 2)
+        Cm = Cm.reshape(b, L, -1).transpose(1, 2)
+        y = _c02_selective_scan(x, dt, A, Bm, Cm, self.D.float(), z, self.dt_proj.bias.float())
+        return self.out_proj(y.transpose(1, 2))
+
+
+class _C02MambaLM(nn.Module):
+    def __init__(self, use_fast_path: bool, vocab: int = 32, d: int = 16, n_layer: int = 2) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList([nn.LayerNorm(d) for _ in range(n_layer)])
+        self.mixers = nn.ModuleList([_C02Mamba(d, use_fast_path) for _ in range(n_layer)])
+        self.norm_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embeddings(input_ids)
+        for norm, mixer in zip(self.norms, self.mixers):
+            h = h + mixer(norm(h))
+        return self.lm_head(self.norm_f(h))
+
+
+_C02_IDS = torch.randint(0, 32, (2, 12), generator=_gen(1502))
+
+
+def _c02_build(bug: bool) -> Case:
+    """PEFT LoRA on a Mamba LM's embeddings, x_proj and out_proj while the block runs its fused fast path (use_fast_path=True)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = _C02MambaLM(use_fast_path=bug)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["embeddings", "x_proj", "out_proj"])).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def loss_fn() -> torch.Tensor:
+        logits = model(_C02_IDS)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), _C02_IDS[:, 1:].reshape(-1))
+
+    step = _sgd_step(model, opt, loss_fn)
+    return model, step, _kw(optimizer=opt, inputs=_C02_IDS)
+
+
+def _c02_proof(bug: bool) -> bool:
+    """After a training step no LoRA adapter inside the Mamba mixers has a gradient, so they never move."""
+    model, step, _ = _c02_build(bug)
+    step()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and "mixers" in n]
+    assert grads
+    return all(g is None or float(g.abs().sum()) == 0.0 for g in grads)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b15-case-01", "https://github.com/huggingface/transformers/issues/29973", "label construction",
               "the Whisper collator checks labels for bos_token_id instead of decoder_start_token_id, so the start "
               "token is never stripped and the model is trained on a doubled <|startoftranscript|>",
               _c01_build, _c01_proof),
+    BlindCase("b15-case-02", "https://github.com/state-spaces/mamba/issues/279", "adapter bypassed",
+              "the Mamba block's fused fast path reads x_proj.weight / out_proj.weight directly, so PEFT LoRA "
+              "adapters wrapped around those layers are never in the graph and get no gradient",
+              _c02_build, _c02_proof),
 ]
