@@ -187,6 +187,96 @@ def _c02_proof(bug: bool) -> bool:
     return all(g is None or float(g.abs().sum()) == 0.0 for g in grads)
 
 
+# --------------------------------------------------------------------------------------------- case-03
+
+
+class _C03Scheduler:
+    """DDPMScheduler(beta_schedule="scaled_linear", prediction_type="v_prediction") as SD 2 (768-v) ships it."""
+
+    prediction_type = "v_prediction"
+
+    def __init__(self, steps: int = 1000) -> None:
+        betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, steps) ** 2
+        self.alphas_cumprod = torch.cumprod(1.0 - betas, 0)
+        self.num_train_timesteps = steps
+
+    def _coef(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.alphas_cumprod[t].view(-1, 1, 1, 1)
+        return a.sqrt(), (1 - a).sqrt()
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        sa, s1 = self._coef(t)
+        return sa * x0 + s1 * noise
+
+    def get_velocity(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        sa, s1 = self._coef(t)
+        return sa * noise - s1 * x0
+
+    def pred_original_sample(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What step() reconstructs from the model output under v-prediction."""
+        sa, s1 = self._coef(t)
+        return sa * x_t - s1 * model_output
+
+
+class _C03TinyUNet(nn.Module):
+    """A small conditional denoiser: conv down/up with timestep and text-embedding conditioning."""
+
+    def __init__(self, ch: int = 4, hid: int = 16, cond: int = 8) -> None:
+        super().__init__()
+        self.t_mlp = nn.Sequential(nn.Linear(1, hid), nn.SiLU(), nn.Linear(hid, hid))
+        self.c_proj = nn.Linear(cond, hid)
+        self.conv_in = nn.Conv2d(ch, hid, 3, padding=1)
+        self.down = nn.Conv2d(hid, hid, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(hid, hid, 4, stride=2, padding=1)
+        self.conv_out = nn.Conv2d(2 * hid, ch, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+        emb = self.t_mlp(t.float().view(-1, 1) / 1000.0) + self.c_proj(enc.mean(1))
+        h0 = F.silu(self.conv_in(x) + emb[:, :, None, None])
+        h = F.silu(self.up(F.silu(self.down(h0))))
+        return self.conv_out(torch.cat([h0, h], 1))
+
+
+_C03_LATENTS = torch.randn(4, 4, 8, 8, generator=_gen(1503)) * 0.18215
+_C03_NOISE = torch.randn(4, 4, 8, 8, generator=_gen(1504))
+_C03_T = torch.randint(0, 1000, (4,), generator=_gen(1505))
+_C03_ENC = torch.randn(4, 5, 8, generator=_gen(1506))
+
+
+def _c03_target(sched: _C03Scheduler, bug: bool) -> torch.Tensor:
+    if bug:  # train_dreambooth.py before the fix: always regress on the noise
+        return _C03_NOISE
+    if sched.prediction_type == "epsilon":
+        return _C03_NOISE
+    return sched.get_velocity(_C03_LATENTS, _C03_NOISE, _C03_T)
+
+
+def _c03_build(bug: bool) -> Case:
+    """DreamBooth on a v-prediction (SD 2.x 768) model with the epsilon-only loss of the original script."""
+    torch.manual_seed(0)
+    unet = _C03TinyUNet().train()
+    sched = _C03Scheduler()
+    opt = torch.optim.AdamW(unet.parameters(), lr=5e-6)
+
+    def loss_fn() -> torch.Tensor:
+        noisy = sched.add_noise(_C03_LATENTS, _C03_NOISE, _C03_T)
+        noise_pred = unet(noisy, _C03_T, _C03_ENC)
+        return F.mse_loss(noise_pred.float(), _c03_target(sched, bug).float(), reduction="mean")
+
+    step = _sgd_step(unet, opt, loss_fn)
+    return unet, step, _kw(optimizer=opt, inputs=(_C03_LATENTS, _C03_T, _C03_ENC))
+
+
+def _c03_proof(bug: bool) -> bool:
+    """A denoiser that hit the training target exactly would, read as v by the v-prediction sampler, rebuild a
+    clean latent far from the true one (for the fixed target the rebuild is exact)."""
+    sched = _C03Scheduler()
+    noisy = sched.add_noise(_C03_LATENTS, _C03_NOISE, _C03_T)
+    x0 = sched.pred_original_sample(_c03_target(sched, bug), noisy, _C03_T)
+    err = float((x0 - _C03_LATENTS).pow(2).mean() / _C03_LATENTS.pow(2).mean())
+    return err > 0.1
+
+
 CASES: list[BlindCase] = [
     BlindCase("b15-case-01", "https://github.com/huggingface/transformers/issues/29973", "label construction",
               "the Whisper collator checks labels for bos_token_id instead of decoder_start_token_id, so the start "
@@ -196,4 +286,8 @@ CASES: list[BlindCase] = [
               "the Mamba block's fused fast path reads x_proj.weight / out_proj.weight directly, so PEFT LoRA "
               "adapters wrapped around those layers are never in the graph and get no gradient",
               _c02_build, _c02_proof),
+    BlindCase("b15-case-03", "https://github.com/huggingface/diffusers/issues/1429", "wrong regression target",
+              "fine-tuning a v-prediction Stable Diffusion 2 model with the script's epsilon loss trains the UNet to "
+              "output noise where the scheduler reads velocity",
+              _c03_build, _c03_proof),
 ]
