@@ -277,6 +277,67 @@ def _c03_proof(bug: bool) -> bool:
     return err > 0.1
 
 
+# --------------------------------------------------------------------------------------------- case-04
+
+
+class _C04DecoderOnlyTransformer(nn.Module):
+    """Autoregressive prior over VQ-VAE code indices: token + position embeddings, causal self-attention."""
+
+    def __init__(self, num_tokens: int = 17, max_seq_len: int = 17, d: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(num_tokens, d)
+        self.pos = nn.Embedding(max_seq_len, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, depth)
+        self.to_logits = nn.Linear(d, num_tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L = x.shape[1]
+        h = self.tok(x) + self.pos(torch.arange(L))[None]
+        mask = nn.Transformer.generate_square_subsequent_mask(L)
+        return self.to_logits(self.blocks(h, mask=mask, is_causal=True))
+
+
+_C04_BOS = 16  # codebook of 16 entries; BOS is the extra token
+_C04_CODES = torch.randint(0, 16, (4, 16), generator=_gen(1507))  # vqvae.index_quantize(images).reshape(B, -1)
+
+
+def _c04_inputs() -> torch.Tensor:
+    return F.pad(_C04_CODES, (1, 0), value=_C04_BOS)  # BOS prepended: (B, 17)
+
+
+def _c04_loss(model: nn.Module, bug: bool) -> torch.Tensor:
+    latent = _c04_inputs()
+    logits = model(latent).transpose(1, 2)  # (B, V, L) for CrossEntropyLoss
+    if bug:
+        return F.cross_entropy(logits, latent)
+    return F.cross_entropy(logits[:, :, :-1], latent[:, 1:])
+
+
+def _c04_build(bug: bool) -> Case:
+    """Transformer prior over VQ-VAE latents trained with the logits compared to the unshifted input tokens."""
+    torch.manual_seed(0)
+    model = _C04DecoderOnlyTransformer().train()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-4)
+    step = _sgd_step(model, opt, lambda: _c04_loss(model, bug))
+    return model, step, _kw(optimizer=opt, inputs=_c04_inputs())
+
+
+def _c04_proof(bug: bool) -> bool:
+    """The token that position 5's logits are scored against is visible to position 5: changing that target
+    token changes the very logits it grades (the target leaks into the input)."""
+    model, _, _ = _c04_build(bug)
+    model.eval()
+    x = _c04_inputs()
+    pos = 5
+    tgt_pos = pos if bug else pos + 1  # which input token is position 5's training target
+    alt = x.clone()
+    alt[:, tgt_pos] = (alt[:, tgt_pos] + 1) % 16
+    with torch.no_grad():
+        a, b = model(x)[:, pos], model(alt)[:, pos]
+    return float((a - b).abs().max()) > 1e-6
+
+
 CASES: list[BlindCase] = [
     BlindCase("b15-case-01", "https://github.com/huggingface/transformers/issues/29973", "label construction",
               "the Whisper collator checks labels for bos_token_id instead of decoder_start_token_id, so the start "
@@ -290,4 +351,8 @@ CASES: list[BlindCase] = [
               "fine-tuning a v-prediction Stable Diffusion 2 model with the script's epsilon loss trains the UNet to "
               "output noise where the scheduler reads velocity",
               _c03_build, _c03_proof),
+    BlindCase("b15-case-04", "https://github.com/Project-MONAI/GenerativeModels/issues/314", "target leakage",
+              "the latent transformer's logits are scored against the unshifted input tokens, so each position is "
+              "trained to copy a token it can already see instead of predicting the next one",
+              _c04_build, _c04_proof),
 ]
