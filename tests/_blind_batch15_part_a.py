@@ -338,6 +338,90 @@ def _c04_proof(bug: bool) -> bool:
     return float((a - b).abs().max()) > 1e-6
 
 
+# --------------------------------------------------------------------------------------------- case-05
+
+
+class _C05FCN32s(nn.Module):
+    """FCN-32s in miniature: conv/pool trunk, fc6/fc7 as convs with Dropout2d, score_fr and a 32x-style upscore."""
+
+    def __init__(self, n_class: int = 5) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool1 = nn.MaxPool2d(2, stride=2, ceil_mode=True)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.pool2 = nn.MaxPool2d(2, stride=2, ceil_mode=True)
+        self.fc6 = nn.Conv2d(16, 32, 3, padding=1)
+        self.drop6 = nn.Dropout2d()
+        self.fc7 = nn.Conv2d(32, 32, 1)
+        self.drop7 = nn.Dropout2d()
+        self.score_fr = nn.Conv2d(32, n_class, 1)
+        self.upscore = nn.ConvTranspose2d(n_class, n_class, 8, stride=4, padding=2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool1(F.relu(self.conv1(x)))
+        h = self.pool2(F.relu(self.conv2(h)))
+        h = self.drop6(F.relu(self.fc6(h)))
+        h = self.drop7(F.relu(self.fc7(h)))
+        return self.upscore(self.score_fr(h))
+
+
+_C05_X = torch.randn(2, 3, 16, 16, generator=_gen(1508))
+_C05_Y = torch.randint(0, 5, (2, 16, 16), generator=_gen(1509))
+_C05_VX = torch.randn(2, 3, 16, 16, generator=_gen(1510))
+_C05_VY = torch.randint(0, 5, (2, 16, 16), generator=_gen(1511))
+
+
+class _C05Trainer:
+    """torchfcn.Trainer: validates every interval_validate iterations, in the middle of the epoch."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, bug: bool, interval_validate: int = 4) -> None:
+        self.model, self.optim, self.bug = model, optim, bug
+        self.interval_validate = interval_validate
+        self.iteration = 0
+
+    def validate(self) -> float:
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            score = self.model(_C05_VX)
+            val_loss = float(F.cross_entropy(score, _C05_VY, reduction="sum")) / len(_C05_VX)
+        if not self.bug and training:
+            self.model.train()
+        return val_loss
+
+    def train_iteration(self) -> torch.Tensor:
+        if self.iteration % self.interval_validate == 0:
+            self.validate()
+        self.optim.zero_grad()
+        score = self.model(_C05_X)
+        loss = F.cross_entropy(score, _C05_Y, reduction="sum") / len(_C05_X)
+        loss.backward()
+        self.optim.step()
+        self.iteration += 1
+        return loss
+
+
+def _c05_build(bug: bool) -> Case:
+    """FCN trainer whose mid-epoch validate() switches the model to eval and never switches it back."""
+    torch.manual_seed(0)
+    model = _C05FCN32s()
+    model.train()  # train_epoch() sets train mode once, at the start of the epoch
+    optim = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.99, weight_decay=5e-4)
+    trainer = _C05Trainer(model, optim, bug)
+    return model, trainer.train_iteration, _kw(optimizer=optim, inputs=_C05_X)
+
+
+def _c05_proof(bug: bool) -> bool:
+    """The training forward that follows the validation runs with its dropout layers in eval mode."""
+    model, step, _ = _c05_build(bug)
+    seen: list[tuple[bool, bool]] = []
+    model.drop6.register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), m.training)))
+    step()
+    train_forwards = [tr for grad, tr in seen if grad]
+    assert train_forwards
+    return not any(train_forwards)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b15-case-01", "https://github.com/huggingface/transformers/issues/29973", "label construction",
               "the Whisper collator checks labels for bos_token_id instead of decoder_start_token_id, so the start "
@@ -355,4 +439,8 @@ CASES: list[BlindCase] = [
               "the latent transformer's logits are scored against the unshifted input tokens, so each position is "
               "trained to copy a token it can already see instead of predicting the next one",
               _c04_build, _c04_proof),
+    BlindCase("b15-case-05", "https://github.com/wkentaro/pytorch-fcn/pull/56", "train/eval mode",
+              "validation in the middle of an epoch puts the FCN in eval mode and nothing switches it back, so the "
+              "rest of the epoch trains with dropout turned off",
+              _c05_build, _c05_proof),
 ]
