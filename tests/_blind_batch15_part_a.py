@@ -90,7 +90,7 @@ def _c02_selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B
     return y * F.silu(z)
 
 
-def _c02_mamba_inner(xz: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor, x_proj_w: torch.Tensor,
+def _c02_mamba_inner(xz: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None, x_proj_w: torch.Tensor,
                      dt_proj_w: torch.Tensor, out_proj_w: torch.Tensor, out_proj_b: torch.Tensor | None,
                      A: torch.Tensor, D: torch.Tensor, delta_bias: torch.Tensor) -> torch.Tensor:
     """mamba_inner_fn (reference path): the fused kernel is handed the projection *weights*, not the modules."""
@@ -415,7 +415,8 @@ def _c05_proof(bug: bool) -> bool:
     """The training forward that follows the validation runs with its dropout layers in eval mode."""
     model, step, _ = _c05_build(bug)
     seen: list[tuple[bool, bool]] = []
-    model.drop6.register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), m.training)))
+    drop6: nn.Module = model.get_submodule("drop6")
+    drop6.register_forward_hook(lambda m, i, o: seen.append((torch.is_grad_enabled(), m.training)))
     step()
     train_forwards = [tr for grad, tr in seen if grad]
     assert train_forwards
