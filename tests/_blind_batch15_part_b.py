@@ -68,10 +68,67 @@ def _c06_proof(bug: bool) -> bool:
     g = y_pred.grad
     return bool(torch.allclose(g, to_mean, atol=1e-6)) and not bool(torch.allclose(g, to_own, atol=1e-6))
 
+# --------------------------------------------------------------------------------------------- case-07
+
+
+class _TransformerBinaryClassifier(nn.Module):
+    """Dynamic-graph anomaly classifier: raw event features + GNN embeddings -> transformer -> masked mean -> score."""
+
+    def __init__(self, squash: bool, raw_dim: int = 6, gnn_dim: int = 8, d: int = 16) -> None:
+        super().__init__()
+        self.squash = squash
+        self.in_proj = nn.Linear(raw_dim + gnn_dim, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.classifier = nn.Linear(d, 1)
+        self.sigmoid = nn.Sigmoid()
+
+    def forward(self, raw_input: torch.Tensor, gnn_output: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(self.in_proj(torch.cat([raw_input, gnn_output], -1)), src_key_padding_mask=~mask)
+        keep = mask.unsqueeze(-1).float()
+        mean_output = (h * keep).sum(1) / keep.sum(1)
+        logits = self.classifier(mean_output)
+        if self.squash:  # the bug: probabilities are returned and then fed to a with-logits loss
+            logits = self.sigmoid(logits)
+        return logits.squeeze(-1)
+
+
+_C07_RAW = torch.randn(8, 7, 6, generator=_gen(1701))
+_C07_GNN = torch.randn(8, 7, 8, generator=_gen(1702))
+_C07_MASK = torch.arange(7)[None, :] < torch.tensor([7, 5, 6, 7, 4, 7, 3, 6])[:, None]
+_C07_Y = torch.tensor([0., 1., 0., 0., 1., 0., 0., 1.])
+
+
+def _c07_criterion(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.mean(F.binary_cross_entropy_with_logits(logits, labels, reduction="none"))
+
+
+def _c07_build(bug: bool) -> Case:
+    """Binary classifier whose forward ends in a Sigmoid, trained with binary_cross_entropy_with_logits."""
+    torch.manual_seed(17)
+    model = _TransformerBinaryClassifier(squash=bug).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: _c07_criterion(model(_C07_RAW, _C07_GNN, _C07_MASK), _C07_Y))
+    return model, step, _kw(optimizer=opt, inputs=(_C07_RAW, _C07_GNN, _C07_MASK))
+
+
+def _c07_proof(bug: bool) -> bool:
+    """Even a model driven to score every event as surely normal cannot get the negatives' loss under ln 2."""
+    model, _, _ = _c07_build(bug)
+    with torch.no_grad():
+        model.classifier.weight.zero_()
+        model.classifier.bias.fill_(-30.0)  # as confident as possible that nothing is an anomaly
+        loss_neg = _c07_criterion(model(_C07_RAW, _C07_GNN, _C07_MASK), torch.zeros(8))
+    return float(loss_neg) > 0.69
+
 
 CASES: list[BlindCase] = [
     BlindCase("b15-case-06", "https://github.com/manzilzaheer/DeepSets/pull/1", "loss shape broadcasting",
               "a (B,1) prediction against a (B,) target broadcasts the MSE to all BxB pairs, so every set's "
               "prediction is trained towards the batch-mean statistic instead of its own",
               _c06_build, _c06_proof),
+    BlindCase("b15-case-07", "https://github.com/YXNTU/GeneralDyG/issues/6", "double sigmoid before with-logits loss",
+              "the classifier already applies a sigmoid and the with-logits loss applies another, so the score "
+              "the loss sees never drops below 0.5 and negatives can never be fit (loss floored at ln 2)",
+              _c07_build, _c07_proof),
 ]
