@@ -121,6 +121,78 @@ def _c07_proof(bug: bool) -> bool:
         loss_neg = _c07_criterion(model(_C07_RAW, _C07_GNN, _C07_MASK), torch.zeros(8))
     return float(loss_neg) > 0.69
 
+# --------------------------------------------------------------------------------------------- case-08
+
+
+class _Expert(nn.Module):
+    """Species-specific expert: maps that species' gene counts into / out of the shared hidden space."""
+
+    def __init__(self, genes: int, hidden: int = 16) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(genes, hidden), nn.ReLU())
+        self.decoder = nn.Sequential(nn.Linear(hidden, genes), nn.ReLU())
+
+
+class _SharedVAE(nn.Module):
+    """The VAE shared by all experts: encoder -> (mu, logvar) -> reparameterised z -> decoder."""
+
+    def __init__(self, hidden: int = 16, latent: int = 4) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(hidden, 12), nn.ReLU())
+        self.mu = nn.Linear(12, latent)
+        self.logvar = nn.Linear(12, latent)
+        self.decoder = nn.Sequential(nn.Linear(latent, 12), nn.ReLU(), nn.Linear(12, hidden), nn.ReLU())
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        e = self.encoder(h)
+        mu, logvar = self.mu(e), self.logvar(e)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return self.decoder(z), mu, logvar
+
+
+_C08_GENES = {"human": 20, "mouse": 14}
+_C08_X = {k: torch.rand(6, g, generator=_gen(1801 + i)) for i, (k, g) in enumerate(_C08_GENES.items())}
+
+
+def _c08_build(bug: bool) -> Case:
+    """Multi-expert VAE (manual optimisation): one optimizer per expert plus one for the shared VAE."""
+    torch.manual_seed(18)
+    experts = nn.ModuleDict({k: _Expert(g) for k, g in _C08_GENES.items()})
+    vae = _SharedVAE().train()
+    expert_opts = {k: torch.optim.Adam(experts[k].parameters(), lr=1e-3, weight_decay=1e-6) for k in experts}
+    vae_params = vae.encoder.parameters() if bug else vae.parameters()  # bug: only the encoder is handed over
+    vae_opt = torch.optim.Adam(vae_params, lr=1e-3, weight_decay=1e-6)
+    state = {"i": 0}
+
+    def step() -> torch.Tensor:
+        expert_id = list(experts)[state["i"] % len(experts)]
+        state["i"] += 1
+        x = _C08_X[expert_id]
+        vae_opt.zero_grad()
+        expert_opts[expert_id].zero_grad()
+        recon_h, mu, logvar = vae(experts[expert_id].encoder(x))
+        x_hat = experts[expert_id].decoder(recon_h)
+        recon = F.mse_loss(x_hat, x, reduction="sum") / x.shape[0]
+        kl = -0.5 * torch.mean(torch.sum(1 + logvar - mu.pow(2) - logvar.exp(), dim=1))
+        loss = recon + kl
+        loss.backward()
+        vae_opt.step()
+        expert_opts[expert_id].step()
+        return loss
+
+    return vae, step, _kw(optimizer=vae_opt, inputs=_C08_X["human"])
+
+
+def _c08_proof(bug: bool) -> bool:
+    """After a few full steps the shared VAE's decoder weights are exactly where they started."""
+    vae, step, _ = _c08_build(bug)
+    before = [p.detach().clone() for p in vae.decoder.parameters()]
+    for _ in range(4):
+        step()
+    got_grad = all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in vae.decoder.parameters())
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, vae.decoder.parameters()))
+    return got_grad and unchanged
+
 
 CASES: list[BlindCase] = [
     BlindCase("b15-case-06", "https://github.com/manzilzaheer/DeepSets/pull/1", "loss shape broadcasting",
@@ -131,4 +203,8 @@ CASES: list[BlindCase] = [
               "the classifier already applies a sigmoid and the with-logits loss applies another, so the score "
               "the loss sees never drops below 0.5 and negatives can never be fit (loss floored at ln 2)",
               _c07_build, _c07_proof),
+    BlindCase("b15-case-08", "https://github.com/zdebruine/MMVAE/issues/39", "optimizer missing parameters",
+              "the shared VAE's optimizer is built from its encoder's parameters only, so the decoder gets "
+              "gradients every step but is never updated and stays at its random initialisation",
+              _c08_build, _c08_proof),
 ]
