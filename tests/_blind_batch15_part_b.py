@@ -193,6 +193,67 @@ def _c08_proof(bug: bool) -> bool:
     unchanged = all(torch.equal(b, p) for b, p in zip(before, vae.decoder.parameters()))
     return got_grad and unchanged
 
+# --------------------------------------------------------------------------------------------- case-09
+
+
+class _TinyDALLE(nn.Module):
+    """DALL-E style decoder: text tokens then (VQ-VAE) image tokens in one causal transformer, one joint head."""
+
+    def __init__(self, ignore_pad: bool, num_text_tokens: int = 20, num_image_tokens: int = 16,
+                 text_seq_len: int = 6, image_seq_len: int = 4, d: int = 16) -> None:
+        super().__init__()
+        self.ignore_index = 0  # the tokenizer's pad id; defined, but only used when ignore_pad
+        self.ignore_pad = ignore_pad
+        self.num_text_tokens = num_text_tokens
+        self.text_emb = nn.Embedding(num_text_tokens, d)
+        self.image_emb = nn.Embedding(num_image_tokens, d)
+        self.pos_emb = nn.Embedding(text_seq_len + image_seq_len, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True)
+        self.transformer = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.to_logits = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, num_text_tokens + num_image_tokens))
+
+    def logits(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        tokens = torch.cat([self.text_emb(text), self.image_emb(image)], dim=1)[:, :-1]
+        n = tokens.shape[1]
+        tokens = tokens + self.pos_emb(torch.arange(n))[None]
+        mask = nn.Transformer.generate_square_subsequent_mask(n)
+        return self.to_logits(self.transformer(tokens, mask=mask, is_causal=True))
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(text, image)
+        labels = torch.cat([text[:, 1:], image + self.num_text_tokens], dim=1)
+        if self.ignore_pad:
+            return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=self.ignore_index)
+        return F.cross_entropy(logits.transpose(1, 2), labels)  # pad targets are trained like real tokens
+
+
+# captions right-padded with 0 to text_seq_len; image codes from a VQ-VAE
+_C09_TEXT = torch.tensor([[3, 7, 5, 0, 0, 0], [4, 9, 11, 6, 2, 0], [8, 2, 0, 0, 0, 0], [5, 5, 13, 7, 0, 0]])
+_C09_IMAGE = torch.randint(0, 16, (4, 4), generator=_gen(1901))
+
+
+def _c09_build(bug: bool) -> Case:
+    """Text-to-image transformer trained on padded captions + image codes with the joint next-token loss."""
+    torch.manual_seed(19)
+    model = _TinyDALLE(ignore_pad=not bug).train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    step = _sgd_step(model, opt, lambda: model(_C09_TEXT, _C09_IMAGE))
+    return model, step, _kw(optimizer=opt, inputs=(_C09_TEXT, _C09_IMAGE))
+
+
+def _c09_proof(bug: bool) -> bool:
+    """The loss sends gradient into the predictions whose target is a padding token."""
+    model, _, _ = _c09_build(bug)
+    logits = model.logits(_C09_TEXT, _C09_IMAGE).detach().requires_grad_(True)
+    labels = torch.cat([_C09_TEXT[:, 1:], _C09_IMAGE + model.num_text_tokens], dim=1)
+    if model.ignore_pad:
+        loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=model.ignore_index)
+    else:
+        loss = F.cross_entropy(logits.transpose(1, 2), labels)
+    loss.backward()
+    pad = labels == 0
+    return float(logits.grad[pad].abs().sum()) > 0.0
+
 
 CASES: list[BlindCase] = [
     BlindCase("b15-case-06", "https://github.com/manzilzaheer/DeepSets/pull/1", "loss shape broadcasting",
@@ -207,4 +268,8 @@ CASES: list[BlindCase] = [
               "the shared VAE's optimizer is built from its encoder's parameters only, so the decoder gets "
               "gradients every step but is never updated and stays at its random initialisation",
               _c08_build, _c08_proof),
+    BlindCase("b15-case-09", "https://github.com/lucidrains/DALLE-pytorch/issues/57", "padding not ignored in loss",
+              "ignore_index is defined but never passed to the cross-entropy, so the padded tail of every caption "
+              "is trained as real next-token targets and most of the text loss teaches the model to emit padding",
+              _c09_build, _c09_proof),
 ]
