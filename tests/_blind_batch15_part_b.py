@@ -254,6 +254,83 @@ def _c09_proof(bug: bool) -> bool:
     pad = labels == 0
     return float(logits.grad[pad].abs().sum()) > 0.0
 
+# --------------------------------------------------------------------------------------------- case-10
+
+
+class _InvertedResidualBlock(nn.Module):
+    """MobileNetV2 inverted residual block; stride 1 adds a skip, projected by a 1x1 conv when channels change."""
+
+    def __init__(self, in_c: int, out_c: int, stride: int, expansion_factor: int = 6, deconvolve: bool = False,
+                 dangling_skip: bool = False) -> None:
+        super().__init__()
+        self.stride, self.in_c, self.out_c = stride, in_c, out_c
+        self.use_skip_connection = stride == 1
+        self.dangling_skip = dangling_skip
+        ex_c = int(in_c * expansion_factor)
+        depthwise: nn.Module = (nn.ConvTranspose2d(ex_c, ex_c, 4, stride, 1, groups=ex_c, bias=False) if deconvolve
+                                else nn.Conv2d(ex_c, ex_c, 3, stride, 1, groups=ex_c, bias=False))
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_c, ex_c, 1, 1, 0, bias=False), nn.BatchNorm2d(ex_c), nn.ReLU6(inplace=True),
+            depthwise, nn.BatchNorm2d(ex_c), nn.ReLU6(inplace=True),
+            nn.Conv2d(ex_c, out_c, 1, 1, 0, bias=False), nn.BatchNorm2d(out_c))
+        if self.use_skip_connection and in_c != out_c and not dangling_skip:
+            self.skip = nn.Conv2d(in_c, out_c, 1, 1, 0, bias=False)  # the fix: a registered projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_skip_connection:
+            out = self.conv(x)
+            if self.in_c != self.out_c:
+                if self.dangling_skip:  # the bug: a brand-new random conv on every call, invisible to the optimizer
+                    x = nn.Conv2d(self.in_c, self.out_c, 1, 1, 0, bias=False)(x)
+                else:
+                    x = self.skip(x)
+            return x + out
+        return self.conv(x)
+
+
+class _MobileUNet(nn.Module):
+    """A two-level Mobile-UNet: depthwise-separable stem, inverted-residual encoder, deconvolving decoder."""
+
+    def __init__(self, dangling_skip: bool) -> None:
+        super().__init__()
+        self.conv3x3 = nn.Sequential(
+            nn.Conv2d(3, 3, 3, padding=1, groups=3, stride=2), nn.BatchNorm2d(3), nn.ReLU6(inplace=True),
+            nn.Conv2d(3, 8, 1))
+        self.irb_bottleneck1 = _InvertedResidualBlock(8, 4, 1, 1, dangling_skip=dangling_skip)
+        self.irb_bottleneck2 = _InvertedResidualBlock(4, 6, 2, 6, dangling_skip=dangling_skip)
+        self.D_irb1 = _InvertedResidualBlock(6, 4, 2, 6, deconvolve=True, dangling_skip=dangling_skip)
+        self.DConv4x4 = nn.ConvTranspose2d(4, 4, 4, 2, 1, groups=4, bias=False)
+        self.conv1x1_decode = nn.Conv2d(4, 3, kernel_size=1, stride=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = self.conv3x3(x)
+        x2 = self.irb_bottleneck1(x1)
+        x3 = self.irb_bottleneck2(x2)
+        d1 = self.D_irb1(x3) + x2
+        return self.conv1x1_decode(self.DConv4x4(d1))
+
+
+_C10_X = torch.rand(2, 3, 16, 16, generator=_gen(2001))
+_C10_T = torch.rand(2, 3, 16, 16, generator=_gen(2002))
+
+
+def _c10_build(bug: bool) -> Case:
+    """Mobile-UNet image-to-image model trained with MSE; one block projects its skip with a conv made in forward."""
+    torch.manual_seed(20)
+    model = _MobileUNet(dangling_skip=bug).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: F.mse_loss(model(_C10_X), _C10_T))
+    return model, step, _kw(optimizer=opt, inputs=_C10_X)
+
+
+def _c10_proof(bug: bool) -> bool:
+    """In eval mode the same image gives a different output on each call (the skip weights are redrawn)."""
+    model, _, _ = _c10_build(bug)
+    model.eval()
+    with torch.no_grad():
+        a, b = model(_C10_X), model(_C10_X)
+    return float((a - b).abs().max()) > 1e-6
+
 
 CASES: list[BlindCase] = [
     BlindCase("b15-case-06", "https://github.com/manzilzaheer/DeepSets/pull/1", "loss shape broadcasting",
@@ -272,4 +349,8 @@ CASES: list[BlindCase] = [
               "ignore_index is defined but never passed to the cross-entropy, so the padded tail of every caption "
               "is trained as real next-token targets and most of the text loss teaches the model to emit padding",
               _c09_build, _c09_proof),
+    BlindCase("b15-case-10", "https://github.com/lafith/Mobile-UNet/issues/1", "layer created in forward",
+              "the skip projection of a channel-changing inverted residual block is a new nn.Conv2d built inside "
+              "forward, so its weights are redrawn at random every call, never trained and never saved",
+              _c10_build, _c10_proof),
 ]
