@@ -20,7 +20,6 @@ import warnings
 from types import TracebackType
 from typing import Any, Iterable
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 

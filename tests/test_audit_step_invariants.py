@@ -1656,3 +1656,27 @@ def test_grad_004_is_info_when_a_zero_initialised_gate_holds_the_gradient_for_th
             assert finding.severity == Severity.WARN and "gate.2.weight" in finding.details["params"]
         else:
             assert finding.severity == Severity.INFO and finding.details["first_step_only"]
+
+
+@pytest.mark.parametrize("restores_train_mode", [True, False])
+def test_mode_001_judges_the_training_forward_not_a_validation_forward_before_it(restores_train_mode: bool) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 1)).train()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y, val_x = torch.randn(8, 8), torch.randn(8, 1), torch.randn(8, 8)
+
+    def step() -> torch.Tensor:
+        m.eval()  # a validation every N iterations, at the top of the training step
+        with torch.no_grad():
+            m(val_x)
+        if restores_train_mode:
+            m.train()
+        opt.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    found = audit(m, step, optimizer=opt, inputs=x).by_id("MODE-001")
+    assert not found if restores_train_mode else found[0].severity == Severity.WARN
+    assert m.training  # put back as handed over

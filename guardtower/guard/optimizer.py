@@ -21,7 +21,6 @@ import functools
 import math
 import os
 import weakref
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch

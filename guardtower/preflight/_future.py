@@ -33,7 +33,7 @@ def _next_token_ids(ctx: AuditContext) -> tuple[torch.Tensor, int] | None:
     sup = next((s for s in trace.supervision if s.call == 0 and s.target is not None and s.target.dim() == 2), None)
     if sup is None or sup.target is None:
         return None
-    call = trace.calls[0]
+    call = trace.training_call()
     for _, ids in iter_tensors((call.args, call.kwargs), skip_keys=NOT_INPUT_KEYS):
         if ids.is_floating_point() or ids.dtype == torch.bool or tuple(ids.shape) != tuple(sup.target.shape):
             continue

@@ -57,7 +57,7 @@ def own_pass(ctx: AuditContext, restore_rng: Callable[[], None],
     from guardtower.preflight._step import primary_output
 
     assert ctx.trace is not None and ctx.trace.calls
-    call = ctx.trace.calls[0]
+    call = ctx.trace.training_call()
     leaves: list[tuple[str, torch.Tensor]] = []
     ids_shapes: dict[int, tuple[int, ...]] = {}  # storage of a chosen token-id argument -> its shape
 

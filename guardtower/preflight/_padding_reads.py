@@ -95,7 +95,7 @@ def measure_padding_reads(ctx: AuditContext, restore_rng: Callable[[], None]) ->
 
     if ctx.trace is None or not ctx.trace.calls:
         return None
-    call = ctx.trace.calls[0]
+    call = ctx.trace.training_call()
     tensors = top_level(call)
     found = token_ids(tensors)
     if found is None:

@@ -215,7 +215,8 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 trace.update_error = exc
             state.restore_values()
         zero = zero_gradients(trace.grads) if "second_step" in needs and trace.error is None else []
-        if zero and not (is_distributed() and world_size() > 1):  # every rank would have to run it, or none
+        # a step that returns its loss needs the optimizer for the update; every rank would have to run it, or none
+        if zero and (optimizer is not None or trace.user_backward) and not (is_distributed() and world_size() > 1):
             report.notes.append(f"step_fn ran twice more (then every value is put back): {len(zero)} tensor(s) got "
                                 "an all-zero gradient, so the audit checked whether they get one once the step "
                                 "has updated the weights")

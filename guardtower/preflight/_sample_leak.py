@@ -106,7 +106,7 @@ def eval_pass(ctx: AuditContext, restore_rng: Callable[[], None],
     ran the backward, so the step's graph is gone), and the dropouts that ignored eval mode."""
     if ctx.trace is None or not ctx.trace.calls:
         return [], []
-    call = ctx.trace.calls[0]
+    call = ctx.trace.training_call()
     tensors = [t for _, t in iter_tensors((call.args, call.kwargs), depth=2)]
     batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
     probe = probe and batch is not None and batch >= 2

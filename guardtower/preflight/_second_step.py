@@ -28,10 +28,8 @@ def gradients_after_one_update(step_fn: Callable[[], Any], params: Mapping[str, 
                                restore_rng: Callable[[], None], optimizer: Any, *,
                                user_backward: bool) -> set[str] | None:
     """Those of ``names`` that get a nonzero gradient in a second step run after one real update (the caller
-    puts every value back); None when the step cannot be run twice here."""
+    puts every value back); None when the step raised. A step that returns its loss needs ``optimizer``."""
     optimizer = base_optimizer(optimizer)
-    if optimizer is None and not user_backward:
-        return None
     flows: set[str] = set()
 
     def seen(name: str) -> Callable[[torch.Tensor], None]:

@@ -67,7 +67,8 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
             dev: torch.get_autocast_dtype(dev) for dev in _AUTOCAST_DEVICES if torch.is_autocast_enabled(dev)
         }
         training = {"": module.training, **{n: m.training for n, m in sensitive}}
-        calls.append(RootCall(args=args, kwargs=dict(kwargs), training=training, autocast=autocast))
+        calls.append(RootCall(args=args, kwargs=dict(kwargs), training=training, autocast=autocast,
+                              grad_enabled=torch.is_grad_enabled()))
         for path, t in iter_tensors((args, kwargs), skip_keys=NOT_INPUT_KEYS):
             if t.is_floating_point():
                 if mark_inputs and t.is_leaf and not t.requires_grad:

@@ -36,6 +36,8 @@ class RootCall:
     autocast: dict[str, torch.dtype]
     """device type -> autocast dtype, for devices where autocast was on"""
     output: Any = None
+    grad_enabled: bool = True
+    """autograd was on: a training forward, not a validation or target forward under ``no_grad``"""
 
 
 @dataclass(frozen=True)
@@ -210,3 +212,8 @@ class StepTrace:
     given_inputs_ignored: bool | None = None
     """the loss was bitwise unchanged after perturbing ``inputs=`` itself, which never reached the model
     (``input_independence`` need); None: not asked/unknown"""
+
+    def training_call(self) -> RootCall:
+        """The step's first call of the model with autograd on (the training forward), else its first call: a
+        validation or pseudo-label forward under ``no_grad`` that runs before it is not what trains."""
+        return next((c for c in self.calls if c.grad_enabled), self.calls[0])

@@ -219,10 +219,10 @@ def check_batch_diversity(ctx: AuditContext) -> Iterable[Finding]:
     """DATA-012: every sample of the batch is the same: each input tensor of the model's first call (masks and
     labels aside) has identical rows. A dataset whose ``__getitem__`` ignores its index, or a batch built by
     ``expand`` from one example, trains on one sample while the loss falls fast."""
-    calls = ctx.trace.calls if ctx.trace is not None else []
-    if not calls:
+    if ctx.trace is None or not ctx.trace.calls:
         return []
-    tensors = [(path, t) for path, t in iter_tensors((calls[0].args, calls[0].kwargs), skip_keys=NOT_INPUT_KEYS)
+    first = ctx.trace.training_call()
+    tensors = [(path, t) for path, t in iter_tensors((first.args, first.kwargs), skip_keys=NOT_INPUT_KEYS)
                if t.dim() >= 1 and t.device.type != "meta" and not t.is_complex()]
     batch = {t.shape[0] for _, t in tensors}
     if len(batch) != 1 or min(batch) < 2:

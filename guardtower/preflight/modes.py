@@ -22,7 +22,6 @@ from torch import nn
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight.positions import hf_config
 from guardtower.preflight._step import MODE_SENSITIVE
-from guardtower.preflight._trace import RootCall
 from guardtower.preflight._util import fmt_names, optimizer_tensors, stepped_elsewhere
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -190,9 +189,8 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
 @check("train_mode", emits=("MODE-001",))
 def check_train_mode(ctx: AuditContext) -> Iterable[Finding]:
     """MODE-001: the model, or dropout/BatchNorm of a trainable part, in eval mode during the training step."""
-    calls: list[RootCall] = ctx.trace.calls if ctx.trace is not None else []
-    if calls:
-        training = calls[0].training
+    if ctx.trace is not None and ctx.trace.calls:
+        training = ctx.trace.training_call().training
     else:
         training = {"": ctx.model.training, **{n: m.training for n, m in ctx.model.named_modules()
                                                if n and isinstance(m, MODE_SENSITIVE)}}

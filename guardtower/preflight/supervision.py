@@ -253,7 +253,7 @@ def _padding_targets(ctx: AuditContext) -> Finding | None:
     trace = ctx.trace
     if trace is None or not trace.calls:
         return None
-    tensors = top_level(trace.calls[0])
+    tensors = top_level(trace.training_call())
     found = token_ids(tensors)
     marked = marked_padding(ctx, tensors, *found) if found is not None else None
     if found is None or marked is None:
