@@ -66,8 +66,8 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     if idle:
         findings.append(Finding(
             "grad_connectivity", Severity.INFO,
-            f"{len(idle)} trainable parameter(s) of the architecture's optional parts got no gradient because the "
-            f"loss does not use what they compute: {fmt_names(idle)} (an unused pooler, cross-attention a "
+            f"{len(idle)} trainable parameter(s) of parts the step does not use got no gradient (their module never "
+            f"ran, or the loss does not use what it computes): {fmt_names(idle)} (an unused pooler or head, cross-attention a "
             "decoder-only use never calls); if the loss should use them, wire them in, else freeze them",
             "GRAD-001", {"params": idle, "unused_part": True},
         ))
@@ -121,11 +121,11 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
 
 
 def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
-    """The gradient-less parameters of an architecture's optional parts: a module the library defined (a pooler,
-    the cross-attention of a decoder used alone) that never ran, or ran in the graph while nothing downstream
-    used its output. Not cut: a part that ran only under ``no_grad`` stays a failure, and so does a module the
-    user wrote or attached (a head wired to nothing) and an adapter factor (an adapter that never trains is the
-    bug itself)."""
+    """The gradient-less parameters of parts the step does not use: a module that never ran in forward (an
+    unused pooler, a classifier head a self-supervised loss skips), or a module the library defined that ran in
+    the graph while nothing downstream used its output (the cross-attention of a decoder used alone). Not cut:
+    a part that ran only under ``no_grad`` stays a failure, and so does an adapter factor (an adapter that never
+    trains is the bug itself)."""
     assert ctx.trace is not None
     ran, in_graph = ctx.trace.ran, ctx.trace.ran_with_grad
     if not ran:
@@ -135,6 +135,9 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
     for n in missing:
         owner = n.rpartition(".")[0]
         if owner not in modules or (owner in ran and owner not in in_graph) or is_lora_factor(n) or "lora_" in n:
+            continue
+        if owner not in ran:
+            idle.append(n)
             continue
         path = owner.split(".")
         chain = [modules.get(".".join(path[:i])) for i in range(1, len(path) + 1)]
