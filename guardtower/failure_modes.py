@@ -1351,6 +1351,18 @@ _STEP: tuple[FailureMode, ...] = (
         ("optimizer", "architecture"),
     ),
     FailureMode(
+        "OPT-020", "A layer built inside forward", Severity.WARN,
+        "The model's forward registers trainable parameters (nn.Linear(...), nn.Parameter(...) made in forward) "
+        "that the model does not hold once the step is over.",
+        "Each call draws new random weights: they get a gradient, so the loss backpropagates without error, but "
+        "no optimizer holds them, state_dict() never saves them and the next call replaces them. That part of "
+        "the network stays random while the rest trains around it.",
+        "Build the layer in __init__ and only call it in forward (a lazily built layer must be assigned to the "
+        "module once, before the optimizer is made).",
+        "https://github.com/lafith/Mobile-UNet/issues/1",
+        ("optimizer", "architecture"),
+    ),
+    FailureMode(
         "INIT-001", "Identical units that stay identical", Severity.WARN,
         "Every row (output unit) of a trainable weight is equal, and so is every row of its gradient.",
         "Gradient descent keeps equal units equal: a layer initialised with a constant (nn.init.constant_, "

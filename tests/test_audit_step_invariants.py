@@ -1004,6 +1004,48 @@ def _one_block_listed_n_times(bug: bool) -> Case:
     return m, lambda: F.cross_entropy(m(x), y), {"optimizer": opt, "inputs": x}
 
 
+class _SkipProjection(nn.Module):
+    """A residual block that widens its input; the skip path needs a projection to the new width."""
+
+    def __init__(self, built_in_forward: bool) -> None:
+        super().__init__()
+        self.built_in_forward = built_in_forward
+        self.body = nn.Linear(8, 12)
+        self.skip = None if built_in_forward else nn.Linear(8, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = nn.Linear(8, 12) if self.built_in_forward else self.skip  # a new random layer on every call
+        assert skip is not None
+        return self.head(torch.tanh(self.body(x)) + skip(x))
+
+
+@case("OPT-020")
+def _layer_built_in_forward(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = _SkipProjection(built_in_forward=bug)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+    return m, sgd_step(m, opt, lambda: F.cross_entropy(m(x), y)), {"optimizer": opt, "inputs": x}
+
+
+def test_opt_020_is_quiet_for_a_layer_built_once_on_the_first_call() -> None:
+    class Lazy(nn.Module):  # built on the first call and kept (then handed to the optimizer): not thrown away
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj: nn.Module | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.proj is None:
+                self.proj = nn.Linear(x.shape[-1], 3)
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    m, (x, y) = Lazy(), _data()
+    assert not audit(m, lambda: F.cross_entropy(m(x), y)).by_id("OPT-020")  # the step builds it, the model keeps it
+    assert isinstance(m.proj, nn.Linear)
+
+
 @case("INIT-001")
 def _constant_initialisation(bug: bool) -> Case:
     m = _classifier()
