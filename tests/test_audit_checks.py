@@ -598,7 +598,8 @@ def _checkpointed_step(bug: bool) -> tuple[_CheckpointedBlocks, Callable[[], tor
     m = _CheckpointedBlocks(reentrant=bug)
     ids = token_batch()["input_ids"]
     opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
-    return m, lambda: F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()), opt
+    # next-token targets: the model sees token t and predicts token t + 1
+    return m, lambda: F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()), opt
 
 
 @case("GRAD-006")

@@ -1725,3 +1725,36 @@ def test_mode_001_judges_the_training_forward_not_a_validation_forward_before_it
     found = audit(m, step, optimizer=opt, inputs=x).by_id("MODE-001")
     assert not found if restores_train_mode else found[0].severity == Severity.WARN
     assert m.training  # put back as handed over
+
+
+class _HandWrittenLM(nn.Module):
+    """A hand-written token model (no config): embedding, a GRU, logits over the same vocabulary."""
+
+    def __init__(self, vocab: int = 20) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, 16)
+        self.rnn = nn.GRU(16, 16, batch_first=True)
+        self.out = nn.Linear(16, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.tok(ids))[0])
+
+
+@pytest.mark.parametrize("setup", ["unshifted", "shifted", "denoiser"])
+def test_data_006_on_a_hand_written_model_needs_nearly_every_target_to_be_its_own_input(setup: str) -> None:
+    torch.manual_seed(0)
+    m = _HandWrittenLM()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    ids = torch.randint(0, 20, (8, 32), generator=torch.Generator().manual_seed(5))
+    noisy = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(6)) < 0.15,
+                        torch.randint(0, 20, ids.shape, generator=torch.Generator().manual_seed(7)), ids)
+
+    def loss() -> torch.Tensor:
+        if setup == "unshifted":  # scored against the tokens it is given: it learns to copy
+            return F.cross_entropy(m(ids).transpose(1, 2), ids)
+        if setup == "shifted":
+            return F.cross_entropy(m(ids[:, :-1]).transpose(1, 2), ids[:, 1:])
+        return F.cross_entropy(m(noisy).transpose(1, 2), ids)  # a denoiser reconstructs every position
+
+    found = audit(m, sgd_step(m, opt, loss), optimizer=opt, inputs=ids).by_id("DATA-006")
+    assert bool(found) == (setup == "unshifted")
