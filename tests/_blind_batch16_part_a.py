@@ -71,6 +71,64 @@ def _c01_proof(bug: bool) -> bool:
     got_grad = model.classifier.weight.grad is not None and float(model.classifier.weight.grad.abs().sum()) > 0
     return got_grad and torch.equal(before, model.classifier.weight.detach())
 
+# --------------------------------------------------------------------------------------------- case-02
+
+
+def _c02_tokenize_row(prompt: list[int], steps: list[list[int]], step_labels: list[bool]) -> list[int]:
+    """trl's PRMTrainer.tokenize_row: only the last token of each step carries its (0/1) label, the rest -100."""
+    labels = [-100] * len(prompt)
+    for ids, lab in zip(steps, step_labels):
+        labels += [-100] * (len(ids) - 1) + [int(lab)]
+    return labels
+
+
+_C02_ROWS = [([3, 4, 5], [[6, 7, 8], [9, 10]], [True, False]),
+             ([11, 4, 12], [[13, 14], [15, 16, 17]], [False, True]),
+             ([5, 6, 18], [[19, 20, 21], [22, 23]], [True, True]),
+             ([24, 25, 3], [[26, 27], [28, 29, 30]], [False, False])]
+_C02_IDS = torch.tensor([p + sum(s, []) for p, s, _ in _C02_ROWS])
+_C02_MASK = torch.ones_like(_C02_IDS)
+_C02_TRUE = torch.tensor([_c02_tokenize_row(*r) for r in _C02_ROWS])
+
+
+def _c02_labels(bug: bool) -> torch.Tensor:
+    """The `labels` column after `dataset.map(tokenize_row)`: in the bug the column keeps the dataset's original
+    bool feature type, so the ints are cast back to bool (-100 -> True, 0 -> False, 1 -> True)."""
+    rows = [_c02_tokenize_row(*r) for r in _C02_ROWS]
+    if bug:
+        rows = [[bool(x) for x in row] for row in rows]
+    return torch.tensor(rows).long()
+
+
+def _c02_model() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+
+    cfg = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, num_labels=2,
+                      pad_token_id=0)
+    return Qwen2ForTokenClassification(cfg)
+
+
+def _c02_build(bug: bool) -> Case:
+    """Process reward model (token classification) trained on step-end labels prepared by PRM tokenization."""
+    torch.manual_seed(0)
+    model = _c02_model().train()
+    labels = _c02_labels(bug)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: model(input_ids=_C02_IDS, attention_mask=_C02_MASK, labels=labels).loss)
+    return model, step, _kw(optimizer=opt, inputs=(_C02_IDS, _C02_MASK, labels))
+
+
+def _c02_proof(bug: bool) -> bool:
+    """The loss the model trains on differs from the cross-entropy over the step-end tokens only (the intended
+    objective): every prompt and mid-step token is supervised as a positive step."""
+    model, _, _ = _c02_build(bug)
+    with torch.no_grad():
+        out = model(input_ids=_C02_IDS, attention_mask=_C02_MASK, labels=_c02_labels(bug))
+        keep = _C02_TRUE != -100
+        ref = F.cross_entropy(out.logits[keep], _C02_TRUE[keep])
+    return abs(float(out.loss) - float(ref)) > 1e-6
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-01", "https://github.com/huggingface/sentence-transformers/issues/2872",
@@ -78,4 +136,8 @@ CASES: list[BlindCase] = [
               "The optimizer is built from the sentence model's parameters only, so the SoftmaxLoss classifier "
               "stays at its random init and the encoder is fitted to a fixed random projection.",
               _c01_build, _c01_proof),
+    BlindCase("b16-case-02", "https://github.com/huggingface/trl/pull/2127", "ignore-index labels corrupted",
+              "The -100 ignore labels are cast to bool by the dataset's original label feature, so every prompt "
+              "and mid-step token becomes a positive target and the reward model learns to say 'correct' everywhere.",
+              _c02_build, _c02_proof),
 ]
