@@ -129,6 +129,126 @@ def _c02_proof(bug: bool) -> bool:
         ref = F.cross_entropy(out.logits[keep], _C02_TRUE[keep])
     return abs(float(out.loss) - float(ref)) > 1e-6
 
+# --------------------------------------------------------------------------------------------- case-03
+
+_C03_IGNORE = -1
+_C03_SPEECH = 12  # speech codebook size; the decoder predicts speech_token_size + 3 classes (eos, fill, ...)
+
+
+class _TinySpeechLM(nn.Module):
+    """CosyVoice2-style text-to-speech-token LM: [sos, text, task_id, speech] through a Qwen2 backbone."""
+
+    def __init__(self, n_text: int = 20, d: int = 32) -> None:
+        super().__init__()
+        from transformers import Qwen2Config, Qwen2Model
+
+        cfg = Qwen2Config(vocab_size=8, hidden_size=d, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+        self.llm = Qwen2Model(cfg)
+        self.text_embedding = nn.Embedding(n_text, d)
+        self.speech_embedding = nn.Embedding(_C03_SPEECH + 3, d)
+        self.llm_embedding = nn.Embedding(2, d)  # sos_eos, task_id
+        self.llm_decoder = nn.Linear(d, _C03_SPEECH + 3)
+
+    def forward(self, text: torch.Tensor, speech: torch.Tensor) -> torch.Tensor:
+        b = text.shape[0]
+        sos = self.llm_embedding.weight[0].expand(b, 1, -1)
+        task = self.llm_embedding.weight[1].expand(b, 1, -1)
+        emb = torch.cat([sos, self.text_embedding(text), task, self.speech_embedding(speech.clamp(min=0))], 1)
+        return self.llm_decoder(self.llm(inputs_embeds=emb).last_hidden_state)
+
+
+def _c03_target(text: torch.Tensor, speech: torch.Tensor) -> torch.Tensor:
+    """lm_target: IGNORE over sos + text, then the speech tokens and eos; speech padding stays IGNORE."""
+    b, t = text.shape
+    eos = torch.full((b, 1), _C03_SPEECH, dtype=torch.long)
+    tgt = torch.cat([torch.full((b, t + 1), _C03_IGNORE), speech, eos], 1)
+    pad = torch.cat([torch.zeros(b, t + 1, dtype=torch.bool), speech == _C03_IGNORE,
+                     torch.zeros(b, 1, dtype=torch.bool)], 1)
+    tgt[pad] = _C03_IGNORE
+    return tgt
+
+
+_C03_TEXT = torch.randint(0, 20, (3, 4), generator=_gen(1631))
+_C03_CHOSEN = torch.randint(0, _C03_SPEECH, (3, 5), generator=_gen(1632))
+_C03_REJECTED = torch.randint(0, _C03_SPEECH, (3, 5), generator=_gen(1633))
+_C03_REJECTED[0, 3:] = _C03_IGNORE  # a shorter rejected utterance, padded
+
+
+def _c03_forward_dpo(model: _TinySpeechLM, bug: bool) -> dict[str, torch.Tensor]:
+    """The LM's forward_dpo: SFT loss on chosen plus per-utterance mean logps of chosen and rejected speech."""
+    text = torch.cat([_C03_TEXT, _C03_TEXT])
+    speech = torch.cat([_C03_CHOSEN, _C03_REJECTED])
+    logits = model(text, speech)
+    lm_target = _c03_target(text, speech)
+    n = _C03_TEXT.shape[0]
+    chosen_logits, rejected_logits = logits[:n], logits[n:]
+    chosen_lm_target, rejected_lm_target = lm_target[:n], lm_target[n:]
+    loss = F.cross_entropy(chosen_logits.transpose(1, 2), chosen_lm_target, ignore_index=_C03_IGNORE)
+    if bug:
+        chosen_lm_mask = chosen_lm_target == _C03_IGNORE
+        rejected_lm_mask = rejected_lm_target == _C03_IGNORE
+    else:
+        chosen_lm_mask = chosen_lm_target != _C03_IGNORE
+        rejected_lm_mask = rejected_lm_target != _C03_IGNORE
+    chosen_logps = torch.gather(chosen_logits.log_softmax(dim=-1), dim=2,
+                                index=chosen_lm_target.masked_fill(~(chosen_lm_target != _C03_IGNORE), 0)
+                                .unsqueeze(-1)).squeeze(-1)
+    rejected_logps = torch.gather(rejected_logits.log_softmax(dim=-1), dim=2,
+                                  index=rejected_lm_target.masked_fill(~(rejected_lm_target != _C03_IGNORE), 0)
+                                  .unsqueeze(-1)).squeeze(-1)
+    if bug:
+        chosen_logps = (chosen_logps * chosen_lm_mask).mean(dim=-1)
+        rejected_logps = (rejected_logps * chosen_lm_mask).mean(dim=-1)
+    else:
+        chosen_logps = (chosen_logps * chosen_lm_mask).sum(dim=-1) / chosen_lm_mask.sum(dim=-1)
+        rejected_logps = (rejected_logps * rejected_lm_mask).sum(dim=-1) / rejected_lm_mask.sum(dim=-1)
+    return {"loss": loss, "logits": logits, "chosen_logps": chosen_logps, "rejected_logps": rejected_logps}
+
+
+def _c03_dpo_loss(policy: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], beta: float = 0.1) -> torch.Tensor:
+    logits = (policy["chosen_logps"] - policy["rejected_logps"]) - (ref["chosen_logps"] - ref["rejected_logps"])
+    return -F.logsigmoid(beta * logits).mean()
+
+
+def _c03_models(bug: bool) -> tuple[_TinySpeechLM, _TinySpeechLM]:
+    import copy
+
+    torch.manual_seed(0)
+    policy = _TinySpeechLM().train()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    return policy, ref
+
+
+def _c03_build(bug: bool) -> Case:
+    """DPO fine-tune of a speech-token LM against a frozen reference copy; total loss = SFT loss + DPO loss."""
+    policy, ref = _c03_models(bug)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+
+    def loss_fn() -> torch.Tensor:
+        out = _c03_forward_dpo(policy, bug)
+        with torch.no_grad():
+            ref_out = _c03_forward_dpo(ref, bug)
+        return out["loss"] + _c03_dpo_loss(out, ref_out)
+
+    step = _sgd_step(policy, opt, loss_fn)
+    return policy, step, _kw(optimizer=opt, inputs=(_C03_TEXT, _C03_CHOSEN, _C03_REJECTED))
+
+
+def _c03_proof(bug: bool) -> bool:
+    """The DPO term's gradient w.r.t. the logits at every real speech-token target position is exactly zero:
+    the preference signal is computed on the ignored (text / padding) positions instead."""
+    policy, ref = _c03_models(bug)
+    out = _c03_forward_dpo(policy, bug)
+    out["logits"].retain_grad()
+    with torch.no_grad():
+        ref_out = _c03_forward_dpo(ref, bug)
+    _c03_dpo_loss(out, ref_out).backward()
+    text = torch.cat([_C03_TEXT, _C03_TEXT])
+    speech = torch.cat([_C03_CHOSEN, _C03_REJECTED])
+    real = _c03_target(text, speech) != _C03_IGNORE
+    return float(out["logits"].grad[real].abs().sum()) == 0.0
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-01", "https://github.com/huggingface/sentence-transformers/issues/2872",
@@ -140,4 +260,8 @@ CASES: list[BlindCase] = [
               "The -100 ignore labels are cast to bool by the dataset's original label feature, so every prompt "
               "and mid-step token becomes a positive target and the reward model learns to say 'correct' everywhere.",
               _c02_build, _c02_proof),
+    BlindCase("b16-case-03", "https://github.com/FunAudioLLM/CosyVoice/issues/1449", "inverted loss mask",
+              "The DPO log-probabilities are masked with target == IGNORE_ID (and the rejected side with the chosen "
+              "mask), so the preference term is computed on ignored text/padding positions and never pushes on the "
+              "speech tokens being compared.", _c03_build, _c03_proof),
 ]
