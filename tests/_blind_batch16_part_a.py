@@ -249,6 +249,68 @@ def _c03_proof(bug: bool) -> bool:
     real = _c03_target(text, speech) != _C03_IGNORE
     return float(out["logits"].grad[real].abs().sum()) == 0.0
 
+# --------------------------------------------------------------------------------------------- case-04
+
+
+class _TinyYolo(nn.Module):
+    """Darknet-style conv backbone and a 1x1 YOLO head: per grid cell (x, y, w, h, objectness, 2 classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.LeakyReLU(0.1), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.LeakyReLU(0.1), nn.MaxPool2d(2))
+        self.head = nn.Conv2d(16, 7, 1)
+
+    def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(imgs)).permute(0, 2, 3, 1)
+
+
+_C04_IMGS = torch.randn(4, 3, 16, 16, generator=_gen(1641))
+_C04_OBJ = (torch.rand(4, 4, 4, generator=_gen(1642)) > 0.7).float()
+_C04_BOX = torch.rand(4, 4, 4, 4, generator=_gen(1643))
+_C04_CLS = torch.randint(0, 2, (4, 4, 4), generator=_gen(1644))
+
+
+def _c04_loss(out: torch.Tensor) -> torch.Tensor:
+    obj = _C04_OBJ.bool()
+    box = F.mse_loss(torch.sigmoid(out[..., :4])[obj], _C04_BOX[obj])
+    conf = F.binary_cross_entropy_with_logits(out[..., 4], _C04_OBJ)
+    cls = F.cross_entropy(out[..., 5:][obj], _C04_CLS[obj])
+    return box + conf + cls
+
+
+def _c04_build(bug: bool) -> Case:
+    """YOLOv3 train.py loop with --gradient_accumulations 1: backward every batch, optimizer step gated on
+    `batches_done % gradient_accumulations` (bug) instead of `... == 0` (fix)."""
+    torch.manual_seed(0)
+    model = _TinyYolo().train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gradient_accumulations = 1
+    state = {"batches_done": 0}
+
+    def step() -> torch.Tensor:
+        loss = _c04_loss(model(_C04_IMGS))
+        loss.backward()
+        batches_done = state["batches_done"]
+        do_step = batches_done % gradient_accumulations if bug else batches_done % gradient_accumulations == 0
+        if do_step:
+            opt.step()
+            opt.zero_grad()
+        state["batches_done"] += 1
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=_C04_IMGS)
+
+
+def _c04_proof(bug: bool) -> bool:
+    """After five batches no weight has moved (the optimizer never stepped) while gradients keep piling up."""
+    model, step, _ = _c04_build(bug)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(5):
+        step()
+    return all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-01", "https://github.com/huggingface/sentence-transformers/issues/2872",
@@ -264,4 +326,9 @@ CASES: list[BlindCase] = [
               "The DPO log-probabilities are masked with target == IGNORE_ID (and the rejected side with the chosen "
               "mask), so the preference term is computed on ignored text/padding positions and never pushes on the "
               "speech tokens being compared.", _c03_build, _c03_proof),
+    BlindCase("b16-case-04", "https://github.com/eriklindernoren/PyTorch-YOLOv3/issues/325",
+              "gradient accumulation condition",
+              "The optimizer step is gated on `batches_done % gradient_accumulations`, which is always 0 for an "
+              "accumulation of 1, so the optimizer never steps and the detector's weights never change.",
+              _c04_build, _c04_proof),
 ]
