@@ -311,6 +311,94 @@ def _c04_proof(bug: bool) -> bool:
         step()
     return all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
 
+# --------------------------------------------------------------------------------------------- case-05
+
+
+class _ModelEmaV2(nn.Module):
+    """timm's ModelEmaV2: a deepcopy of the model whose state is lerped toward the live model every step.
+
+    The fix (the optax-style EMA from the thread) starts the average at zero and divides by the bias correction
+    1 - decay**t, so the kept weights are an average of the trained iterates rather than mostly the init."""
+
+    def __init__(self, model: nn.Module, decay: float, debias: bool) -> None:
+        super().__init__()
+        import copy
+
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self.decay, self.debias, self.updates = decay, debias, 0
+        self.shadow = [torch.zeros_like(v) for v in self.module.state_dict().values()] if debias else None
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        live = list(model.state_dict().values())
+        kept = list(self.module.state_dict().values())
+        if not self.debias:
+            for ema_v, model_v in zip(kept, live):
+                if ema_v.is_floating_point():
+                    ema_v.copy_(self.decay * ema_v + (1.0 - self.decay) * model_v)
+                else:
+                    ema_v.copy_(model_v)
+            return
+        assert self.shadow is not None
+        corr = 1.0 - self.decay ** self.updates
+        for sh, ema_v, model_v in zip(self.shadow, kept, live):
+            if ema_v.is_floating_point():
+                sh.mul_(self.decay).add_(model_v, alpha=1.0 - self.decay)
+                ema_v.copy_(sh / corr)
+            else:
+                ema_v.copy_(model_v)
+
+
+class _SmallConvNet(nn.Module):
+    def __init__(self, n_cls: int = 5) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(16, n_cls)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+_C05_X = torch.randn(8, 3, 12, 12, generator=_gen(1651))
+_C05_Y = torch.randint(0, 5, (8,), generator=_gen(1652))
+_C05_DECAY = 0.995
+
+
+def _c05_build(bug: bool) -> Case:
+    """Fine-tuning with a high-decay weight EMA (the model that gets evaluated and saved) updated after every step."""
+    torch.manual_seed(0)
+    model = _SmallConvNet().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ema = _ModelEmaV2(model, _C05_DECAY, debias=not bug)
+    model.model_ema = [ema]  # kept out of the module tree (a list), as a training script holds it beside the model
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(_C05_X), _C05_Y)
+        loss.backward()
+        opt.step()
+        ema.update(model)
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=_C05_X)
+
+
+def _c05_proof(bug: bool) -> bool:
+    """After 40 steps the EMA weights have covered under a quarter of the way from the init to the trained weights
+    (projection onto the training displacement): the kept model is essentially the untrained init."""
+    model, step, _ = _c05_build(bug)
+    init = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    for _ in range(40):
+        step()
+    cur = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ema_w = torch.cat([p.detach().flatten() for p in model.model_ema[0].module.parameters()])
+    d = cur - init
+    frac = float(torch.dot(ema_w - init, d) / torch.dot(d, d))
+    return frac < 0.25
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-01", "https://github.com/huggingface/sentence-transformers/issues/2872",
@@ -331,4 +419,9 @@ CASES: list[BlindCase] = [
               "The optimizer step is gated on `batches_done % gradient_accumulations`, which is always 0 for an "
               "accumulation of 1, so the optimizer never steps and the detector's weights never change.",
               _c04_build, _c04_proof),
+    BlindCase("b16-case-05", "https://github.com/huggingface/pytorch-image-models/issues/1182",
+              "EMA bias (no debias / warmup)",
+              "The weight EMA starts as a copy of the initial weights and, with a high decay and no bias correction, "
+              "stays almost exactly at the init, so the evaluated and saved EMA model has barely learned.",
+              _c05_build, _c05_proof),
 ]
