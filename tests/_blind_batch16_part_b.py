@@ -89,10 +89,129 @@ def _c06_proof(bug: bool) -> bool:
     rb = F.normalize(b2[:, half:], dim=-1)
     return bool(torch.allclose(ra, rb, atol=1e-6))
 
+# --------------------------------------------------------------------------------------------- case-07
+
+
+def _rotate(img: torch.Tensor, degrees: tuple[float, float]) -> torch.Tensor:
+    """``transforms.RandomRotation(degrees)`` on a (C, H, W) tensor: angle drawn from torch's global generator,
+    nearest interpolation, zero fill."""
+    angle = float(torch.empty(1).uniform_(float(degrees[0]), float(degrees[1])).item())
+    a = torch.tensor(angle * torch.pi / 180.0)
+    theta = torch.stack([torch.stack([a.cos(), -a.sin(), torch.tensor(0.0)]),
+                         torch.stack([a.sin(), a.cos(), torch.tensor(0.0)])]).unsqueeze(0)
+    grid = F.affine_grid(theta, [1, *img.shape], align_corners=False)
+    return F.grid_sample(img.unsqueeze(0), grid, mode="nearest", padding_mode="zeros", align_corners=False)[0]
+
+
+def _jitter(img: torch.Tensor, brightness: float = 0.4, contrast: float = 0.4) -> torch.Tensor:
+    """``transforms.ColorJitter(brightness, contrast)``: factors drawn from torch's global generator."""
+    b = float(torch.empty(1).uniform_(1 - brightness, 1 + brightness))
+    c = float(torch.empty(1).uniform_(1 - contrast, 1 + contrast))
+    img = (img * b).clamp(0, 1)
+    return ((img - img.mean()) * c + img.mean()).clamp(0, 1)
+
+
+class _SegDataset(torch.utils.data.Dataset):
+    """``Images_Dataset_folder``: the image gets CenterCrop, RandomRotation((-10, 10)), ColorJitter, Normalize;
+    the label gets CenterCrop (and, in the fix, the same RandomRotation under the same reseeded generator)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, synced: bool) -> None:
+        self.images, self.labels, self.synced = images, labels, synced
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def tx(self, img: torch.Tensor) -> torch.Tensor:
+        img = img[:, 2:-2, 2:-2]  # CenterCrop
+        img = _rotate(img, (-10, 10))
+        img = _jitter(img)
+        return (img - 0.5) / 0.5  # Normalize(mean=.5, std=.5)
+
+    def lx(self, lab: torch.Tensor) -> torch.Tensor:
+        lab = lab[:, 2:-2, 2:-2]
+        if self.synced:
+            lab = _rotate(lab, (-10, 10))
+        return lab
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.synced:
+            return self.tx(self.images[i]), self.lx(self.labels[i])
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # one seed for both transforms
+        torch.manual_seed(seed)
+        img = self.tx(self.images[i])
+        torch.manual_seed(seed)
+        return img, self.lx(self.labels[i])
+
+
+def _c07_shapes() -> tuple[torch.Tensor, torch.Tensor]:
+    """Eight 28x28 scenes, each a bright off-centre bar on a dark background; the label is the bar."""
+    g = _gen(1701)
+    labels = torch.zeros(8, 1, 28, 28)
+    for k in range(8):
+        r, c = int(torch.randint(5, 12, (1,), generator=g)), int(torch.randint(4, 10, (1,), generator=g))
+        labels[k, 0, r : r + 12, c : c + 4] = 1.0
+    images = (labels.repeat(1, 3, 1, 1) * 0.8 + 0.1).clamp(0, 1)
+    return images, labels
+
+
+_C07_IMAGES, _C07_LABELS = _c07_shapes()
+
+
+def _c07_batch(synced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    ds = _SegDataset(_C07_IMAGES, _C07_LABELS, synced)
+    torch.manual_seed(1702)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=False)
+    return next(iter(loader))
+
+
+class _TinyUNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.down = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU())
+        self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.out = nn.Conv2d(16, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.enc(x)
+        return self.out(torch.cat([e, self.up(self.down(e))], 1))
+
+
+def _dice_bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    bce = F.binary_cross_entropy_with_logits(logits, target)
+    p = torch.sigmoid(logits)
+    dice = 1 - (2 * (p * target).sum() + 1) / (p.sum() + target.sum() + 1)
+    return bce * 0.5 + dice * 0.5
+
+
+def _c07_build(bug: bool) -> Case:
+    """U-Net segmentation whose dataset rotates the image at random but not its mask (bug), or reseeds the
+    generator so the mask gets the same rotation (fix)."""
+    x, y = _c07_batch(synced=not bug)
+    torch.manual_seed(17)
+    model = _TinyUNet().train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: _dice_bce(model(x), y))
+    return model, step, _kw(optimizer=opt, inputs=(x, y))
+
+
+def _c07_proof(bug: bool) -> bool:
+    """The bar visible in each augmented image (pixels brighter than the image mean) disagrees with the mask
+    the loader pairs it with on more than 0.5% of pixels."""
+    x, y = _c07_batch(synced=not bug)
+    seen = (x[:, 0] > x[:, 0].mean(dim=(1, 2), keepdim=True)).float()
+    mismatch = (seen != y[:, 0]).float().mean().item()
+    return mismatch > 0.005
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-06", "https://github.com/yalesong/pvse/issues/13", "bidirectional RNN final state",
               "The sentence embedding reads both GRU directions at the last valid output step, so the reverse "
               "direction contributes a state that has seen only the final word.",
               _c06_build, _c06_proof),
+    BlindCase("b16-case-07", "https://github.com/bigmb/Unet-Segmentation-Pytorch-Nest-of-Unets/pull/30",
+              "augmentation not applied to target",
+              "The segmentation dataset randomly rotates each input image but not its mask, so the network is "
+              "trained against masks that no longer line up with the pixels it sees.",
+              _c07_build, _c07_proof),
 ]
