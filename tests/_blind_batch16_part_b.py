@@ -203,6 +203,64 @@ def _c07_proof(bug: bool) -> bool:
     mismatch = (seen != y[:, 0]).float().mean().item()
     return mismatch > 0.005
 
+# --------------------------------------------------------------------------------------------- case-08
+
+
+class _EmbedVector(nn.Module):
+    """KEQA's predicate/entity representation learner: embedding, BiLSTM, word-level attention over
+    [word; BiLSTM output], a tag MLP, mean over words, L2-normalised vector regressed onto a KG embedding."""
+
+    def __init__(self, softmax_dim: int, words_num: int = 30, words_dim: int = 8, hidden: int = 6,
+                 target: int = 5) -> None:
+        super().__init__()
+        self.softmax_dim = softmax_dim
+        self.embed = nn.Embedding(words_num, words_dim)
+        self.lstm = nn.LSTM(input_size=words_dim, hidden_size=hidden, num_layers=1, bidirectional=True)
+        self.nonlinear = nn.Tanh()
+        self.attn = nn.Sequential(nn.Linear(hidden * 2 + words_dim, hidden), self.nonlinear, nn.Linear(hidden, 1))
+        self.hidden2tag = nn.Sequential(
+            nn.Linear(hidden * 2 + words_dim, hidden * 2), nn.BatchNorm1d(hidden * 2), self.nonlinear,
+            nn.Dropout(0.0), nn.Linear(hidden * 2, target))
+
+    def forward(self, text: torch.Tensor) -> torch.Tensor:
+        x = self.embed(text)  # (sequence length, batch, words_dim)
+        num_word, batch_size, words_dim = x.size()
+        outputs, _ = self.lstm(x)
+        outputs = outputs.view(-1, outputs.size(2))
+        x = x.view(-1, words_dim)
+        attn_weights = F.softmax(self.attn(torch.cat((x, outputs), 1)), dim=self.softmax_dim)
+        attn_applied = torch.bmm(torch.diag(attn_weights[:, 0]).unsqueeze(0), outputs.unsqueeze(0))
+        outputs = torch.cat((x, attn_applied.squeeze(0)), 1)
+        tags = self.hidden2tag(outputs).view(num_word, batch_size, -1)
+        return F.normalize(torch.mean(tags, dim=0), dim=1)
+
+
+_C08_TEXT = torch.randint(0, 30, (7, 6), generator=_gen(1801))
+_C08_TARGET = F.normalize(torch.randn(6, 5, generator=_gen(1802)), dim=1)
+
+
+def _c08_build(bug: bool) -> Case:
+    """KEQA-style question encoder whose attention softmax runs over dim=1 of a (words*batch, 1) score tensor
+    (bug) or over dim=0 as the author's fix has it."""
+    torch.manual_seed(18)
+    model = _EmbedVector(softmax_dim=1 if bug else 0).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: F.mse_loss(model(_C08_TEXT), _C08_TARGET))
+    return model, step, _kw(optimizer=opt, inputs=_C08_TEXT)
+
+
+def _c08_proof(bug: bool) -> bool:
+    """Every attention weight is exactly 1 and the attention scorer gets an all-zero gradient: it never learns."""
+    model, step, _ = _c08_build(bug)
+    step()
+    with torch.no_grad():
+        x = model.embed(_C08_TEXT).view(-1, 8)
+        out, _ = model.lstm(model.embed(_C08_TEXT))
+        w = F.softmax(model.attn(torch.cat((x, out.view(-1, 12)), 1)), dim=model.softmax_dim)
+    grads = [p.grad for p in model.attn.parameters()]
+    dead = all(g is None or float(g.abs().max()) == 0.0 for g in grads)
+    return dead and bool(torch.all(w == 1.0))
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-06", "https://github.com/yalesong/pvse/issues/13", "bidirectional RNN final state",
@@ -214,4 +272,8 @@ CASES: list[BlindCase] = [
               "The segmentation dataset randomly rotates each input image but not its mask, so the network is "
               "trained against masks that no longer line up with the pixels it sees.",
               _c07_build, _c07_proof),
+    BlindCase("b16-case-08", "https://github.com/DEEP-PolyU/KEQA_WSDM19/issues/2", "softmax over wrong dimension",
+              "The word attention takes softmax over a size-1 dimension, so every weight is 1.0 and the attention "
+              "scorer gets no gradient: the model trains with no attention at all.",
+              _c08_build, _c08_proof),
 ]
