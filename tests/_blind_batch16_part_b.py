@@ -261,6 +261,68 @@ def _c08_proof(bug: bool) -> bool:
     dead = all(g is None or float(g.abs().max()) == 0.0 for g in grads)
     return dead and bool(torch.all(w == 1.0))
 
+# --------------------------------------------------------------------------------------------- case-09
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, n_chans: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(n_chans, n_chans, kernel_size=3, padding=1, bias=False)
+        self.batch_norm = nn.BatchNorm2d(num_features=n_chans)
+        nn.init.kaiming_normal_(self.conv.weight, nonlinearity="relu")
+        nn.init.constant_(self.batch_norm.weight, 0.5)
+        nn.init.zeros_(self.batch_norm.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.batch_norm(self.conv(x)))
+        return out + x
+
+
+class _NetResDeep(nn.Module):
+    """The book's deep residual CIFAR-2 classifier (chapter 8), narrowed."""
+
+    def __init__(self, repeat_one: bool, n_chans1: int = 8, n_blocks: int = 5) -> None:
+        super().__init__()
+        self.n_chans1 = n_chans1
+        self.conv1 = nn.Conv2d(3, n_chans1, kernel_size=3, padding=1)
+        if repeat_one:
+            self.resblocks = nn.Sequential(*(n_blocks * [_ResBlock(n_chans=n_chans1)]))
+        else:
+            self.resblocks = nn.Sequential(*[_ResBlock(n_chans=n_chans1) for _ in range(n_blocks)])
+        self.fc1 = nn.Linear(8 * 8 * n_chans1, 32)
+        self.fc2 = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.max_pool2d(torch.relu(self.conv1(x)), 2)
+        out = self.resblocks(out)
+        out = F.max_pool2d(out, 2)
+        out = out.view(-1, 8 * 8 * self.n_chans1)
+        out = torch.relu(self.fc1(out))
+        return self.fc2(out)
+
+
+_C09_X = torch.randn(6, 3, 32, 32, generator=_gen(1901))
+_C09_Y = torch.randint(0, 2, (6,), generator=_gen(1902))
+
+
+def _c09_build(bug: bool) -> Case:
+    """NetResDeep with its residual stack built as ``n_blocks * [ResBlock(...)]`` (bug) or from a list
+    comprehension of fresh blocks (fix)."""
+    torch.manual_seed(19)
+    model = _NetResDeep(repeat_one=bug).train()
+    opt = torch.optim.SGD(model.parameters(), lr=3e-3)
+    step = _sgd_step(model, opt, lambda: F.cross_entropy(model(_C09_X), _C09_Y))
+    return model, step, _kw(optimizer=opt, inputs=_C09_X)
+
+
+def _c09_proof(bug: bool) -> bool:
+    """After a training step every residual block still holds exactly the same convolution weights: the
+    "deep" stack is one block applied five times, with a fifth of the parameters the model claims."""
+    model, step, _ = _c09_build(bug)
+    step()
+    ws = [blk.conv.weight for blk in model.resblocks]
+    return all(torch.equal(ws[0], w) for w in ws[1:])
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-06", "https://github.com/yalesong/pvse/issues/13", "bidirectional RNN final state",
@@ -276,4 +338,9 @@ CASES: list[BlindCase] = [
               "The word attention takes softmax over a size-1 dimension, so every weight is 1.0 and the attention "
               "scorer gets no gradient: the model trains with no attention at all.",
               _c08_build, _c08_proof),
+    BlindCase("b16-case-09", "https://github.com/deep-learning-with-pytorch/dlwpt-code/issues/89",
+              "module repeated by list multiplication",
+              "The residual stack is built by multiplying a one-element list, so all blocks are the same module "
+              "and the network trains one shared block instead of n_blocks independent ones.",
+              _c09_build, _c09_proof),
 ]
