@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from tests._blind import BlindCase, Case
 from tests._blind_batch5 import _gen, _kw, _sgd_step
@@ -323,6 +323,70 @@ def _c09_proof(bug: bool) -> bool:
     ws = [blk.conv.weight for blk in model.resblocks]
     return all(torch.equal(ws[0], w) for w in ws[1:])
 
+# --------------------------------------------------------------------------------------------- case-10
+
+
+class _CTCModel(nn.Module):
+    """A speech recogniser on packed mel spectrograms: a bidirectional GRU and a per-frame character
+    classifier applied to the packed data (outputs stay packed, T x B x vocab once padded)."""
+
+    def __init__(self, n_mels: int = 10, nhidden: int = 8, vocab: int = 7) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(n_mels, nhidden, num_layers=2, bidirectional=True)
+        self.charlin = nn.Linear(2 * nhidden, vocab)
+
+    def forward(self, packed: PackedSequence) -> PackedSequence:
+        out, _ = self.rnn(packed)
+        return PackedSequence(self.charlin(out.data), out.batch_sizes, out.sorted_indices, out.unsorted_indices)
+
+
+def _wrap_ctc_args(log_softmax: bool):
+    def wrap(packed_predictions: PackedSequence, packed_targets: PackedSequence):
+        unpacked_predictions, lens_predictions = pad_packed_sequence(packed_predictions)  # T, B, vocab
+        if log_softmax:
+            unpacked_predictions = unpacked_predictions.log_softmax(dim=2)
+        unpacked_targets, lens_targets = pad_packed_sequence(packed_targets)  # T, B
+        return unpacked_predictions, unpacked_targets.transpose(0, 1), lens_predictions, lens_targets
+    return wrap
+
+
+_C10_SLEN = torch.tensor([20, 18, 15, 12])
+_C10_SPECTRO = torch.randn(20, 4, 10, generator=_gen(2001))
+_C10_TLEN = torch.tensor([5, 4, 4, 3])
+_C10_TRANS = torch.randint(1, 7, (5, 4), generator=_gen(2002))
+
+
+def _c10_batch() -> tuple[PackedSequence, PackedSequence]:
+    return (pack_padded_sequence(_C10_SPECTRO, _C10_SLEN, enforce_sorted=False),
+            pack_padded_sequence(_C10_TRANS, _C10_TLEN, enforce_sorted=False))
+
+
+def _c10_build(bug: bool) -> Case:
+    """CTC training whose loss wrapper has the ``log_softmax(dim=2)`` line commented out (bug), so CTCLoss gets
+    raw logits, or keeps it (fix)."""
+    torch.manual_seed(20)
+    model = _CTCModel().train()
+    baseloss = nn.CTCLoss(blank=0, reduction="mean", zero_infinity=True)
+    wrap = _wrap_ctc_args(log_softmax=not bug)
+    spectro, transcripts = _c10_batch()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-4)
+    step = _sgd_step(model, opt, lambda: baseloss(*wrap(model(spectro), transcripts)))
+    return model, step, _kw(optimizer=opt, inputs=(_C10_SPECTRO, _C10_TRANS))
+
+
+def _c10_proof(bug: bool) -> bool:
+    """Adding the same constant to every character logit leaves every frame's distribution unchanged, yet it
+    lowers the training loss: the objective rewards inflating logits rather than predicting characters."""
+    model, _, _ = _c10_build(bug)
+    baseloss = nn.CTCLoss(blank=0, reduction="mean", zero_infinity=True)
+    wrap = _wrap_ctc_args(log_softmax=not bug)
+    spectro, transcripts = _c10_batch()
+    with torch.no_grad():
+        before = float(baseloss(*wrap(model(spectro), transcripts)))
+        model.charlin.bias += 1.0
+        after = float(baseloss(*wrap(model(spectro), transcripts)))
+    return after < before - 1e-3
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-06", "https://github.com/yalesong/pvse/issues/13", "bidirectional RNN final state",
@@ -343,4 +407,9 @@ CASES: list[BlindCase] = [
               "The residual stack is built by multiplying a one-element list, so all blocks are the same module "
               "and the network trains one shared block instead of n_blocks independent ones.",
               _c09_build, _c09_proof),
+    BlindCase("b16-case-10", "https://github.com/jeremyfix/deeplearning-lectures/issues/22",
+              "loss fed logits instead of log-probabilities",
+              "CTCLoss receives raw logits because the log_softmax line is commented out, so the loss it "
+              "minimises is not the sequence likelihood and can be lowered just by inflating all logits.",
+              _c10_build, _c10_proof),
 ]
