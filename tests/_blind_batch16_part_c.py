@@ -9,7 +9,6 @@ from torch import nn
 from tests._blind import BlindCase, Case
 from tests._blind_batch5 import _gen, _kw, _sgd_step
 
-
 # --------------------------------------------------------------------------------------------- case-11
 
 
@@ -78,10 +77,118 @@ def _c11_proof(bug: bool) -> bool:
     _c11_loss(model, bug).backward()
     return all(p.grad is None or float(p.grad.abs().sum()) == 0.0 for p in model.projection.parameters())
 
+# --------------------------------------------------------------------------------------------- case-12
+
+
+class _TinyCenterNet(nn.Module):
+    """One-shot tracker backbone with CenterNet-style heads: heatmap, box size, offset and re-ID embedding."""
+
+    def __init__(self, emb: int = 8) -> None:
+        super().__init__()
+        self.base = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        self.heads = nn.ModuleDict({"hm": nn.Conv2d(16, 1, 1), "wh": nn.Conv2d(16, 2, 1), "reg": nn.Conv2d(16, 2, 1),
+                                    "id": nn.Conv2d(16, emb, 1)})
+        self.heads["hm"].bias.data.fill_(-2.19)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        f = self.base(x)
+        return {k: h(f) for k, h in self.heads.items()}
+
+
+def _c12_focal(pred: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
+    pos, neg = gt.eq(1).float(), gt.lt(1).float()
+    pos_loss = (torch.log(pred) * (1 - pred) ** 2 * pos).sum()
+    neg_loss = (torch.log(1 - pred) * pred ** 2 * (1 - gt) ** 4 * neg).sum()
+    return -(pos_loss + neg_loss) / pos.sum().clamp(min=1)
+
+
+def _c12_gather(feat: torch.Tensor, ind: torch.Tensor) -> torch.Tensor:
+    b, c = feat.shape[:2]
+    feat = feat.view(b, c, -1).permute(0, 2, 1)
+    return feat.gather(1, ind[..., None].expand(-1, -1, c))
+
+
+class _MotLoss(nn.Module):
+    """Detection + re-ID loss with learnable task uncertainties; the re-ID classifier lives in the loss."""
+
+    def __init__(self, emb: int = 8, n_id: int = 6) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(emb, n_id)
+        self.emb_scale = (2 ** 0.5) * torch.log(torch.tensor(n_id - 1.0))
+        self.s_det = nn.Parameter(-1.85 * torch.ones(1))
+        self.s_id = nn.Parameter(-1.05 * torch.ones(1))
+
+    def forward(self, out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hm = out["hm"].sigmoid().clamp(1e-4, 1 - 1e-4)
+        hm_loss = _c12_focal(hm, batch["hm"])
+        mask = batch["reg_mask"][..., None].float()
+        wh_loss = F.l1_loss(_c12_gather(out["wh"], batch["ind"]) * mask, batch["wh"] * mask, reduction="sum") / (
+            mask.sum() * 2 + 1e-4)
+        off_loss = F.l1_loss(_c12_gather(out["reg"], batch["ind"]) * mask, batch["reg"] * mask, reduction="sum") / (
+            mask.sum() * 2 + 1e-4)
+        det_loss = hm_loss + 0.1 * wh_loss + off_loss
+        id_head = _c12_gather(out["id"], batch["ind"])[batch["reg_mask"] > 0]
+        id_head = self.emb_scale * F.normalize(id_head, dim=1)
+        id_loss = F.cross_entropy(self.classifier(id_head), batch["ids"][batch["reg_mask"] > 0])
+        loss = torch.exp(-self.s_det) * det_loss + torch.exp(-self.s_id) * id_loss + (self.s_det + self.s_id)
+        return 0.5 * loss
+
+
+class _ModelWithLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss: nn.Module) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss(self.model(batch["input"]), batch)
+
+
+def _c12_batch() -> dict[str, torch.Tensor]:
+    g = _gen(1201)
+    b, h, w, k = 2, 8, 8, 3
+    ind = torch.stack([torch.randperm(h * w, generator=g)[:k] for _ in range(b)])
+    hm = torch.zeros(b, 1, h, w)
+    hm.view(b, -1).scatter_(1, ind, 1.0)
+    return {"input": torch.randn(b, 3, h, w, generator=g), "hm": hm, "ind": ind,
+            "reg_mask": torch.ones(b, k, dtype=torch.long), "wh": torch.rand(b, k, 2, generator=g) * 4,
+            "reg": torch.rand(b, k, 2, generator=g), "ids": torch.randint(0, 6, (b, k), generator=g)}
+
+
+_C12_BATCH = _c12_batch()
+
+
+def _c12_build(bug: bool) -> Case:
+    """Trainer builds the optimizer from model.parameters(); the loss module's parameters are never added."""
+    torch.manual_seed(12)
+    model = _TinyCenterNet()
+    loss = _MotLoss()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if not bug:
+        optimizer.add_param_group({"params": loss.parameters()})
+    model_with_loss = _ModelWithLoss(model, loss).train()
+    step = _sgd_step(model_with_loss, optimizer, lambda: model_with_loss(_C12_BATCH))
+    return model_with_loss, step, _kw(optimizer=optimizer, inputs=_C12_BATCH["input"])
+
+
+def _c12_proof(bug: bool) -> bool:
+    """After three steps the task uncertainties s_det/s_id and the re-ID classifier still hold their initial
+    values although they receive gradients."""
+    mwl, step, _ = _c12_build(bug)
+    before = [p.detach().clone() for p in mwl.loss.parameters()]
+    for _ in range(3):
+        step()
+    has_grad = all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in mwl.loss.parameters())
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, mwl.loss.parameters()))
+    return has_grad and unchanged
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-11", "https://github.com/jinnnju/PaAno/issues/1", "masking sentinel sign / dead loss term",
               "The self-pair is masked with -inf in similarity space, which becomes +inf in distance space, so the "
               "hardest-negative max always picks it, the triplet loss is identically 0 and the projection head "
               "never trains.", _c11_build, _c11_proof),
+    BlindCase("b16-case-12", "https://github.com/ifzhang/FairMOT/issues/19", "parameters missing from optimizer",
+              "The learnable task-uncertainty weights and the re-ID classifier live in the loss module, which is "
+              "never added to the optimizer, so they get gradients every step but never change.",
+              _c12_build, _c12_proof),
 ]
