@@ -181,6 +181,133 @@ def _c12_proof(bug: bool) -> bool:
     unchanged = all(torch.equal(a, p) for a, p in zip(before, mwl.loss.parameters()))
     return has_grad and unchanged
 
+# --------------------------------------------------------------------------------------------- case-13
+
+
+class _SSLNet(nn.Module):
+    """Small conv classifier with batch norm returning {'logits', 'feat'} like the SSL toolkit's nets."""
+
+    def __init__(self, n_cls: int = 4) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.BatchNorm2d(16), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(16, n_cls)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        feat = self.features(x)
+        return {"logits": self.fc(feat), "feat": feat}
+
+
+class _EMA:
+    """Shadow weights swapped into the model for the teacher pass (apply_shadow / restore), updated after step."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.999) -> None:
+        self.model, self.decay = model, decay
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.backup: dict[str, torch.Tensor] = {}
+
+    def apply_shadow(self) -> None:
+        for n, p in self.model.named_parameters():
+            self.backup[n] = p.data.clone()
+            p.data.copy_(self.shadow[n])
+
+    def restore(self) -> None:
+        for n, p in self.model.named_parameters():
+            p.data.copy_(self.backup[n])
+        self.backup = {}
+
+    def update(self) -> None:
+        for n, p in self.model.named_parameters():
+            self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+
+class _BNController:
+    """Keeps BN running statistics unchanged across the unlabeled forward passes."""
+
+    def __init__(self) -> None:
+        self.backup: dict[str, torch.Tensor] = {}
+
+    def freeze_bn(self, model: nn.Module) -> None:
+        self.backup = {n: b.clone() for n, b in model.named_buffers()}
+
+    def unfreeze_bn(self, model: nn.Module) -> None:
+        for n, b in model.named_buffers():
+            b.data = self.backup[n]
+
+
+def _c13_consistency_mse(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(torch.softmax(logits, dim=-1), targets, reduction="none").mean(dim=1).mean()
+
+
+def _c13_data() -> tuple[torch.Tensor, ...]:
+    g = _gen(1301)
+    x_lb = torch.randn(4, 3, 8, 8, generator=g)
+    y_lb = torch.randint(0, 4, (4,), generator=g)
+    base = torch.randn(6, 3, 8, 8, generator=g)
+    x_ulb_w = base + 0.05 * torch.randn(base.shape, generator=g)  # weak: light noise
+    x_ulb_s = torch.flip(base, dims=[3]) * 0.7 + 0.5 * torch.randn(base.shape, generator=g)  # strong
+    return x_lb, y_lb, x_ulb_w, x_ulb_s
+
+
+_C13_XLB, _C13_YLB, _C13_XW, _C13_XS = _c13_data()
+
+
+class _MeanTeacher:
+    def __init__(self, bug: bool) -> None:
+        self.bug = bug
+        self.model = _SSLNet().train()
+        self.ema = _EMA(self.model)
+        self.bn_controller = _BNController()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.03, momentum=0.9, weight_decay=5e-4)
+        self.it, self.num_train_iter, self.unsup_warm_up, self.lambda_u = 2000, 5000, 0.4, 50.0
+        self.log: list[dict[str, float]] = []
+
+    def train_step(self, x_lb: torch.Tensor, y_lb: torch.Tensor, x_ulb_w: torch.Tensor,
+                   x_ulb_s: torch.Tensor) -> torch.Tensor:
+        logits_x_lb = self.model(x_lb)["logits"]
+        self.ema.apply_shadow()
+        with torch.no_grad():
+            self.bn_controller.freeze_bn(self.model)
+            outs_x_ulb_w = self.model(x_ulb_w)
+            logits_x_ulb_w = outs_x_ulb_w["logits"]
+            self.bn_controller.unfreeze_bn(self.model)
+        self.ema.restore()
+        self.bn_controller.freeze_bn(self.model)
+        outs_x_ulb_s = self.model(x_ulb_s)
+        logits_x_ulb_s = outs_x_ulb_w["logits"] if self.bug else outs_x_ulb_s["logits"]
+        self.bn_controller.unfreeze_bn(self.model)
+        sup_loss = F.cross_entropy(logits_x_lb, y_lb)
+        unsup_loss = _c13_consistency_mse(logits_x_ulb_s, torch.softmax(logits_x_ulb_w.detach(), dim=-1))
+        unsup_warmup = min(max(self.it / (self.unsup_warm_up * self.num_train_iter), 0.0), 1.0)
+        total_loss = sup_loss + self.lambda_u * unsup_loss * unsup_warmup
+        self.log.append({"sup_loss": sup_loss.item(), "unsup_loss": unsup_loss.item()})
+        return total_loss
+
+    def step(self) -> None:
+        self.optimizer.zero_grad()
+        self.train_step(_C13_XLB, _C13_YLB, _C13_XW, _C13_XS).backward()
+        self.optimizer.step()
+        self.ema.update()
+        self.it += 1
+
+
+def _c13_build(bug: bool) -> Case:
+    """Mean Teacher step whose 'strong' student logits are taken from the teacher's weak-view outputs."""
+    torch.manual_seed(13)
+    algo = _MeanTeacher(bug)
+    return algo.model, algo.step, _kw(optimizer=algo.optimizer, inputs=(_C13_XLB, _C13_XW, _C13_XS))
+
+
+def _c13_proof(bug: bool) -> bool:
+    """The consistency loss compares the teacher's weak-view probabilities with themselves: it is exactly 0 on
+    every step, so the unlabeled data contribute nothing."""
+    torch.manual_seed(13)
+    algo = _MeanTeacher(bug)
+    for _ in range(3):
+        algo.step()
+    return all(rec["unsup_loss"] == 0.0 for rec in algo.log)
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-11", "https://github.com/jinnnju/PaAno/issues/1", "masking sentinel sign / dead loss term",
@@ -191,4 +318,8 @@ CASES: list[BlindCase] = [
               "The learnable task-uncertainty weights and the re-ID classifier live in the loss module, which is "
               "never added to the optimizer, so they get gradients every step but never change.",
               _c12_build, _c12_proof),
+    BlindCase("b16-case-13", "https://github.com/microsoft/Semi-supervised-learning/issues/102",
+              "wrong tensor used in loss (copy-paste)",
+              "The student's strong-view logits are overwritten by the teacher's no-grad weak-view logits, so the "
+              "consistency loss is identically zero and training is purely supervised.", _c13_build, _c13_proof),
 ]
