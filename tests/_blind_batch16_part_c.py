@@ -308,6 +308,75 @@ def _c13_proof(bug: bool) -> bool:
         algo.step()
     return all(rec["unsup_loss"] == 0.0 for rec in algo.log)
 
+# --------------------------------------------------------------------------------------------- case-14
+
+
+def _c14_cnn(width: int, n_cls: int = 5) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(2 * width, n_cls))
+
+
+_C14_X = torch.randn(24, 3, 8, 8, generator=_gen(1401))
+_C14_Y = torch.randint(0, 5, (24,), generator=_gen(1402))
+_C14_ALPHA, _C14_T = 0.9, 20.0
+
+
+def _c14_loss_fn_kd(outputs: torch.Tensor, labels: torch.Tensor, teacher_outputs: torch.Tensor) -> torch.Tensor:
+    t = _C14_T
+    kd = nn.KLDivLoss(reduction="batchmean")(F.log_softmax(outputs / t, dim=1), F.softmax(teacher_outputs / t, dim=1))
+    return kd * (_C14_ALPHA * t * t) + F.cross_entropy(outputs, labels) * (1.0 - _C14_ALPHA)
+
+
+class _C14Distill:
+    """Student trained against a fixed teacher over a shuffled training DataLoader."""
+
+    def __init__(self, bug: bool) -> None:
+        self.bug = bug
+        torch.manual_seed(14)
+        self.teacher = _c14_cnn(16).eval()
+        self.student = _c14_cnn(4).train()
+        self.optimizer = torch.optim.Adam(self.student.parameters(), lr=1e-3)
+        ds = torch.utils.data.TensorDataset(_C14_X, _C14_Y)
+        self.loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, generator=_gen(1403))
+        self.teacher_outputs: list[torch.Tensor] = []
+        if bug:  # fetch_teacher_outputs: one pass over the (shuffled) train loader before training
+            with torch.no_grad():
+                self.teacher_outputs = [self.teacher(xb) for xb, _ in self.loader]
+        self.it = iter(enumerate(self.loader))
+        self.mismatch: list[float] = []
+
+    def step(self) -> None:
+        try:
+            i, (train_batch, labels_batch) = next(self.it)
+        except StopIteration:
+            self.it = iter(enumerate(self.loader))
+            i, (train_batch, labels_batch) = next(self.it)
+        output_batch = self.student(train_batch)
+        with torch.no_grad():
+            own = self.teacher(train_batch)
+        output_teacher_batch = self.teacher_outputs[i] if self.bug else own
+        self.mismatch.append(float((output_teacher_batch - own).abs().max()))
+        loss = _c14_loss_fn_kd(output_batch, labels_batch, output_teacher_batch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+
+def _c14_build(bug: bool) -> Case:
+    """KD where teacher logits are precomputed in one shuffled pass and indexed by batch number later."""
+    kd = _C14Distill(bug)
+    return kd.student, kd.step, _kw(optimizer=kd.optimizer, inputs=_C14_X)
+
+
+def _c14_proof(bug: bool) -> bool:
+    """The soft targets used for a batch are not the teacher's outputs on that batch's images (the loader
+    reshuffled between the teacher pass and the training pass)."""
+    kd = _C14Distill(bug)
+    for _ in range(3):
+        kd.step()
+    return max(kd.mismatch) > 1e-4
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-11", "https://github.com/jinnnju/PaAno/issues/1", "masking sentinel sign / dead loss term",
@@ -322,4 +391,9 @@ CASES: list[BlindCase] = [
               "wrong tensor used in loss (copy-paste)",
               "The student's strong-view logits are overwritten by the teacher's no-grad weak-view logits, so the "
               "consistency loss is identically zero and training is purely supervised.", _c13_build, _c13_proof),
+    BlindCase("b16-case-14", "https://github.com/haitongli/knowledge-distillation-pytorch/pull/16",
+              "data misalignment (shuffled loader re-iterated)",
+              "Teacher logits are computed in one pass over a shuffled DataLoader and looked up by batch index in "
+              "a later, reshuffled pass, so the student distills soft targets that belong to other images.",
+              _c14_build, _c14_proof),
 ]
