@@ -377,6 +377,94 @@ def _c14_proof(bug: bool) -> bool:
         kd.step()
     return max(kd.mismatch) > 1e-4
 
+# --------------------------------------------------------------------------------------------- case-15
+
+
+class _SoftDotAttention(nn.Module):
+    """Luong 'general' attention over the encoder states; optional mask of padded source positions."""
+
+    def __init__(self, dim: int, masked: bool) -> None:
+        super().__init__()
+        self.masked = masked
+        self.linear_in = nn.Linear(dim, dim, bias=False)
+        self.linear_out = nn.Linear(dim * 2, dim, bias=False)
+
+    def forward(self, inp: torch.Tensor, context: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        target = self.linear_in(inp).unsqueeze(2)  # batch x dim x 1
+        attn = torch.bmm(context, target).squeeze(2)  # batch x sourceL
+        if self.masked:
+            attn = attn.masked_fill(~src_mask, -float("inf"))
+        attn = torch.softmax(attn, dim=1)
+        weighted = torch.bmm(attn.unsqueeze(1), context).squeeze(1)
+        return torch.tanh(self.linear_out(torch.cat((weighted, inp), 1)))
+
+
+class _Seq2SeqAttention(nn.Module):
+    """Bi-LSTM encoder over packed padded sources, LSTMCell decoder with dot attention at every step."""
+
+    def __init__(self, masked: bool, vocab: int = 20, emb: int = 8, hid: int = 16, pad: int = 0) -> None:
+        super().__init__()
+        self.src_embedding = nn.Embedding(vocab, emb, pad)
+        self.trg_embedding = nn.Embedding(vocab, emb, pad)
+        self.encoder = nn.LSTM(emb, hid // 2, 1, bidirectional=True, batch_first=True)
+        self.encoder2decoder = nn.Linear(hid, hid)
+        self.decoder = nn.LSTMCell(emb, hid)
+        self.attention_layer = _SoftDotAttention(hid, masked)
+        self.decoder2vocab = nn.Linear(hid, vocab)
+
+    def forward(self, input_src: torch.Tensor, input_trg: torch.Tensor, src_lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(self.src_embedding(input_src), src_lengths, batch_first=True)
+        packed_h, (h_t, c_t) = self.encoder(packed)
+        ctx, _ = nn.utils.rnn.pad_packed_sequence(packed_h, batch_first=True)
+        src_mask = torch.arange(ctx.shape[1])[None] < src_lengths[:, None]
+        h = torch.tanh(self.encoder2decoder(torch.cat((h_t[-1], h_t[-2]), 1)))
+        c = torch.cat((c_t[-1], c_t[-2]), 1)
+        outs = []
+        for t in range(input_trg.shape[1]):
+            hy, c = self.decoder(self.trg_embedding(input_trg[:, t]), (h, c))
+            h = self.attention_layer(hy, ctx, src_mask)
+            outs.append(h)
+        return self.decoder2vocab(torch.stack(outs, 1))
+
+
+def _c15_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(1501)
+    lengths = torch.tensor([7, 5, 3, 2])  # sorted, as the batching code does for pack_padded_sequence
+    src = torch.zeros(4, 7, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        src[i, :n] = torch.randint(3, 20, (n,), generator=g)
+    trg = torch.randint(3, 20, (4, 6), generator=g)
+    return src, trg[:, :-1], trg[:, 1:], lengths
+
+
+_C15_SRC, _C15_TRG_IN, _C15_TRG_OUT, _C15_LEN = _c15_batch()
+
+
+def _c15_loss(model: _Seq2SeqAttention) -> torch.Tensor:
+    logits = model(_C15_SRC, _C15_TRG_IN, _C15_LEN)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), _C15_TRG_OUT.reshape(-1), ignore_index=0)
+
+
+def _c15_build(bug: bool) -> Case:
+    """Attention softmax over all source positions, the zero-filled padded encoder states included."""
+    torch.manual_seed(15)
+    model = _Seq2SeqAttention(masked=not bug).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: _c15_loss(model))
+    return model, step, _kw(optimizer=opt, inputs=(_C15_SRC, _C15_TRG_IN, _C15_LEN))
+
+
+def _c15_proof(bug: bool) -> bool:
+    """The short sentence's predictions change with how much padding its batch adds: decoded alone (no padding)
+    and decoded inside the padded batch give different logits."""
+    model, _, _ = _c15_build(bug)
+    model.eval()
+    i, n = 3, int(_C15_LEN[3])
+    with torch.no_grad():
+        in_batch = model(_C15_SRC, _C15_TRG_IN, _C15_LEN)[i]
+        alone = model(_C15_SRC[i:i + 1, :n], _C15_TRG_IN[i:i + 1], _C15_LEN[i:i + 1])[0]
+    return float((in_batch - alone).abs().max()) > 1e-5
+
 
 CASES: list[BlindCase] = [
     BlindCase("b16-case-11", "https://github.com/jinnnju/PaAno/issues/1", "masking sentinel sign / dead loss term",
@@ -396,4 +484,9 @@ CASES: list[BlindCase] = [
               "Teacher logits are computed in one pass over a shuffled DataLoader and looked up by batch index in "
               "a later, reshuffled pass, so the student distills soft targets that belong to other images.",
               _c14_build, _c14_proof),
+    BlindCase("b16-case-15", "https://github.com/MaximumEntropy/Seq2Seq-PyTorch/issues/6",
+              "missing attention padding mask",
+              "The decoder's attention softmax also covers the padded source positions, so attention mass leaks "
+              "onto padding and a sentence's translation depends on how long the other sentences in its batch are.",
+              _c15_build, _c15_proof),
 ]
