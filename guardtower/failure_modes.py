@@ -107,8 +107,8 @@ _CORE: tuple[FailureMode, ...] = (
     FailureMode(
         "LOSS-007", "The step returned no loss tensor", Severity.ERROR,
         "step_fn returned something without a loss tensor: a Python number, None, or a Hugging Face output whose "
-        ".loss is None. A step that ran backward itself and returned a number (return loss.item()) is INFO: its "
-        "gradients are judged all the same.",
+        ".loss is None. A step that ran backward itself and returned a number (return loss.item()) or nothing is "
+        "INFO: its gradients are judged all the same.",
         "Hugging Face models compute a loss only when labels are passed; without them .loss is None and a "
         "custom loop may skip backward or log zeros.",
         "Pass labels= to the model (or compute the loss from the logits) and return the tensor.",

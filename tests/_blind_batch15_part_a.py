@@ -427,7 +427,9 @@ CASES: list[BlindCase] = [
     BlindCase("b15-case-01", "https://github.com/huggingface/transformers/issues/29973", "label construction",
               "the Whisper collator checks labels for bos_token_id instead of decoder_start_token_id, so the start "
               "token is never stripped and the model is trained on a doubled <|startoftranscript|>",
-              _c01_build, _c01_proof),
+              _c01_build, _c01_proof,
+              known_miss="the labels start with the decoder start token twice; no check compares the label prefix "
+                         "with the decoder_start_token_id the model prepends itself"),
     BlindCase("b15-case-02", "https://github.com/state-spaces/mamba/issues/279", "adapter bypassed",
               "the Mamba block's fused fast path reads x_proj.weight / out_proj.weight directly, so PEFT LoRA "
               "adapters wrapped around those layers are never in the graph and get no gradient",
@@ -435,7 +437,9 @@ CASES: list[BlindCase] = [
     BlindCase("b15-case-03", "https://github.com/huggingface/diffusers/issues/1429", "wrong regression target",
               "fine-tuning a v-prediction Stable Diffusion 2 model with the script's epsilon loss trains the UNet to "
               "output noise where the scheduler reads velocity",
-              _c03_build, _c03_proof),
+              _c03_build, _c03_proof,
+              known_miss="the regression target (noise instead of velocity) is a choice of loss arithmetic outside "
+                         "the model; no measurement sees which target the scheduler expects"),
     BlindCase("b15-case-04", "https://github.com/Project-MONAI/GenerativeModels/issues/314", "target leakage",
               "the latent transformer's logits are scored against the unshifted input tokens, so each position is "
               "trained to copy a token it can already see instead of predicting the next one",

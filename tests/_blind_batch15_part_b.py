@@ -348,7 +348,9 @@ CASES: list[BlindCase] = [
     BlindCase("b15-case-09", "https://github.com/lucidrains/DALLE-pytorch/issues/57", "padding not ignored in loss",
               "ignore_index is defined but never passed to the cross-entropy, so the padded tail of every caption "
               "is trained as real next-token targets and most of the text loss teaches the model to emit padding",
-              _c09_build, _c09_proof),
+              _c09_build, _c09_proof,
+              known_miss="the pad targets are scored inside a hand-written loss in forward, with no attention mask "
+                         "or pad id the audit can read"),
     BlindCase("b15-case-10", "https://github.com/lafith/Mobile-UNet/issues/1", "layer created in forward",
               "the skip projection of a channel-changing inverted residual block is a new nn.Conv2d built inside "
               "forward, so its weights are redrawn at random every call, never trained and never saved",

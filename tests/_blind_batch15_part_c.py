@@ -432,22 +432,30 @@ def _c15_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b15-case-11", "https://github.com/pmernyei/wiki-cs-dataset/issues/4", "graph construction: missing self-loops",
               "the GCN's graph has no self-loops, so every node's first-layer representation ignores its own features",
-              _c11_build, _c11_proof),
+              _c11_build, _c11_proof,
+              known_miss="a graph built without self-loops is data the step consumes correctly; nothing states the "
+                         "intent"),
     BlindCase("b15-case-12", "https://github.com/open-mmlab/mmsegmentation/issues/1609",
               "label encoding collides with ignore_index",
               "target pixels labelled 255 are ignored by the cross-entropy, so the foreground class never gets a "
               "training signal and its IoU stays at zero",
-              _c12_build, _c12_proof),
+              _c12_build, _c12_proof,
+              known_miss="the ignored label 255 marks real foreground pixels; the audit does not measure which "
+                         "classes the supervised targets cover"),
     BlindCase("b15-case-13", "https://github.com/kan-bayashi/ParallelWaveGAN/issues/131",
               "GAN: stale generator output for discriminator",
               "the discriminator is trained on the fake batch produced before the generator's update, not on the "
               "current generator's output",
-              _c13_build, _c13_proof),
+              _c13_build, _c13_proof,
+              known_miss="the discriminator reads fakes made before the generator's update; the order of tensors "
+                         "across two optimizers' phases is not followed"),
     BlindCase("b15-case-14", "https://github.com/lucidrains/byol-pytorch/issues/93", "zero_grad before optimizer.step",
               "gradients are cleared just before the optimizer step, so the online BYOL network never updates",
               _c14_build, _c14_proof),
     BlindCase("b15-case-15", "https://github.com/pyg-team/pytorch_geometric/issues/7196", "loss double-averaged",
               "the BPR ranking term is averaged and then divided by the number of pairs again, shrinking its gradient "
               "by the batch size relative to the regulariser",
-              _c15_build, _c15_proof),
+              _c15_build, _c15_proof,
+              known_miss="a loss term divided twice by the batch size only changes its weight; no measurement of a "
+                         "term's weight"),
 ]

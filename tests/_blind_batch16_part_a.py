@@ -409,19 +409,27 @@ CASES: list[BlindCase] = [
     BlindCase("b16-case-02", "https://github.com/huggingface/trl/pull/2127", "ignore-index labels corrupted",
               "The -100 ignore labels are cast to bool by the dataset's original label feature, so every prompt "
               "and mid-step token becomes a positive target and the reward model learns to say 'correct' everywhere.",
-              _c02_build, _c02_proof),
+              _c02_build, _c02_proof,
+              known_miss="the -100 labels are cast to bool upstream, so every position is a valid positive target; "
+                         "nothing marks them as meant to be ignored"),
     BlindCase("b16-case-03", "https://github.com/FunAudioLLM/CosyVoice/issues/1449", "inverted loss mask",
               "The DPO log-probabilities are masked with target == IGNORE_ID (and the rejected side with the chosen "
               "mask), so the preference term is computed on ignored text/padding positions and never pushes on the "
-              "speech tokens being compared.", _c03_build, _c03_proof),
+              "speech tokens being compared.", _c03_build, _c03_proof,
+              known_miss="the inverted mask selects ignored positions inside the preference loss's own arithmetic, "
+                         "after the model's outputs; supervision is measured at the model's outputs only"),
     BlindCase("b16-case-04", "https://github.com/eriklindernoren/PyTorch-YOLOv3/issues/325",
               "gradient accumulation condition",
               "The optimizer step is gated on `batches_done % gradient_accumulations`, which is always 0 for an "
               "accumulation of 1, so the optimizer never steps and the detector's weights never change.",
-              _c04_build, _c04_proof),
+              _c04_build, _c04_proof,
+              known_miss="the optimizer step is gated by a condition that never fires; one audited call cannot tell "
+                         "a skipped step from gradient accumulation"),
     BlindCase("b16-case-05", "https://github.com/huggingface/pytorch-image-models/issues/1182",
               "EMA bias (no debias / warmup)",
               "The weight EMA starts as a copy of the initial weights and, with a high decay and no bias correction, "
               "stays almost exactly at the init, so the evaluated and saved EMA model has barely learned.",
-              _c05_build, _c05_proof),
+              _c05_build, _c05_proof,
+              known_miss="the EMA copy kept beside the model is updated outside any optimizer; its (lack of) bias "
+                         "correction is not measured"),
 ]

@@ -397,11 +397,13 @@ CASES: list[BlindCase] = [
               "augmentation not applied to target",
               "The segmentation dataset randomly rotates each input image but not its mask, so the network is "
               "trained against masks that no longer line up with the pixels it sees.",
-              _c07_build, _c07_proof),
+              _c07_build, _c07_proof,
+              known_miss="the augmentation that misaligns image and mask runs in the dataset, before the step"),
     BlindCase("b16-case-08", "https://github.com/DEEP-PolyU/KEQA_WSDM19/issues/2", "softmax over wrong dimension",
               "The word attention takes softmax over a size-1 dimension, so every weight is 1.0 and the attention "
               "scorer gets no gradient: the model trains with no attention at all.",
-              _c08_build, _c08_proof),
+              _c08_build, _c08_proof,
+              known_alarm=('INPUT-002',)),
     BlindCase("b16-case-09", "https://github.com/deep-learning-with-pytorch/dlwpt-code/issues/89",
               "module repeated by list multiplication",
               "The residual stack is built by multiplying a one-element list, so all blocks are the same module "

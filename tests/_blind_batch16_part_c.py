@@ -478,15 +478,20 @@ CASES: list[BlindCase] = [
     BlindCase("b16-case-13", "https://github.com/microsoft/Semi-supervised-learning/issues/102",
               "wrong tensor used in loss (copy-paste)",
               "The student's strong-view logits are overwritten by the teacher's no-grad weak-view logits, so the "
-              "consistency loss is identically zero and training is purely supervised.", _c13_build, _c13_proof),
+              "consistency loss is identically zero and training is purely supervised.", _c13_build, _c13_proof,
+              known_miss="the consistency term reads the teacher's no-grad logits in place of the student's, so it "
+                         "carries no gradient; a loss term without gradient is not attributed"),
     BlindCase("b16-case-14", "https://github.com/haitongli/knowledge-distillation-pytorch/pull/16",
               "data misalignment (shuffled loader re-iterated)",
               "Teacher logits are computed in one pass over a shuffled DataLoader and looked up by batch index in "
               "a later, reshuffled pass, so the student distills soft targets that belong to other images.",
-              _c14_build, _c14_proof),
+              _c14_build, _c14_proof,
+              known_miss="teacher logits misaligned by a reshuffled loader are data the step consumes correctly"),
     BlindCase("b16-case-15", "https://github.com/MaximumEntropy/Seq2Seq-PyTorch/issues/6",
               "missing attention padding mask",
               "The decoder's attention softmax also covers the padded source positions, so attention mass leaks "
               "onto padding and a sentence's translation depends on how long the other sentences in its batch are.",
-              _c15_build, _c15_proof),
+              _c15_build, _c15_proof,
+              known_miss="the decoder's hand-written attention softmax covers padded source positions; the batch "
+                         "passes no padding mask the audit can read"),
 ]

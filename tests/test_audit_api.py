@@ -89,6 +89,9 @@ def test_a_step_that_runs_backward_and_returns_loss_item_is_judged_by_its_gradie
     report = audit(m, lambda: step(False), optimizer=opt)
     (finding,) = report.by_id("LOSS-007")
     assert finding.severity is Severity.INFO and report.ok, str(report)
+    silent = audit(m, lambda: [step(False)] and None, optimizer=opt)  # a loop that returns nothing at all
+    (finding,) = silent.by_id("LOSS-007")
+    assert finding.severity is Severity.INFO and "returned nothing" in finding.message and silent.ok, str(silent)
     (cut,) = audit(m, lambda: step(True), optimizer=opt).by_id("GRAD-001")  # the gradients are still judged
     assert cut.severity is Severity.ERROR and cut.details["params"] == ["0.weight", "0.bias"]
     nan = audit(m, lambda: step(False) * float("nan"), optimizer=opt)

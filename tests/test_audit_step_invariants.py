@@ -1758,3 +1758,24 @@ def test_data_006_on_a_hand_written_model_needs_nearly_every_target_to_be_its_ow
 
     found = audit(m, sgd_step(m, opt, loss), optimizer=opt, inputs=ids).by_id("DATA-006")
     assert bool(found) == (setup == "unshifted")
+
+
+def test_opt_016_is_quiet_for_an_ema_copy_held_in_a_list_on_purpose() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    m = _classifier()
+    m.ema = [copy.deepcopy(m)]  # timm's ModelEma kept beside the model: out of state_dict and the optimizer
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        loss = sgd_step(m, opt, lambda: F.cross_entropy(m(x), y))()
+        with torch.no_grad():
+            for e, p in zip(m.ema[0].parameters(), m.parameters()):
+                e.mul_(0.999).add_(p, alpha=0.001)
+        return loss
+
+    assert not audit(m, step, optimizer=opt, inputs=x).by_id("OPT-016")
+    model, step, kwargs = CASES["OPT-016"](True)  # layers in a list that run in forward stay a finding
+    assert audit(model, step, **kwargs).by_id("OPT-016")

@@ -336,14 +336,16 @@ def _step_failed(trace: StepTrace) -> list[Finding]:
              "where": f"{where.filename}:{where.lineno} in {where.name}" if where else None},
         )]
     out = trace.raw_output
-    if trace.user_backward and isinstance(out, (int, float)) and not isinstance(out, bool):
-        # ``return loss.item()``: the step worked, and its own backward gave the audit the gradients
-        if not math.isfinite(out):
+    if trace.user_backward and (out is None or isinstance(out, (int, float)) and not isinstance(out, bool)):
+        # ``return loss.item()``, or no return at all: the step worked, and its own backward gave the audit the
+        # gradients
+        if out is not None and not math.isfinite(out):
             return [Finding("loss", Severity.ERROR, f"the loss step_fn returned is {out}: the step's gradients are "
                             "not finite either", "LOSS-003", {"value": str(out)})]
         return [Finding(
             "loss", Severity.INFO,
-            f"step_fn returned a {type(out).__name__}, not the loss tensor: it ran backward itself, so the audit "
+            f"step_fn returned {'nothing' if out is None else 'a ' + type(out).__name__}, not the loss tensor: it ran "
+            "backward itself, so the audit "
             "judged its gradients; the checks of the loss tensor itself (detached, not a scalar: LOSS-001/002) "
             "did not run (return the loss tensor to run them)", "LOSS-007", {"returned": type(out).__name__})]
     has_loss_attr = hasattr(out, "loss") or (isinstance(out, dict) and "loss" in out)

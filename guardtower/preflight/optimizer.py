@@ -22,6 +22,9 @@ def check_registration(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-016: submodules kept in a plain list, tuple or dict attribute, which nn.Module does not register;
     OPT-019: one module object listed at several positions of a container (``nn.ModuleList([block] * n)``)."""
     registered = {id(p) for p in ctx.model.parameters()}
+    # after a step: a copy kept aside on purpose (an EMA model, a teacher held in a list so that state_dict and
+    # the optimizer skip it) gets no gradient; layers that run in forward and miss the optimizer do
+    stepped = ctx.trace is not None and ctx.trace.backward
     hidden = []
     findings = list(_repeated_children(ctx.model))
     for name, module in ctx.model.named_modules():
@@ -32,7 +35,8 @@ def check_registration(ctx: AuditContext) -> Iterable[Finding]:
             # a list of references to registered modules (kept for hooks, say) hides nothing
             held = [m for m in items if isinstance(m, nn.Module) and any(True for _ in m.parameters())
                     and not any(id(p) in registered for p in m.parameters())]
-            if held and len(held) == len(items):
+            trained = [m for m in held if not stepped or any(p.grad is not None for p in m.parameters())]
+            if held and len(held) == len(items) and trained:
                 hidden.append(f"{name}.{attribute}" if name else attribute)
     if hidden:
         findings.append(Finding(
