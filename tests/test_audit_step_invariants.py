@@ -1105,15 +1105,41 @@ def test_grad_001_is_info_for_an_architectures_part_that_never_ran() -> None:
     assert all(p.startswith("bert.pooler.") for f in findings for p in f.details["params"])
 
 
-def test_grad_001_is_info_for_a_users_head_that_never_ran() -> None:
-    # the severity from consequence: a module that never ran is not a gradient that was cut (a BYOL
-    # backbone's classifier head, a dropout defined and not used)
+def test_grad_001_stays_a_failure_for_a_users_head_that_never_ran() -> None:
     m = _Backbone(no_grad=False)
     m.add_module("orphan", nn.Linear(4, 4))
     x, y = _data()
     (finding,) = audit(m, lambda: F.cross_entropy(m(x), y)).by_id("GRAD-001")
-    assert finding.severity == Severity.INFO and finding.details["params"] == ["orphan.weight", "orphan.bias"]
-    assert "never ran" in finding.message and finding.details["unused_part"]
+    assert finding.severity == Severity.ERROR and finding.details["params"] == ["orphan.weight", "orphan.bias"]
+
+
+def test_grad_001_is_info_for_a_backbones_head_the_step_skips_by_calling_its_features() -> None:
+    class Backbone(nn.Module):  # timm-style: forward = head(features(x)); self-supervised steps call features
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(8, 16)
+            self.fc = nn.Linear(16, 10)
+
+        def features(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.body(x))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.features(x))
+
+    class Contrastive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Backbone()
+            self.projector = nn.Linear(16, 4)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            za, zb = (F.normalize(self.projector(self.net.features(v)), dim=-1) for v in (a, b))
+            return F.cross_entropy(za @ zb.t() / 0.1, torch.arange(len(a)))
+
+    torch.manual_seed(0)
+    m, (x, _) = Contrastive(), _data()
+    (finding,) = audit(m, lambda: m(x, x + 0.1 * torch.randn_like(x))).by_id("GRAD-001")
+    assert finding.severity == Severity.INFO and finding.details["params"] == ["net.fc.weight", "net.fc.bias"]
 
 
 def test_grad_001_stays_a_failure_for_a_module_that_ran_under_no_grad() -> None:

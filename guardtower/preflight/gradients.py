@@ -67,7 +67,8 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
         findings.append(Finding(
             "grad_connectivity", Severity.INFO,
             f"{len(idle)} trainable parameter(s) of parts the step does not use got no gradient (their module never "
-            f"ran, or the loss does not use what it computes): {fmt_names(idle)} (an unused pooler or head, cross-attention a "
+            f"ran, or the loss does not use what it computes): {fmt_names(idle)} (an unused pooler, a backbone's head "
+            "the step skips, cross-attention a "
             "decoder-only use never calls); if the loss should use them, wire them in, else freeze them",
             "GRAD-001", {"params": idle, "unused_part": True},
         ))
@@ -121,11 +122,12 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
 
 
 def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
-    """The gradient-less parameters of parts the step does not use: a module that never ran in forward (an
-    unused pooler, a classifier head a self-supervised loss skips), or a module the library defined that ran in
-    the graph while nothing downstream used its output (the cross-attention of a decoder used alone). Not cut:
-    a part that ran only under ``no_grad`` stays a failure, and so does an adapter factor (an adapter that never
-    trains is the bug itself)."""
+    """The gradient-less parameters of parts the step does not use: a module that never ran inside a module
+    whose own forward never ran either (a backbone's classifier head when the step calls its feature layers),
+    or a module the library defined that never ran or ran in the graph while nothing downstream used its output
+    (an unused pooler, the cross-attention of a decoder used alone). Not cut: a part that ran only under
+    ``no_grad`` stays a failure, and so do a user's head that its parent's forward never calls (wired to nothing)
+    and an adapter factor (an adapter that never trains is the bug itself)."""
     assert ctx.trace is not None
     ran, in_graph = ctx.trace.ran, ctx.trace.ran_with_grad
     if not ran:
@@ -136,7 +138,9 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
         owner = n.rpartition(".")[0]
         if owner not in modules or (owner in ran and owner not in in_graph) or is_lora_factor(n) or "lora_" in n:
             continue
-        if owner not in ran:
+        if owner not in ran and owner.rpartition(".")[0] not in ran:
+            # the step used the enclosing module only through its parts (a backbone's features, never its
+            # forward), so the part its forward would have called is skipped by design
             idle.append(n)
             continue
         path = owner.split(".")
