@@ -1805,3 +1805,24 @@ def test_opt_016_is_quiet_for_an_ema_copy_held_in_a_list_on_purpose() -> None:
     assert not audit(m, step, optimizer=opt, inputs=x).by_id("OPT-016")
     model, step, kwargs = CASES["OPT-016"](True)  # layers in a list that run in forward stay a finding
     assert audit(model, step, **kwargs).by_id("OPT-016")
+
+
+def test_grad_001_is_info_for_a_library_embedding_its_forward_skips_under_inputs_embeds() -> None:
+    from transformers import LlamaConfig, LlamaModel
+
+    class SpeechLM(nn.Module):  # CosyVoice / LLaVA style: the step builds inputs_embeds itself
+        def __init__(self) -> None:
+            super().__init__()
+            self.llm = LlamaModel(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=2))
+            self.speech = nn.Embedding(12, 16)
+            self.head = nn.Linear(16, 12)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.llm(inputs_embeds=self.speech(ids)).last_hidden_state)
+
+    torch.manual_seed(0)
+    m = SpeechLM()
+    ids = torch.randint(0, 12, (2, 6))
+    (finding,) = audit(m, lambda: F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())).by_id("GRAD-001")
+    assert finding.severity == Severity.INFO and finding.details["params"] == ["llm.embed_tokens.weight"]

@@ -123,8 +123,8 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
 
 def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
     """The gradient-less parameters of parts the step does not use: a module that never ran inside a module
-    whose own forward never ran either (a backbone's classifier head when the step calls its feature layers),
-    or a module the library defined that never ran or ran in the graph while nothing downstream used its output
+    whose own forward never ran either (a backbone's classifier head when the step calls its feature layers) or
+    inside a library module (``embed_tokens`` when the step passes ``inputs_embeds``), or a module the library defined that never ran or ran in the graph while nothing downstream used its output
     (an unused pooler, the cross-attention of a decoder used alone). Not cut: a part that ran only under
     ``no_grad`` stays a failure, and so do a user's head that its parent's forward never calls (wired to nothing)
     and an adapter factor (an adapter that never trains is the bug itself)."""
@@ -138,9 +138,11 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
         owner = n.rpartition(".")[0]
         if owner not in modules or (owner in ran and owner not in in_graph) or is_lora_factor(n) or "lora_" in n:
             continue
-        if owner not in ran and owner.rpartition(".")[0] not in ran:
+        parent = owner.rpartition(".")[0]
+        library_parent = bool(parent) and type(modules.get(parent)).__module__.startswith("transformers.")
+        if owner not in ran and (parent not in ran or library_parent):  # a head attached to the root is the user's
             # the step used the enclosing module only through its parts (a backbone's features, never its
-            # forward), so the part its forward would have called is skipped by design
+            # forward), or a library forward skipped it for these arguments (embed_tokens under inputs_embeds)
             idle.append(n)
             continue
         path = owner.split(".")
