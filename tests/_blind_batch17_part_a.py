@@ -77,9 +77,102 @@ def _c01_proof(bug: bool) -> bool:
     return abs(float(out.loss) - float(text_only)) > 1e-4
 
 
+# --------------------------------------------------------------------------------------------- case-02
+# PPO step under ``accelerator.accumulate``: gradients cleared with ``policy.zero_grad`` (the wrapped model)
+# instead of the accelerated optimizer's ``zero_grad``, which is a no-op on non-sync micro-steps.
+
+_C02_ACC = 2
+_C02_QUERY = torch.randint(3, 40, (_C02_ACC, 2, 4), generator=_gen(1711))
+_C02_RESP = torch.randint(3, 40, (_C02_ACC, 2, 5), generator=_gen(1712))
+_C02_ADV = torch.randn(_C02_ACC, 2, 5, generator=_gen(1713))
+
+
+def _c02_policy() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg)
+
+
+def _c02_logprobs(policy: nn.Module, i: int) -> torch.Tensor:
+    seq = torch.cat([_C02_QUERY[i], _C02_RESP[i]], 1)
+    logits = policy(input_ids=seq).logits[:, _C02_QUERY.shape[2] - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, _C02_RESP[i][..., None]).squeeze(-1)
+
+
+def _c02_ppo_loss(policy: nn.Module, old_logprobs: torch.Tensor, i: int) -> torch.Tensor:
+    logprob = _c02_logprobs(policy, i)
+    ratio = torch.exp(logprob - old_logprobs[i])
+    pg1 = -_C02_ADV[i] * ratio
+    pg2 = -_C02_ADV[i] * torch.clamp(ratio, 0.8, 1.2)
+    return torch.max(pg1, pg2).mean()
+
+
+def _c02_setup(bug: bool):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=_C02_ACC, cpu=True)
+    torch.manual_seed(1714)
+    policy = _c02_policy().train()
+    with torch.no_grad():
+        old = torch.stack([_c02_logprobs(policy, i) for i in range(_C02_ACC)]) + 0.05
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    policy, acc_opt = accelerator.prepare(policy, optimizer)
+
+    def step_fn() -> torch.Tensor:
+        total = torch.zeros(())
+        for i in range(_C02_ACC):  # one optimizer update = _C02_ACC micro-batches of rollouts
+            with accelerator.accumulate(policy):
+                loss = _c02_ppo_loss(policy, old, i)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(policy.parameters(), 10.0)
+                acc_opt.step()
+                if bug:
+                    policy.zero_grad(set_to_none=True)
+                else:
+                    acc_opt.zero_grad(set_to_none=True)
+            total = total + loss.detach()
+        return total / _C02_ACC
+
+    return policy, optimizer, old, step_fn
+
+
+def _c02_build(bug: bool) -> Case:
+    """PPO policy update accumulated over two rollout micro-batches with accelerate's ``accumulate``."""
+    policy, optimizer, _, step_fn = _c02_setup(bug)
+    return policy, step_fn, _kw(optimizer=optimizer, inputs=(_C02_QUERY, _C02_RESP, _C02_ADV))
+
+
+def _c02_proof(bug: bool) -> bool:
+    """The gradient the optimizer steps on is far from the mean of the micro-batch gradients (first one lost)."""
+    policy, optimizer, old, step_fn = _c02_setup(bug)
+    ref = _c02_policy()
+    ref.load_state_dict(policy.state_dict())
+    per_mb = []
+    for i in range(_C02_ACC):
+        ref.zero_grad()
+        _c02_ppo_loss(ref, old, i).backward()
+        per_mb.append(torch.cat([p.grad.flatten() for p in ref.parameters()]))
+    expected = torch.stack(per_mb).mean(0)
+    seen: list[torch.Tensor] = []
+    optimizer.register_step_pre_hook(
+        lambda opt, a, k: seen.append(torch.cat([p.grad.flatten() for p in policy.parameters()])))
+    step_fn()
+    got = seen[0]
+    return float((got - expected).norm() / expected.norm()) > 0.1
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-01", "https://github.com/NielsRogge/Transformers-Tutorials/issues/511",
               "image placeholder tokens left in LM labels",
               "the VLM collator copies input_ids into labels and masks only padding, so the expanded image-token "
               "positions are trained as next-token targets alongside the answer text", _c01_build, _c01_proof),
+    BlindCase("b17-case-02", "https://github.com/tatsu-lab/alpaca_farm/issues/57",
+              "gradient accumulation cleared on every micro-step",
+              "under accelerate's accumulate context the PPO step clears gradients through the model's own "
+              "zero_grad, which is not skipped on non-sync micro-steps, so each update uses only the last "
+              "micro-batch's gradient", _c02_build, _c02_proof),
 ]
