@@ -165,6 +165,59 @@ def _c02_proof(bug: bool) -> bool:
     return float((got - expected).norm() / expected.norm()) > 0.1
 
 
+# --------------------------------------------------------------------------------------------- case-03
+# VisionEncoderDecoderModel (Donut-style OCR fine-tune): labels are already shifted right into
+# decoder_input_ids, but the loss went through the causal-LM loss, which shifts the labels a second time.
+
+_C03_V = 30
+_C03_LABELS = torch.randint(3, _C03_V, (3, 7), generator=_gen(1721))
+_C03_LABELS[:, -1] = 2  # every target ends in </s>
+_C03_PIX = torch.randn(3, 3, 16, 16, generator=_gen(1722))
+
+
+def _c03_model() -> nn.Module:
+    from transformers import BertConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
+
+    enc = ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                    image_size=16, patch_size=8)
+    dec = BertConfig(vocab_size=_C03_V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32, is_decoder=True, add_cross_attention=True,
+                     pad_token_id=0)
+    cfg = VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id = 1
+    cfg.pad_token_id = 0
+    return VisionEncoderDecoderModel(config=cfg)
+
+
+def _c03_loss(model: nn.Module, bug: bool, keep: list | None = None) -> torch.Tensor:
+    out = model(pixel_values=_C03_PIX, labels=_C03_LABELS)
+    if keep is not None:
+        out.logits.retain_grad()
+        keep.append(out.logits)
+    if bug:  # the model's loss_function (ForCausalLMLoss) on logits that are already aligned with labels
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return ForCausalLMLoss(out.logits, _C03_LABELS, vocab_size=_C03_V)
+    return out.loss  # plain cross-entropy of logits[t] against labels[t]
+
+
+def _c03_build(bug: bool) -> Case:
+    """Tiny ViT encoder + BERT decoder trained on image->text with labels shifted into decoder inputs."""
+    torch.manual_seed(1723)
+    model = _c03_model().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    step = _sgd_step(model, opt, lambda: _c03_loss(model, bug))
+    return model, step, _kw(optimizer=opt, inputs=(_C03_PIX, _C03_LABELS))
+
+
+def _c03_proof(bug: bool) -> bool:
+    """The logits at the last decoder position (which must predict </s>) get exactly zero gradient."""
+    model, _, _ = _c03_build(bug)
+    keep: list = []
+    _c03_loss(model, bug, keep).backward()
+    return float(keep[0].grad[:, -1].abs().max()) == 0.0
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-01", "https://github.com/NielsRogge/Transformers-Tutorials/issues/511",
               "image placeholder tokens left in LM labels",
@@ -175,4 +228,9 @@ CASES: list[BlindCase] = [
               "under accelerate's accumulate context the PPO step clears gradients through the model's own "
               "zero_grad, which is not skipped on non-sync micro-steps, so each update uses only the last "
               "micro-batch's gradient", _c02_build, _c02_proof),
+    BlindCase("b17-case-03", "https://github.com/huggingface/transformers/pull/40863",
+              "labels shifted twice in encoder-decoder loss",
+              "the decoder inputs are already the right-shifted labels, yet the loss shifts labels once more, so "
+              "each position is trained to predict the token after its target and the final </s> is never "
+              "learned", _c03_build, _c03_proof),
 ]
