@@ -218,6 +218,62 @@ def _c03_proof(bug: bool) -> bool:
     return float(keep[0].grad[:, -1].abs().max()) == 0.0
 
 
+# --------------------------------------------------------------------------------------------- case-04
+# BioGptForSequenceClassification pooled at ``(input_ids != pad).sum(-1) - 1``: correct for right padding
+# only; with a left-padding tokenizer the head reads a padding (or early) position instead of the last token.
+
+_C04_PAD = 1
+_C04_IDS = torch.tensor([  # padding_side="left"
+    [_C04_PAD, _C04_PAD, _C04_PAD, _C04_PAD, 5, 9, 14, 7, 2],
+    [_C04_PAD, _C04_PAD, 11, 6, 8, 13, 10, 4, 2],
+    [17, 3, 12, 9, 5, 15, 18, 6, 2],
+    [_C04_PAD, _C04_PAD, _C04_PAD, _C04_PAD, _C04_PAD, 16, 4, 19, 2],
+])
+_C04_MASK = (_C04_IDS != _C04_PAD).long()
+_C04_Y = torch.tensor([0, 1, 2, 1])
+
+
+def _c04_model() -> nn.Module:
+    from transformers import BioGptConfig, BioGptForSequenceClassification
+
+    cfg = BioGptConfig(vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, max_position_embeddings=64, pad_token_id=_C04_PAD, num_labels=3)
+    return BioGptForSequenceClassification(cfg)
+
+
+def _c04_pooled(model: nn.Module, bug: bool, keep: list | None = None) -> torch.Tensor:
+    hidden = model.biogpt(input_ids=_C04_IDS, attention_mask=_C04_MASK).last_hidden_state
+    if keep is not None:
+        hidden.retain_grad()
+        keep.append(hidden)
+    logits = model.score(hidden)
+    if bug:  # the head's legacy index: number of non-pad tokens minus one
+        last = torch.ne(_C04_IDS, model.config.pad_token_id).sum(-1) - 1
+    else:  # rightmost non-pad token, whichever side was padded
+        non_pad = (_C04_IDS != model.config.pad_token_id).int()
+        last = (torch.arange(_C04_IDS.shape[-1], dtype=torch.int32) * non_pad).argmax(-1)
+    return logits[torch.arange(_C04_IDS.shape[0]), last]
+
+
+def _c04_build(bug: bool) -> Case:
+    """Decoder-only sequence classifier fine-tuned on a left-padded batch."""
+    torch.manual_seed(1731)
+    model = _c04_model().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    step = _sgd_step(model, opt, lambda: F.cross_entropy(_c04_pooled(model, bug), _C04_Y))
+    return model, step, _kw(optimizer=opt, inputs=(_C04_IDS, _C04_MASK))
+
+
+def _c04_proof(bug: bool) -> bool:
+    """Some row's last real token gets no gradient from the classification loss (another position is pooled)."""
+    model, _, _ = _c04_build(bug)
+    model.eval()
+    keep: list = []
+    F.cross_entropy(_c04_pooled(model, bug, keep), _C04_Y).backward()
+    g = keep[0].grad[:, -1]  # the last real token sits at the end of every left-padded row
+    return bool((g.abs().amax(-1) == 0).any())
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-01", "https://github.com/NielsRogge/Transformers-Tutorials/issues/511",
               "image placeholder tokens left in LM labels",
@@ -233,4 +289,9 @@ CASES: list[BlindCase] = [
               "the decoder inputs are already the right-shifted labels, yet the loss shifts labels once more, so "
               "each position is trained to predict the token after its target and the final </s> is never "
               "learned", _c03_build, _c03_proof),
+    BlindCase("b17-case-04", "https://github.com/huggingface/transformers/pull/46782",
+              "sequence-classification head pools wrong token under left padding",
+              "the classifier pools the hidden state at (non-pad count - 1), which with left padding is a padding "
+              "or early position, so the head is trained on the wrong token for padded rows",
+              _c04_build, _c04_proof),
 ]
