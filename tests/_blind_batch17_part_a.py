@@ -274,6 +274,64 @@ def _c04_proof(bug: bool) -> bool:
     return bool((g.abs().amax(-1) == 0).any())
 
 
+# --------------------------------------------------------------------------------------------- case-05
+# Instruction-tuning target built as target_ids + [pad]: fine for models whose pad == eos, but with a
+# tokenizer that has a separate eos (Gemma) the model is trained to end answers with <pad>, never with </s>.
+
+_C05_PAD, _C05_BOS, _C05_EOS = 0, 1, 2
+_C05_PAIRS = [  # (prompt ids, target ids), tokenized without special tokens
+    ([5, 9, 14, 7], [20, 21, 22]),
+    ([11, 6, 8], [23, 24, 25, 26]),
+    ([17, 3, 12, 9, 5], [27, 28]),
+]
+
+
+def _c05_batch(bug: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    end = _C05_PAD if bug else _C05_EOS
+    rows, labs = [], []
+    for prompt, target in _C05_PAIRS:
+        tgt = target + [end]
+        rows.append([_C05_BOS] + prompt + tgt)
+        labs.append([-100] * (1 + len(prompt)) + tgt)
+    t = max(len(r) for r in rows)
+    ids = torch.tensor([r + [_C05_PAD] * (t - len(r)) for r in rows])
+    labels = torch.tensor([lb + [-100] * (t - len(lb)) for lb in labs])
+    mask = torch.tensor([[1] * len(r) + [0] * (t - len(r)) for r in rows])
+    return ids, mask, labels
+
+
+def _c05_model() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      pad_token_id=_C05_PAD, bos_token_id=_C05_BOS, eos_token_id=_C05_EOS)
+    return LlamaForCausalLM(cfg)
+
+
+def _c05_build(bug: bool) -> Case:
+    """Causal-LM instruction tune (prompt masked) whose targets end in <pad> (bug) or in </s> (fix)."""
+    torch.manual_seed(1741)
+    model = _c05_model().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, mask, labels = _c05_batch(bug)
+    step = _sgd_step(model, opt, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    return model, step, _kw(optimizer=opt, inputs=(ids, mask, labels))
+
+
+def _c05_proof(bug: bool) -> bool:
+    """Nowhere does the loss pull the eos logit up: its gradient is >= 0 at every trained position."""
+    model, _, _ = _c05_build(bug)
+    ids, mask, labels = _c05_batch(bug)
+    out = model(input_ids=ids, attention_mask=mask)
+    logits = out.logits
+    logits.retain_grad()
+    shift = labels[:, 1:]
+    F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), shift.reshape(-1), ignore_index=-100).backward()
+    g_eos = logits.grad[:, :-1, _C05_EOS][shift != -100]
+    return bool((g_eos >= 0).all())
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-01", "https://github.com/NielsRogge/Transformers-Tutorials/issues/511",
               "image placeholder tokens left in LM labels",
@@ -294,4 +352,9 @@ CASES: list[BlindCase] = [
               "the classifier pools the hidden state at (non-pad count - 1), which with left padding is a padding "
               "or early position, so the head is trained on the wrong token for padded rows",
               _c04_build, _c04_proof),
+    BlindCase("b17-case-05", "https://github.com/ludwig-ai/ludwig/pull/3945",
+              "answer terminated with pad instead of eos",
+              "each fine-tuning target is closed with the pad token, which differs from eos for this tokenizer, so "
+              "the model is only ever taught to emit <pad> after an answer and never learns to produce </s>",
+              _c05_build, _c05_proof),
 ]
