@@ -364,4 +364,9 @@ CASES: list[BlindCase] = [
               "Setting out_features on the pretrained Linear leaves its weight at the old class count, so the "
               "model keeps emitting logits for every pretrained class and trains far worse.",
               _c06_build, _c06_proof),
+    BlindCase("b17-case-07", "https://github.com/yangze0930/NTS-Net/issues/14",
+              "dropout active at eval",
+              "A Dropout module built inside forward() is never switched by net.eval(), so test predictions stay "
+              "randomly dropped and differ from run to run.",
+              _c07_build, _c07_proof),
 ]
