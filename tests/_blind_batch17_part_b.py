@@ -369,4 +369,9 @@ CASES: list[BlindCase] = [
               "A Dropout module built inside forward() is never switched by net.eval(), so test predictions stay "
               "randomly dropped and differ from run to run.",
               _c07_build, _c07_proof),
+    BlindCase("b17-case-08", "https://php.bkmy88.com/faq/2068558.html",
+              "unpaired image/mask augmentation",
+              "Calling the random transform separately on image and mask samples different flips and angles, so "
+              "the masks the model learns from no longer line up with the masses in the images.",
+              _c08_build, _c08_proof),
 ]
