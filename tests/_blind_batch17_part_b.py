@@ -374,4 +374,9 @@ CASES: list[BlindCase] = [
               "Calling the random transform separately on image and mask samples different flips and angles, so "
               "the masks the model learns from no longer line up with the masses in the images.",
               _c08_build, _c08_proof),
+    BlindCase("b17-case-09", "https://github.com/kengz/SLM-Lab/pull/133",
+              "policy loss cut from graph",
+              "torch.tensor() over the collected log-probs builds a new tensor without history, so the policy "
+              "loss trains nothing and only the critic learns.",
+              _c09_build, _c09_proof),
 ]
