@@ -379,4 +379,9 @@ CASES: list[BlindCase] = [
               "torch.tensor() over the collected log-probs builds a new tensor without history, so the policy "
               "loss trains nothing and only the critic learns.",
               _c09_build, _c09_proof),
+    BlindCase("b17-case-10", "https://github.com/batra-mlp-lab/visdial-rl/issues/13",
+              "reward not detached",
+              "The REINFORCE reward is computed from the model's own feature regression and not detached, so "
+              "the policy loss pushes a spurious log-prob-scaled gradient into the regression head.",
+              _c10_build, _c10_proof),
 ]
