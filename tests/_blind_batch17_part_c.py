@@ -89,9 +89,137 @@ def _c11_proof(bug: bool) -> bool:
     return float(norm) > agent.max_global_gradient_norm * 1.01
 
 
+
+# --------------------------------------------------------------------------------------------- case-12
+
+
+class _MemoryBankModule(nn.Module):
+    """Memory bank of negatives: returns the bank as it was, then enqueues the new keys when asked to."""
+
+    def __init__(self, size: int, dim: int) -> None:
+        super().__init__()
+        self.size = size
+        bank = F.normalize(torch.randn(dim, size, generator=_gen(1201)), dim=0)
+        self.register_buffer("bank", bank)
+        self.register_buffer("bank_ptr", torch.zeros(1, dtype=torch.long))
+
+    @torch.no_grad()
+    def _dequeue_and_enqueue(self, batch: torch.Tensor) -> None:
+        n = batch.shape[0]
+        ptr = int(self.bank_ptr)
+        if ptr + n >= self.size:
+            self.bank[:, ptr:] = batch[: self.size - ptr].T.detach()
+            self.bank_ptr[0] = 0
+        else:
+            self.bank[:, ptr:ptr + n] = batch.T.detach()
+            self.bank_ptr[0] = ptr + n
+
+    def forward(self, output: torch.Tensor, update: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        bank = self.bank.clone().detach()
+        if update:
+            self._dequeue_and_enqueue(output)
+        return output, bank
+
+
+class _NTXentLoss(_MemoryBankModule):
+    """NT-Xent (InfoNCE) with a memory bank: positive = the other view's key, negatives = the bank."""
+
+    def __init__(self, temperature: float = 0.1, memory_bank_size: int = 64, dim: int = 8) -> None:
+        super().__init__(memory_bank_size, dim)
+        self.temperature = temperature
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (positives, negatives) of each call
+
+    def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out0 = F.normalize(out0, dim=1)
+        out1 = F.normalize(out1, dim=1)
+        out1, negatives = super().forward(out1, update=out0.requires_grad)
+        self.calls.append((out1.detach().clone(), negatives))
+        sim_pos = torch.einsum("nc,nc->n", out0, out1).unsqueeze(-1)
+        sim_neg = torch.einsum("nc,ck->nk", out0, negatives)
+        logits = torch.cat([sim_pos, sim_neg], dim=1) / self.temperature
+        labels = torch.zeros(logits.shape[0], dtype=torch.long)
+        return F.cross_entropy(logits, labels)
+
+
+class _MoCo(nn.Module):
+    """MoCo: query backbone + projection head, momentum copies of both for the keys."""
+
+    def __init__(self, m: float = 0.99) -> None:
+        super().__init__()
+        self.m = m
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.projection_head = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.momentum_backbone = copy.deepcopy(self.backbone)
+        self.momentum_projection_head = copy.deepcopy(self.projection_head)
+        for p in list(self.momentum_backbone.parameters()) + list(self.momentum_projection_head.parameters()):
+            p.requires_grad = False
+
+    @torch.no_grad()
+    def _momentum_update(self) -> None:
+        for src, dst in ((self.backbone, self.momentum_backbone),
+                         (self.projection_head, self.momentum_projection_head)):
+            for p, pm in zip(src.parameters(), dst.parameters()):
+                pm.data = pm.data * self.m + p.data * (1.0 - self.m)
+
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out0 = self.projection_head(self.backbone(x0))
+        self._momentum_update()
+        with torch.no_grad():
+            out1 = self.momentum_projection_head(self.momentum_backbone(x1)).detach()
+        return out0, out1
+
+
+class _MocoModel(nn.Module):
+    def __init__(self, symmetric: bool) -> None:
+        super().__init__()
+        self.symmetric = symmetric
+        self.resnet_moco = _MoCo(m=0.99)
+        self.criterion = _NTXentLoss(temperature=0.1, memory_bank_size=64, dim=8)
+
+    def training_step(self, x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
+        if self.symmetric:
+            loss_1 = self.criterion(*self.resnet_moco(x0, x1))
+            loss_2 = self.criterion(*self.resnet_moco(x1, x0))
+            return 0.5 * (loss_1 + loss_2)
+        return self.criterion(*self.resnet_moco(x0, x1))
+
+
+_C12_IMG = torch.rand(8, 3, 8, 8, generator=_gen(1202))
+_C12_X0 = (_C12_IMG + 0.1 * torch.randn(8, 3, 8, 8, generator=_gen(1203))).clamp(0, 1)
+_C12_X1 = torch.flip(_C12_IMG, dims=[3]) * 0.9
+
+
+def _c12_build(bug: bool) -> Case:
+    """MoCo benchmark with a memory-bank NT-Xent loss, trained with the symmetric loss (x0,x1) then (x1,x0)."""
+    torch.manual_seed(12)
+    model = _MocoModel(symmetric=bug).train()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=6e-2, momentum=0.9,
+                          weight_decay=5e-4)
+    step = _sgd_step(model, opt, lambda: model.training_step(_C12_X0, _C12_X1))
+    return model, step, _kw(optimizer=opt, inputs=(_C12_X0, _C12_X1))
+
+
+def _c12_proof(bug: bool) -> bool:
+    """Within one step, a key enqueued for this batch's images comes back as a negative for the same images."""
+    model, step, _ = _c12_build(bug)
+    step()
+    calls = model.criterion.calls
+    for i, (_, negatives) in enumerate(calls):
+        for pos_prev, _ in calls[:i]:
+            sim = pos_prev @ negatives  # (batch, bank): 1.0 where the earlier key sits in the bank
+            if bool((sim.max(dim=1).values > 0.9999).all()):
+                return True
+    return False
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-11", "https://github.com/google-deepmind/open_spiel/issues/827", "gradient clipping on the wrong parameters",
               "The policy update clips the gradients of the value head (which the detached policy loss never "
               "reaches) instead of the policy head, so max_global_gradient_norm never limits the policy step.",
               _c11_build, _c11_proof),
+    BlindCase("b17-case-12", "https://github.com/lightly-ai/lightly/issues/564", "positive pair leaked into negatives",
+              "With a symmetric MoCo loss, the first half enqueues the keys of x1 into the memory bank and the second "
+              "half then scores the query of x1 against its own key as a negative, pushing each image away from itself.",
+              _c12_build, _c12_proof),
 ]
