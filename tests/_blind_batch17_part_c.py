@@ -213,6 +213,77 @@ def _c12_proof(bug: bool) -> bool:
     return False
 
 
+
+# --------------------------------------------------------------------------------------------- case-13
+
+
+class _BoltsVAE(nn.Module):
+    """Standard VAE (Gaussian prior and posterior) with a kl_coeff hyper-parameter, as in a Lightning module."""
+
+    def __init__(self, apply_kl_coeff: bool, input_dim: int = 48, enc_out_dim: int = 32, latent_dim: int = 4,
+                 kl_coeff: float = 0.1) -> None:
+        super().__init__()
+        self.apply_kl_coeff = apply_kl_coeff
+        self.kl_coeff = kl_coeff
+        self.encoder = nn.Sequential(nn.Flatten(), nn.Linear(input_dim, enc_out_dim), nn.ReLU())
+        self.decoder = nn.Sequential(nn.Linear(latent_dim, enc_out_dim), nn.ReLU(), nn.Linear(enc_out_dim, input_dim))
+        self.fc_mu = nn.Linear(enc_out_dim, latent_dim)
+        self.fc_var = nn.Linear(enc_out_dim, latent_dim)
+
+    def sample(self, mu: torch.Tensor, log_var: torch.Tensor):
+        std = torch.exp(log_var / 2)
+        p = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(std))
+        q = torch.distributions.Normal(mu, std)
+        z = q.rsample()
+        return p, q, z
+
+    def _run_step(self, x: torch.Tensor):
+        h = self.encoder(x)
+        mu = self.fc_mu(h)
+        log_var = self.fc_var(h)
+        p, q, z = self.sample(mu, log_var)
+        return z, self.decoder(z), p, q
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, _ = batch
+        z, x_hat, p, q = self._run_step(x)
+        recon_loss = F.mse_loss(x_hat, x.flatten(1), reduction="mean")
+        log_qz = q.log_prob(z)
+        log_pz = p.log_prob(z)
+        kl = log_qz - log_pz
+        kl = kl.mean()
+        if self.apply_kl_coeff:
+            kl = kl * self.kl_coeff
+        return kl + recon_loss
+
+
+_C13_X = torch.rand(16, 3, 4, 4, generator=_gen(1301))
+_C13_Y = torch.randint(0, 10, (16,), generator=_gen(1302))
+
+
+def _c13_build(bug: bool) -> Case:
+    """Bolts-style VAE trained with kl_coeff=0.1 whose step adds the KL term unscaled."""
+    torch.manual_seed(13)
+    model = _BoltsVAE(apply_kl_coeff=not bug).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    step = _sgd_step(model, opt, lambda: model.step((_C13_X, _C13_Y)))
+    return model, step, _kw(optimizer=opt, inputs=_C13_X)
+
+
+def _c13_proof(bug: bool) -> bool:
+    """The training loss differs from recon + kl_coeff * KL computed by hand on the same posterior sample."""
+    model, _, _ = _c13_build(bug)
+    torch.manual_seed(1303)
+    loss = model.step((_C13_X, _C13_Y))
+    torch.manual_seed(1303)
+    z, x_hat, p, q = model._run_step(_C13_X)
+    recon = F.mse_loss(x_hat, _C13_X.flatten(1))
+    kl = (q.log_prob(z) - p.log_prob(z)).mean()
+    expected = recon + model.kl_coeff * kl
+    loss, expected = float(loss.detach()), float(expected.detach())
+    return abs(loss - expected) > 1e-5 * max(1.0, abs(expected))
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-11", "https://github.com/google-deepmind/open_spiel/issues/827", "gradient clipping on the wrong parameters",
               "The policy update clips the gradients of the value head (which the detached policy loss never "
@@ -222,4 +293,8 @@ CASES: list[BlindCase] = [
               "With a symmetric MoCo loss, the first half enqueues the keys of x1 into the memory bank and the second "
               "half then scores the query of x1 against its own key as a negative, pushing each image away from itself.",
               _c12_build, _c12_proof),
+    BlindCase("b17-case-13", "https://github.com/Lightning-Universe/lightning-bolts/issues/328", "hyper-parameter silently ignored",
+              "The VAE stores kl_coeff but its loss adds the KL term unscaled, so the KL weight the user sets has no "
+              "effect and the posterior is pulled to the prior ten times harder than asked.",
+              _c13_build, _c13_proof),
 ]
