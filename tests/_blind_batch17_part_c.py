@@ -284,6 +284,117 @@ def _c13_proof(bug: bool) -> bool:
     return abs(loss - expected) > 1e-5 * max(1.0, abs(expected))
 
 
+
+# --------------------------------------------------------------------------------------------- case-14
+
+
+class _PointerNet(nn.Module):
+    """Pointer network for TSP: LSTM encoder over city embeddings, LSTM decoder pointing at unvisited cities."""
+
+    def __init__(self, input_dim: int = 2, emb: int = 16, hidden: int = 16) -> None:
+        super().__init__()
+        self.embedding = nn.Linear(input_dim, emb)
+        self.encoder = nn.LSTM(emb, hidden, batch_first=True)
+        self.decoder = nn.LSTMCell(emb, hidden)
+        self.W_ref = nn.Linear(hidden, hidden, bias=False)
+        self.W_q = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Parameter(torch.randn(hidden) * 0.1)
+        self.dec_start = nn.Parameter(torch.randn(emb) * 0.1)
+
+    def forward(self, cities: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, n, _ = cities.shape
+        emb = self.embedding(cities)
+        enc, (h, c) = self.encoder(emb)
+        h, c = h[0], c[0]
+        dec_in = self.dec_start.expand(batch, -1)
+        visited = torch.zeros(batch, n, dtype=torch.bool)
+        log_probs, tour = [], []
+        for _ in range(n):
+            h, c = self.decoder(dec_in, (h, c))
+            u = torch.tanh(self.W_ref(enc) + self.W_q(h)[:, None]) @ self.v
+            u = u.masked_fill(visited, float("-inf"))
+            logp = F.log_softmax(u, dim=1)
+            idx = torch.multinomial(logp.exp().detach(), 1, generator=gen).squeeze(1)
+            log_probs.append(logp.gather(1, idx[:, None]).squeeze(1))
+            tour.append(idx)
+            visited = visited.clone()
+            visited[torch.arange(batch), idx] = True
+            dec_in = emb[torch.arange(batch), idx]
+        return torch.stack(tour, 1), torch.stack(log_probs, 1).sum(1)
+
+
+class _Critic(nn.Module):
+    """Critic: its own encoder over the cities, predicting the expected tour length (the baseline b)."""
+
+    def __init__(self, input_dim: int = 2, emb: int = 16, hidden: int = 16) -> None:
+        super().__init__()
+        self.embedding = nn.Linear(input_dim, emb)
+        self.encoder = nn.LSTM(emb, hidden, batch_first=True)
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, cities: torch.Tensor) -> torch.Tensor:
+        enc, _ = self.encoder(self.embedding(cities))
+        return self.head(enc.mean(1))
+
+
+class _NCOModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointer_net = _PointerNet()
+        self.critic = _Critic()
+
+    def forward(self, cities: torch.Tensor, gen: torch.Generator):
+        tour, log_probs = self.pointer_net(cities, gen)
+        ordered = cities.gather(1, tour[..., None].expand(-1, -1, cities.shape[-1]))
+        L = (ordered - ordered.roll(-1, dims=1)).norm(dim=-1).sum(1)  # closed tour length
+        b = self.critic(cities)
+        return L, log_probs, tour, b
+
+
+_C14_CITIES = torch.rand(8, 6, 2, generator=_gen(1401))
+
+
+def _c14_losses(model: _NCOModel, bug: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    L, log_probs, _, b = model(_C14_CITIES, _gen(seed))
+    log_probs = log_probs.view(-1)
+    log_probs[(log_probs < -1000).detach()] = 0.0
+    critic_loss = F.mse_loss(b.view(-1), L)
+    advantage = L - b.view(-1) if bug else L - b.view(-1).detach()
+    actor_loss = (advantage * log_probs).mean()
+    return actor_loss + critic_loss, critic_loss
+
+
+def _c14_build(bug: bool) -> Case:
+    """REINFORCE with a critic baseline for TSP: one optimizer over pointer net and critic, loss = actor + critic."""
+    torch.manual_seed(14)
+    model = _NCOModel().train()
+    opt = torch.optim.Adam(list(model.critic.parameters()) + list(model.pointer_net.parameters()), lr=1e-3)
+    counter = [0]
+
+    def step() -> torch.Tensor:
+        counter[0] += 1
+        loss, _ = _c14_losses(model, bug, 1402 + counter[0])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.critic.parameters()) + list(model.pointer_net.parameters()),
+                                       1.0, norm_type=2)
+        opt.step()
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=_C14_CITIES)
+
+
+def _c14_proof(bug: bool) -> bool:
+    """The critic's gradient from the total loss is not the gradient of its own MSE loss: the actor loss reaches it."""
+    model, _, _ = _c14_build(bug)
+    loss, critic_loss = _c14_losses(model, bug, 1402)
+    params = list(model.critic.parameters())
+    g_total = torch.autograd.grad(loss, params, retain_graph=True)
+    g_critic = torch.autograd.grad(critic_loss, params)
+    diff = max(float((a - b).abs().max()) for a, b in zip(g_total, g_critic))
+    return diff > 1e-6
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-11", "https://github.com/google-deepmind/open_spiel/issues/827", "gradient clipping on the wrong parameters",
               "The policy update clips the gradients of the value head (which the detached policy loss never "
@@ -297,4 +408,8 @@ CASES: list[BlindCase] = [
               "The VAE stores kl_coeff but its loss adds the KL term unscaled, so the KL weight the user sets has no "
               "effect and the posterior is pulled to the prior ten times harder than asked.",
               _c13_build, _c13_proof),
+    BlindCase("b17-case-14", "https://github.com/jingw2/neural-combinatorial-optimization-rl/issues/1", "baseline not detached in policy gradient",
+              "The advantage L - b keeps the critic's graph, so the REINFORCE actor loss also backpropagates into the "
+              "critic and drags the baseline away from the expected tour length it is meant to regress.",
+              _c14_build, _c14_proof),
 ]
