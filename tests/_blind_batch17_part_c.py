@@ -395,6 +395,117 @@ def _c14_proof(bug: bool) -> bool:
     return diff > 1e-6
 
 
+
+# --------------------------------------------------------------------------------------------- case-15
+
+
+def _conv_block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.BatchNorm2d(cout), nn.LeakyReLU(0.2, inplace=True))
+
+
+class _SinGenerator(nn.Module):
+    """SinGAN single-scale generator: conv blocks on noise + upsampled previous scale, residual on prev."""
+
+    def __init__(self, nc: int = 3, nfc: int = 8) -> None:
+        super().__init__()
+        self.head = _conv_block(nc, nfc)
+        self.body = nn.Sequential(_conv_block(nfc, nfc), _conv_block(nfc, nfc))
+        self.tail = nn.Sequential(nn.Conv2d(nfc, nc, 3, 1, 1), nn.Tanh())
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.body(self.head(x))) + y
+
+
+class _SinDiscriminator(nn.Module):
+    """SinGAN patch discriminator (WGAN critic)."""
+
+    def __init__(self, nc: int = 3, nfc: int = 8) -> None:
+        super().__init__()
+        self.head = _conv_block(nc, nfc)
+        self.body = nn.Sequential(_conv_block(nfc, nfc))
+        self.tail = nn.Conv2d(nfc, 1, 3, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.body(self.head(x)))
+
+
+def _calc_gradient_penalty(netD: nn.Module, real: torch.Tensor, fake: torch.Tensor, lam: float,
+                           gen: torch.Generator) -> torch.Tensor:
+    alpha = torch.rand(1, 1, generator=gen).expand(real.size())
+    interpolates = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+    disc = netD(interpolates)
+    grads = torch.autograd.grad(disc, interpolates, grad_outputs=torch.ones_like(disc), create_graph=True,
+                                retain_graph=True, only_inputs=True)[0]
+    return ((grads.norm(2, dim=1) - 1) ** 2).mean() * lam
+
+
+class _SinGANScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.netG = _SinGenerator()
+        self.netD = _SinDiscriminator()
+
+
+_C15_REAL = torch.rand(1, 3, 12, 12, generator=_gen(1501)) * 2 - 1
+_C15_PREV = torch.zeros(1, 3, 12, 12)
+_C15_ZOPT = torch.randn(1, 3, 12, 12, generator=_gen(1502))
+
+
+def _c15_generator_losses(m: _SinGANScale, fake: torch.Tensor, noise: torch.Tensor, bug: bool,
+                          alpha: float = 10.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One generator iteration; the 'fix for PyTorch 1.6' scores the old fake detached, the fix regenerates it."""
+    if bug:
+        output = m.netD(fake.detach())
+    else:
+        fake = m.netG(noise.detach(), _C15_PREV)
+        output = m.netD(fake)
+    errG = -output.mean()
+    rec_loss = alpha * F.mse_loss(m.netG(_C15_ZOPT.detach(), _C15_PREV), _C15_REAL)
+    return errG, rec_loss, fake
+
+
+def _c15_build(bug: bool) -> Case:
+    """SinGAN single-scale WGAN-GP step (Dsteps=3, Gsteps=3) with the generator's adversarial term on fake.detach()."""
+    torch.manual_seed(15)
+    m = _SinGANScale().train()
+    optimizerD = torch.optim.Adam(m.netD.parameters(), lr=5e-4, betas=(0.5, 0.999))
+    optimizerG = torch.optim.Adam(m.netG.parameters(), lr=5e-4, betas=(0.5, 0.999))
+    gen = _gen(1503)
+
+    def step() -> torch.Tensor:
+        noise = torch.randn(1, 3, 12, 12, generator=gen)
+        for _ in range(3):  # Dsteps
+            m.netD.zero_grad()
+            errD_real = -m.netD(_C15_REAL).mean()
+            errD_real.backward(retain_graph=True)
+            fake = m.netG(noise.detach(), _C15_PREV)
+            errD_fake = m.netD(fake.detach()).mean()
+            errD_fake.backward(retain_graph=True)
+            gradient_penalty = _calc_gradient_penalty(m.netD, _C15_REAL, fake.detach(), 0.1, gen)
+            gradient_penalty.backward()
+            optimizerD.step()
+        for _ in range(3):  # Gsteps
+            m.netG.zero_grad()
+            errG, rec_loss, fake = _c15_generator_losses(m, fake, noise, bug)
+            errG.backward(retain_graph=True)
+            rec_loss.backward(retain_graph=True)
+            optimizerG.step()
+        return errG + rec_loss
+
+    return m, step, _kw(optimizer=optimizerG, inputs=(_C15_REAL, _C15_ZOPT))
+
+
+def _c15_proof(bug: bool) -> bool:
+    """The generator's adversarial loss errG has no gradient path to any generator weight."""
+    m, _, _ = _c15_build(bug)
+    noise = torch.randn(1, 3, 12, 12, generator=_gen(1504))
+    fake = m.netG(noise, _C15_PREV)
+    errG, _, _ = _c15_generator_losses(m, fake, noise, bug)
+    params = list(m.netG.parameters())
+    grads = torch.autograd.grad(errG, params, allow_unused=True)
+    return all(g is None or float(g.abs().sum()) == 0.0 for g in grads)
+
+
 CASES: list[BlindCase] = [
     BlindCase("b17-case-11", "https://github.com/google-deepmind/open_spiel/issues/827", "gradient clipping on the wrong parameters",
               "The policy update clips the gradients of the value head (which the detached policy loss never "
@@ -412,4 +523,8 @@ CASES: list[BlindCase] = [
               "The advantage L - b keeps the critic's graph, so the REINFORCE actor loss also backpropagates into the "
               "critic and drags the baseline away from the expected tour length it is meant to regress.",
               _c14_build, _c14_proof),
+    BlindCase("b17-case-15", "https://github.com/tamarott/SinGAN/pull/117", "generator adversarial loss detached",
+              "To silence an in-place autograd error the generator step scores fake.detach(), so the adversarial term "
+              "sends no gradient to the generator and only the reconstruction loss trains it.",
+              _c15_build, _c15_proof),
 ]
