@@ -346,12 +346,14 @@ CASES: list[BlindCase] = [
               "labels shifted twice in encoder-decoder loss",
               "the decoder inputs are already the right-shifted labels, yet the loss shifts labels once more, so "
               "each position is trained to predict the token after its target and the final </s> is never "
-              "learned", _c03_build, _c03_proof),
+              "learned", _c03_build, _c03_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
     BlindCase("b17-case-04", "https://github.com/huggingface/transformers/pull/46782",
               "sequence-classification head pools wrong token under left padding",
               "the classifier pools the hidden state at (non-pad count - 1), which with left padding is a padding "
               "or early position, so the head is trained on the wrong token for padded rows",
-              _c04_build, _c04_proof),
+              _c04_build, _c04_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
     BlindCase("b17-case-05", "https://github.com/ludwig-ai/ludwig/pull/3945",
               "answer terminated with pad instead of eos",
               "each fine-tuning target is closed with the pad token, which differs from eos for this tokenizer, so "

@@ -363,7 +363,9 @@ CASES: list[BlindCase] = [
               "classifier head not resized",
               "Setting out_features on the pretrained Linear leaves its weight at the old class count, so the "
               "model keeps emitting logits for every pretrained class and trains far worse.",
-              _c06_build, _c06_proof),
+              _c06_build, _c06_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7",
+              known_alarm=('MODE-003',)),
     BlindCase("b17-case-07", "https://github.com/yangze0930/NTS-Net/issues/14",
               "dropout active at eval",
               "A Dropout module built inside forward() is never switched by net.eval(), so test predictions stay "
@@ -373,7 +375,8 @@ CASES: list[BlindCase] = [
               "unpaired image/mask augmentation",
               "Calling the random transform separately on image and mask samples different flips and angles, so "
               "the masks the model learns from no longer line up with the masses in the images.",
-              _c08_build, _c08_proof),
+              _c08_build, _c08_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
     BlindCase("b17-case-09", "https://github.com/kengz/SLM-Lab/pull/133",
               "policy loss cut from graph",
               "torch.tensor() over the collected log-probs builds a new tensor without history, so the policy "
@@ -383,5 +386,6 @@ CASES: list[BlindCase] = [
               "reward not detached",
               "The REINFORCE reward is computed from the model's own feature regression and not detached, so "
               "the policy loss pushes a spurious log-prob-scaled gradient into the regression head.",
-              _c10_build, _c10_proof),
+              _c10_build, _c10_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
 ]

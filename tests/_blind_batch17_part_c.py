@@ -510,21 +510,26 @@ CASES: list[BlindCase] = [
     BlindCase("b17-case-11", "https://github.com/google-deepmind/open_spiel/issues/827", "gradient clipping on the wrong parameters",
               "The policy update clips the gradients of the value head (which the detached policy loss never "
               "reaches) instead of the policy head, so max_global_gradient_norm never limits the policy step.",
-              _c11_build, _c11_proof),
+              _c11_build, _c11_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
     BlindCase("b17-case-12", "https://github.com/lightly-ai/lightly/issues/564", "positive pair leaked into negatives",
               "With a symmetric MoCo loss, the first half enqueues the keys of x1 into the memory bank and the second "
               "half then scores the query of x1 against its own key as a negative, pushing each image away from itself.",
-              _c12_build, _c12_proof),
+              _c12_build, _c12_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
     BlindCase("b17-case-13", "https://github.com/Lightning-Universe/lightning-bolts/issues/328", "hyper-parameter silently ignored",
               "The VAE stores kl_coeff but its loss adds the KL term unscaled, so the KL weight the user sets has no "
               "effect and the posterior is pulled to the prior ten times harder than asked.",
-              _c13_build, _c13_proof),
+              _c13_build, _c13_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
     BlindCase("b17-case-14", "https://github.com/jingw2/neural-combinatorial-optimization-rl/issues/1", "baseline not detached in policy gradient",
               "The advantage L - b keeps the critic's graph, so the REINFORCE actor loss also backpropagates into the "
               "critic and drags the baseline away from the expected tour length it is meant to regress.",
-              _c14_build, _c14_proof),
+              _c14_build, _c14_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
     BlindCase("b17-case-15", "https://github.com/tamarott/SinGAN/pull/117", "generator adversarial loss detached",
               "To silence an in-place autograd error the generator step scores fake.detach(), so the adversarial term "
               "sends no gradient to the generator and only the reconstruction loss trains it.",
-              _c15_build, _c15_proof),
+              _c15_build, _c15_proof,
+              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
 ]

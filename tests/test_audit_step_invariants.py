@@ -1826,3 +1826,55 @@ def test_grad_001_is_info_for_a_library_embedding_its_forward_skips_under_inputs
     ids = torch.randint(0, 12, (2, 6))
     (finding,) = audit(m, lambda: F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())).by_id("GRAD-001")
     assert finding.severity == Severity.INFO and finding.details["params"] == ["llm.embed_tokens.weight"]
+
+
+def test_an_accelerate_step_that_zeroes_with_set_to_none_runs_under_the_audit() -> None:
+    # Accelerate inspects optimizer.zero_grad's signature for set_to_none: the audit's watch must keep it
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    m, (x, y) = _classifier(), _data()
+    base = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(m, base)
+
+    def step() -> torch.Tensor:
+        total = torch.zeros(())
+        for xs, ys in ((x[:8], y[:8]), (x[8:], y[8:])):
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(xs), ys)
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            total = total + loss.detach()
+        return total / 2
+
+    report = audit(model, step, optimizer=base, inputs=x)
+    assert not report.by_id("LOSS-006") and not report.by_id("LOOP-003"), str(report)
+
+
+@pytest.mark.parametrize("detached", [True, False])
+def test_grad_001_is_a_failure_when_a_whole_library_encoder_is_cut_and_info_for_its_unused_pooler(
+        detached: bool) -> None:
+    from transformers import BertConfig, BertModel
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = BertModel(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32))
+            self.head = nn.Linear(16, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.bert(ids).last_hidden_state  # the pooler runs, and nothing uses its output
+            return self.head((h.detach() if detached else h)[:, 0])
+
+    torch.manual_seed(0)
+    m, ids = Classifier(), torch.randint(0, 30, (4, 6))
+    found = audit(m, lambda: F.cross_entropy(m(ids), torch.tensor([0, 1, 0, 1])),
+                  optimizer=torch.optim.AdamW(m.parameters())).by_id("GRAD-001")
+    (finding,) = found
+    if detached:  # no part of the encoder got a gradient: cut, not an optional part
+        assert finding.severity == Severity.ERROR and "bert.embeddings.word_embeddings.weight" in finding.details["params"]
+    else:
+        assert finding.severity == Severity.INFO and all(p.startswith("bert.pooler.") for p in finding.details["params"])

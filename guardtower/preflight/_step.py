@@ -9,6 +9,7 @@ gradient leaf only when the embedding is frozen, which changes no parameter's gr
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -236,6 +237,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                                        for p in g["params"] if id(p) in names}
 
     def zero_grad_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)  # keeps the signature callers inspect (Accelerate's zero_grad)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             cleared([p for g in self.param_groups for p in g["params"]] if isinstance(self, torch.optim.Optimizer)
                     else list(self.parameters()))
@@ -244,6 +246,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         return wrapper
 
     def recording(event: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             trace.loop_events.append(event)
             return original(*args, **kwargs)
@@ -251,6 +254,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         return wrapper
 
     def counting_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             trace.backward_calls += 1
             return original(*args, **kwargs)
@@ -258,6 +262,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         return wrapper
 
     def scaling(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
         def wrapper(scaler: Any, outputs: Any) -> Any:
             if scaler.is_enabled() and float(scaler.get_scale()) != 1.0:
                 trace.scaled_backward = True

@@ -123,34 +123,50 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
 
 def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
     """The gradient-less parameters of parts the step does not use: a module that never ran inside a module
-    whose own forward never ran either (a backbone's classifier head when the step calls its feature layers) or
-    inside a library module (``embed_tokens`` when the step passes ``inputs_embeds``), or a module the library defined that never ran or ran in the graph while nothing downstream used its output
-    (an unused pooler, the cross-attention of a decoder used alone). Not cut: a part that ran only under
-    ``no_grad`` stays a failure, and so do a user's head that its parent's forward never calls (wired to nothing)
-    and an adapter factor (an adapter that never trains is the bug itself)."""
+    whose own forward never ran either (a backbone's classifier head when the step calls its feature layers), or
+    a part of a library model that never ran or whose output nothing used (an unused pooler or post-layernorm,
+    ``embed_tokens`` under ``inputs_embeds``, the cross-attention of a decoder used alone) while the rest of that
+    library model got gradients. Not cut: a part that ran only under ``no_grad`` stays a failure, and so do a
+    library model none of which got a gradient (its output detached), a user's head that its parent's forward
+    never calls (wired to nothing) and an adapter factor (an adapter that never trains is the bug itself)."""
     assert ctx.trace is not None
     ran, in_graph = ctx.trace.ran, ctx.trace.ran_with_grad
     if not ran:
         return []
     modules = dict(ctx.model.named_modules())
+    learning = [name for name, g in ctx.trace.grads.items() if g is not None]
     idle = []
     for n in missing:
         owner = n.rpartition(".")[0]
         if owner not in modules or (owner in ran and owner not in in_graph) or is_lora_factor(n) or "lora_" in n:
             continue
         parent = owner.rpartition(".")[0]
-        library_parent = bool(parent) and type(modules.get(parent)).__module__.startswith("transformers.")
-        if owner not in ran and (parent not in ran or library_parent):  # a head attached to the root is the user's
-            # the step used the enclosing module only through its parts (a backbone's features, never its
-            # forward), or a library forward skipped it for these arguments (embed_tokens under inputs_embeds)
-            idle.append(n)
+        if owner not in ran and parent not in ran:
+            idle.append(n)  # the step used the enclosing module only through its parts, never its forward
             continue
-        path = owner.split(".")
-        chain = [modules.get(".".join(path[:i])) for i in range(1, len(path) + 1)]
-        if any(m is not None and type(m).__module__.startswith("transformers.") and not hasattr(m, "base_model_prefix")
-               for m in chain):
+        library = _library_root(modules, owner)
+        # a head attached to the root is the user's; a library model that got no gradient at all was cut
+        if library is not None and any(g.startswith(library + ".") or not library for g in learning):
             idle.append(n)
     return idle
+
+
+def _library_root(modules: dict[str, torch.nn.Module], owner: str) -> str | None:
+    """The prefix of the outermost library (transformers) model that holds ``owner`` as one of its own parts
+    ("" for the audited model itself), or None: a module the user attached to a library model is the user's."""
+    path = owner.split(".")
+    for i in range(1, len(path)):
+        prefix = ".".join(path[:i])
+        if _is_library(modules.get(prefix)):
+            return prefix
+    inner = [modules.get(".".join(path[:i])) for i in range(1, len(path) + 1)]
+    if _is_library(modules[""]) and any(_is_library(m) and not hasattr(m, "base_model_prefix") for m in inner):
+        return ""  # the library model is the audited one: its own inner module (BertPooler), not one added to it
+    return None
+
+
+def _is_library(module: object) -> bool:
+    return type(module).__module__.startswith("transformers.")
 
 
 #: config fields that make a layer or expert skip a step by design (layerdrop, mixture-of-experts routing)
