@@ -364,7 +364,8 @@ CASES: list[BlindCase] = [
               "Setting out_features on the pretrained Linear leaves its weight at the old class count, so the "
               "model keeps emitting logits for every pretrained class and trains far worse.",
               _c06_build, _c06_proof,
-              known_miss="not examined yet: batch 17 was measured at the end of round 7",
+              known_miss="the head keeps its old class count after out_features is reassigned; the audit does "
+                         "not compare the output's classes with the classes the targets use",
               known_alarm=('MODE-003',)),
     BlindCase("b17-case-07", "https://github.com/yangze0930/NTS-Net/issues/14",
               "dropout active at eval",
@@ -376,7 +377,7 @@ CASES: list[BlindCase] = [
               "Calling the random transform separately on image and mask samples different flips and angles, so "
               "the masks the model learns from no longer line up with the masses in the images.",
               _c08_build, _c08_proof,
-              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
+              known_miss="the augmentation that misaligns image and mask runs in the dataset, before the step"),
     BlindCase("b17-case-09", "https://github.com/kengz/SLM-Lab/pull/133",
               "policy loss cut from graph",
               "torch.tensor() over the collected log-probs builds a new tensor without history, so the policy "
@@ -387,5 +388,6 @@ CASES: list[BlindCase] = [
               "The REINFORCE reward is computed from the model's own feature regression and not detached, so "
               "the policy loss pushes a spurious log-prob-scaled gradient into the regression head.",
               _c10_build, _c10_proof,
-              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
+              known_miss="an undetached reward sends the policy loss's gradient into the regression head that "
+                         "computes it; which objective trains which module is not measured"),
 ]

@@ -526,7 +526,8 @@ CASES: list[BlindCase] = [
               "The advantage L - b keeps the critic's graph, so the REINFORCE actor loss also backpropagates into the "
               "critic and drags the baseline away from the expected tour length it is meant to regress.",
               _c14_build, _c14_proof,
-              known_miss="not examined yet: batch 17 was measured at the end of round 7"),
+              known_miss="an undetached baseline sends the policy loss's gradient into the critic; which "
+                         "objective trains which module is not measured"),
     BlindCase("b17-case-15", "https://github.com/tamarott/SinGAN/pull/117", "generator adversarial loss detached",
               "To silence an in-place autograd error the generator step scores fake.detach(), so the adversarial term "
               "sends no gradient to the generator and only the reconstruction loss trains it.",
