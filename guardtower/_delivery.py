@@ -1,11 +1,11 @@
 """The one delivery engine behind every sink (OpenTelemetry's BatchProcessor/exporter split).
 
 A sink is only a destination: ``handle(event)`` (or ``handle_batch(events)``, to send several in one go)
-sends and raises on failure (``TransientError`` when trying again may help), ``close()`` shuts it down. ``Delivery`` owns everything else, once, for
-every sink: the bounded queue and its worker thread, batching (or a sink's own grouping ``Batcher``),
-the retry policy (tenacity, honouring Retry-After against a deadline), a destination's rate limit, the
-durable spool with acknowledgements and replay, drop and failure counting with a reason, one
-rate-limited failure log, fork re-initialisation, and bounded flush/close.
+sends and raises on failure (``TransientError`` when trying again may help), ``close()`` shuts it down.
+``Delivery`` owns everything else, once, for every sink: the bounded queue and its worker thread, batching
+(or a sink's own grouping ``Batcher``), the retry policy (tenacity, honouring Retry-After against a
+deadline), a destination's rate limit, the durable spool with acknowledgements and replay, drop and failure
+counting with a reason, one rate-limited failure log, fork re-initialisation, and bounded flush/close.
 
 Accounting: every event offered to a sink ends as exactly one of delivered, spooled, dropped (with a
 reason) or failed; until then it is pending. ``close()`` writes what is still pending to the spool
@@ -591,21 +591,18 @@ class Delivery:
     def _send_each(self, batch: Batch) -> None:
         """Send ``batch`` event by event, each in flight on its own (unless ``close`` already spooled it)."""
         singles = [Batch((event,)) for event in batch.events]
-        with self._cond:
-            if id(batch) in self._orphaned:
-                self._orphaned.discard(id(batch))
-                return
-            self._inflight = [b for b in self._inflight if b is not batch] + singles
-        for single in singles:
-            self._send(single)
+        if self._claim(batch, replaced_by=singles):
+            for single in singles:
+                self._send(single)
 
-    def _claim(self, batch: Batch) -> bool:
-        """Take ``batch`` back from the in-flight list; False when ``close`` already spooled it."""
+    def _claim(self, batch: Batch, replaced_by: Sequence[Batch] = ()) -> bool:
+        """Take ``batch`` back from the in-flight list (putting ``replaced_by`` in flight in its place, in one
+        step, so ``close`` accounts for them); False when ``close`` already spooled it."""
         with self._cond:
             if id(batch) in self._orphaned:
                 self._orphaned.discard(id(batch))
                 return False
-            self._inflight = [b for b in self._inflight if b is not batch]
+            self._inflight = [b for b in self._inflight if b is not batch] + list(replaced_by)
             return True
 
     def _export(self, batch: Batch) -> None:

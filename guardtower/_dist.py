@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["current_rank", "world_size", "is_distributed"]
+__all__ = ["current_rank", "world_size", "is_distributed", "multi_rank"]
 
 
 def is_distributed() -> bool:
@@ -12,6 +12,11 @@ def is_distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def multi_rank() -> bool:
+    """True when a process group with more than one rank is initialised."""
+    return is_distributed() and world_size() > 1
 
 
 def current_rank() -> int:

@@ -31,7 +31,7 @@ from guardtower.preflight._update import measure_update, user_step_moves
 from guardtower.preflight._schedule import ScheduleState, find_scheduler
 from guardtower.preflight._second_step import gradients_after_one_update, zero_gradients
 from guardtower.preflight._util import base_optimizer, is_causal_lm, is_library_model, unique_params
-from guardtower._dist import is_distributed, world_size
+from guardtower._dist import multi_rank
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
@@ -216,7 +216,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             state.restore_values()
         zero = zero_gradients(trace.grads) if "second_step" in needs and trace.error is None else []
         # a step that returns its loss needs the optimizer for the update; every rank would have to run it, or none
-        if zero and (optimizer is not None or trace.user_backward) and not (is_distributed() and world_size() > 1):
+        if zero and (optimizer is not None or trace.user_backward) and not multi_rank():
             report.notes.append(f"step_fn ran twice more (then every value is put back): {len(zero)} tensor(s) got "
                                 "an all-zero gradient, so the audit checked whether they get one once the step "
                                 "has updated the weights")

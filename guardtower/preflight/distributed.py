@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from guardtower._dist import is_distributed, world_size
+from guardtower._dist import multi_rank, world_size
 from guardtower.preflight._peft import unwrap_parallel
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight._walk import iter_tensors
@@ -63,10 +63,6 @@ def _wrapper_kind(model: nn.Module) -> str | None:
     if any(_class_names(m) & set(_SHARDED) for m in model.modules()):
         return "FSDP2 (fully_shard)"
     return None
-
-
-def _multi_rank() -> bool:
-    return is_distributed() and world_size() > 1
 
 
 @probe("dist_local_step")
@@ -163,7 +159,7 @@ def _input_fingerprint(value: Any, device: torch.device) -> torch.Tensor | None:
 @probe("dist_consistency")
 @contextlib.contextmanager
 def _consistency_probe(ctx: AuditContext) -> Iterator[ConsistencyState | None]:
-    if not _multi_rank():
+    if not multi_rank():
         yield None
         return
     device = _collective_device()
@@ -201,7 +197,7 @@ def check_setup(ctx: AuditContext) -> Iterator[Finding]:
             "DDP-007",
             {"wrapper": kind, "world_size": world_size(), **settings},
         )
-    if not _multi_rank() or kind is not None:
+    if not multi_rank() or kind is not None:
         return
     if not any(p.requires_grad for p in ctx.params.values()):
         return
@@ -256,7 +252,7 @@ def check_unused(ctx: AuditContext) -> Iterator[Finding]:
 @check("dist_batchnorm", emits=("DDP-002",), static=True)
 def check_batchnorm(ctx: AuditContext) -> Iterator[Finding]:
     """DDP-002: plain BatchNorm in a data-parallel model normalises with per-rank statistics."""
-    if not (_multi_rank() or is_data_parallel(ctx.model)):
+    if not (multi_rank() or is_data_parallel(ctx.model)):
         return
     plain = [
         name
@@ -277,7 +273,7 @@ def check_batchnorm(ctx: AuditContext) -> Iterator[Finding]:
 @check("dist_consistency", emits=("DDP-005", "DDP-006"))
 def check_consistency(ctx: AuditContext) -> Iterator[Finding]:
     """DDP-005 ranks hold different weights; DDP-006 every rank got the same batch. Runs collectives."""
-    if not _multi_rank():
+    if not multi_rank():
         return
     import torch.distributed as dist
 

@@ -13,7 +13,7 @@ from torch import nn
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._second_step import zero_gradients
 from guardtower.preflight._trace import UpdateStats
-from guardtower.preflight._util import fmt_names, is_lora_factor, trained_ids
+from guardtower.preflight._util import fmt_names, is_library_model, is_lora_factor, trained_ids
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -146,27 +146,24 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
             continue
         library = _library_root(modules, owner)
         # a head attached to the root is the user's; a library model that got no gradient at all was cut
-        if library is not None and any(g.startswith(library + ".") or not library for g in learning):
+        scope = f"{library}." if library else ""
+        if library is not None and any(g.startswith(scope) for g in learning):
             idle.append(n)
     return idle
 
 
 def _library_root(modules: dict[str, torch.nn.Module], owner: str) -> str | None:
-    """The prefix of the outermost library (transformers) model that holds ``owner`` as one of its own parts
+    """The prefix of the outermost library (transformers, peft) model that holds ``owner`` as one of its own parts
     ("" for the audited model itself), or None: a module the user attached to a library model is the user's."""
     path = owner.split(".")
     for i in range(1, len(path)):
         prefix = ".".join(path[:i])
-        if _is_library(modules.get(prefix)):
+        if is_library_model(modules.get(prefix)):
             return prefix
     inner = [modules.get(".".join(path[:i])) for i in range(1, len(path) + 1)]
-    if _is_library(modules[""]) and any(_is_library(m) and not hasattr(m, "base_model_prefix") for m in inner):
+    if is_library_model(modules[""]) and any(is_library_model(m) and not hasattr(m, "base_model_prefix") for m in inner):
         return ""  # the library model is the audited one: its own inner module (BertPooler), not one added to it
     return None
-
-
-def _is_library(module: object) -> bool:
-    return type(module).__module__.startswith("transformers.")
 
 
 #: config fields that make a layer or expert skip a step by design (layerdrop, mixture-of-experts routing)

@@ -123,14 +123,14 @@ def _copies_input(ctx: AuditContext, call: RootCall, rec: Supervision) -> Findin
     """DATA-006: the loss asks for the token the model is given at the same position (nothing to predict)."""
     if rec.target is None or rec.magnitude.dim() != 2:
         return None
-    share = COPY_SHARE
-    if rec.classes != _vocab(ctx.model):
+    vocab, share = _vocab(ctx.model), COPY_SHARE
+    if vocab is None and any(isinstance(m, nn.Embedding) and m.num_embeddings == rec.classes
+                             for m in ctx.model.modules()):
         # a hand-written model has no config: its vocabulary is an embedding table the size of the output; a
         # denoiser that reconstructs every position copies most of them on purpose, so only near-all counts
-        if _vocab(ctx.model) is not None or not any(isinstance(m, nn.Embedding) and m.num_embeddings == rec.classes
-                                                    for m in ctx.model.modules()):
-            return None
-        share = HAND_WRITTEN_COPY_SHARE
+        vocab, share = rec.classes, HAND_WRITTEN_COPY_SHARE
+    if rec.classes != vocab:
+        return None
     ids, _ = _aligned(call, rec, ctx.model)
     if ids is None:
         return None
