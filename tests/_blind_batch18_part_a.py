@@ -1,0 +1,142 @@
+"""Blind batch 18 (part a): silent training bugs from public threads (transformers, trl, peft users), each with its fixed twin."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests._blind import BlindCase, Case
+from tests._blind_batch5 import _gen, _kw, _llama_config, _sgd_step
+
+# --------------------------------------------------------------------------------------------- case-01
+# DataCollatorForCompletionOnlyLM: the response template begins with the pad (= eos) token; the collator first
+# sets pad positions of labels to -100, then looks for the template in labels, never finds it, and masks the
+# whole row. Fix from the thread: match the template on input_ids, not on the already-masked labels.
+
+_C01_PAD = 2  # pad_token = eos_token = "<|end_of_turn|>"
+_C01_TEMPLATE = [2, 7, 8]  # "<|end_of_turn|>GPT4 Correct Assistant:"
+
+
+def _c01_sample(g: torch.Generator, n_prompt: int, n_resp: int, total: int) -> list[int]:
+    prompt = torch.randint(10, 40, (n_prompt,), generator=g).tolist()
+    resp = torch.randint(10, 40, (n_resp,), generator=g).tolist()
+    seq = [1, 5, 6] + prompt + _C01_TEMPLATE + resp + [_C01_PAD]
+    return seq + [_C01_PAD] * (total - len(seq))
+
+
+_C01_G = _gen(1801)
+_C01_IDS = torch.tensor([_c01_sample(_C01_G, 4, 5, 20), _c01_sample(_C01_G, 6, 3, 20),
+                         _c01_sample(_C01_G, 3, 6, 20), _c01_sample(_C01_G, 5, 4, 20)])
+_C01_MASK = torch.ones_like(_C01_IDS)
+
+
+def _c01_collate(bug: bool) -> torch.Tensor:
+    """The completion-only collator: labels = ids with pads at -100, then everything up to the response masked."""
+    ids = _C01_IDS
+    labels = ids.clone()
+    labels[labels == _C01_PAD] = -100  # DataCollatorForLanguageModeling(mlm=False)
+    t = len(_C01_TEMPLATE)
+    for i in range(ids.shape[0]):
+        hay = (labels[i] if bug else ids[i]).tolist()
+        starts = [j for j in range(len(hay) - t + 1) if hay[j:j + t] == _C01_TEMPLATE]
+        if not starts:
+            labels[i, :] = -100  # "Could not find response key ... This instance will be ignored in loss"
+        else:
+            labels[i, :starts[0] + t] = -100
+    return labels
+
+
+def _c01_build(bug: bool) -> Case:
+    """SFT of a tiny Llama with completion-only labels whose response template starts with the pad token."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama_config(pad_token_id=_C01_PAD)).train()
+    labels = _c01_collate(bug)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = _sgd_step(model, opt, lambda: model(input_ids=_C01_IDS, attention_mask=_C01_MASK, labels=labels).loss)
+    return model, step, _kw(optimizer=opt, inputs=_C01_IDS)
+
+
+def _c01_proof(bug: bool) -> bool:
+    """No token of the batch is supervised, so the loss of a step is not a finite number to learn from."""
+    labels = _c01_collate(bug)
+    _, step, _ = _c01_build(bug)
+    loss = step()
+    return int((labels != -100).sum()) == 0 and not bool(torch.isfinite(loss))
+
+
+# --------------------------------------------------------------------------------------------- case-02
+# bert2bert EncoderDecoderModel: the target token ids are passed as labels with their padding (id 0) left in
+# place, so the loss is dominated by padding and the model learns to generate padding. Fix: pad -> -100.
+
+_C02_G = _gen(1802)
+_C02_SRC = torch.randint(5, 30, (6, 10), generator=_C02_G)
+_C02_TGT_LEN = torch.tensor([4, 3, 5, 3, 4, 3])
+_C02_TGT = torch.zeros(6, 14, dtype=torch.long)
+for _i, _n in enumerate(_C02_TGT_LEN.tolist()):
+    _C02_TGT[_i, 0] = 1  # [CLS]
+    _C02_TGT[_i, 1:_n + 1] = torch.randint(5, 30, (_n,), generator=_C02_G)
+    _C02_TGT[_i, _n + 1] = 2  # [SEP]
+_C02_TGT_MASK = (_C02_TGT != 0).long()
+
+
+def _c02_labels(bug: bool) -> torch.Tensor:
+    labels = _C02_TGT.clone()
+    if not bug:
+        labels[labels == 0] = -100
+    return labels
+
+
+def _c02_model() -> nn.Module:
+    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+
+    kw = dict(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+              max_position_embeddings=32, pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    enc, dec = BertConfig(**kw), BertConfig(**kw, is_decoder=True, add_cross_attention=True)
+    cfg = EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 1, 0
+    return EncoderDecoderModel(config=cfg)
+
+
+def _c02_build(bug: bool) -> Case:
+    """bert2bert seq2seq fine-tune: labels are the padded target ids (pad not replaced by -100 in the bug)."""
+    torch.manual_seed(0)
+    model = _c02_model().train()
+    labels = _c02_labels(bug)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    step = _sgd_step(model, opt, lambda: model(input_ids=_C02_SRC, attention_mask=torch.ones_like(_C02_SRC),
+                                               decoder_attention_mask=_C02_TGT_MASK, labels=labels).loss)
+    return model, step, _kw(optimizer=opt, inputs=(_C02_SRC, labels))
+
+
+def _c02_proof(bug: bool) -> bool:
+    """Most supervised targets are padding, and after short training the decoder puts most of its mass on padding."""
+    model, step, _ = _c02_build(bug)
+    labels = _c02_labels(bug)
+    for _ in range(30):
+        step()
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=_C02_SRC, attention_mask=torch.ones_like(_C02_SRC),
+                       decoder_attention_mask=_C02_TGT_MASK, labels=_C02_TGT).logits
+    pad_share = float((labels[labels != -100] == 0).float().mean())
+    pad_prob = float(logits.softmax(-1)[..., 0].mean())
+    return pad_share > 0.5 and pad_prob > 0.3
+
+
+# --------------------------------------------------------------------------------------------- cases
+
+CASES: list[BlindCase] = [
+    BlindCase("b18-case-01", "https://github.com/huggingface/trl/issues/1191",
+              "completion-only label masking removes every target",
+              "The response template starts with the pad/eos token, which the collator already masked in labels, so "
+              "the template is never found and every label of the batch is -100: nothing is trained.",
+              _c01_build, _c01_proof),
+    BlindCase("b18-case-02", "https://github.com/huggingface/transformers/issues/7896",
+              "padding tokens left in seq2seq labels",
+              "Target padding (id 0) is not replaced by -100 in the labels, so the loss is mostly padding and the "
+              "encoder-decoder learns to emit padding.",
+              _c02_build, _c02_proof),
+]
