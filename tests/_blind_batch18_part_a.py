@@ -126,6 +126,70 @@ def _c02_proof(bug: bool) -> bool:
     return pad_share > 0.5 and pad_prob > 0.3
 
 
+# --------------------------------------------------------------------------------------------- case-03
+# LightningModule.configure_optimizers returns the warmup LambdaLR without "interval": "step", so Lightning steps
+# it once per epoch: the lr stays at lr_lambda(0) = 0 for the whole first epoch and the LoRA weights never move.
+# Fix from the PR: {"scheduler": lr_scheduler, "interval": "step"} (the scheduler is stepped after every step).
+
+_C03_X = torch.randn(16, 12, generator=_gen(1803))
+_C03_NOISE = torch.randn(16, 12, generator=_gen(1804))
+_C03_SIGMA = torch.rand(16, 1, generator=_gen(1805))
+
+
+class _C03Denoiser(nn.Module):
+    def __init__(self, d: int = 12, r: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(r, d) * 0.1)
+        self.lora_B = nn.Parameter(torch.randn(d, r) * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+def _c03_build(bug: bool) -> Case:
+    """Flow-matching LoRA fine-tune with a linear-warmup LambdaLR (warmup 4000) stepped per epoch in the bug."""
+    torch.manual_seed(0)
+    model = _C03Denoiser().train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=1e-2,
+                            betas=(0.8, 0.9))
+    warmup, max_steps = 4000, 200000
+
+    def lr_lambda(current_step: int) -> float:
+        if current_step < warmup:
+            return float(current_step) / float(max(1, warmup))
+        return max(0.0, 1.0 - float(current_step - warmup) / float(max(1, max_steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda, last_epoch=-1)
+
+    def loss_fn() -> torch.Tensor:
+        noisy = _C03_SIGMA * _C03_NOISE + (1 - _C03_SIGMA) * _C03_X
+        pred = model(noisy) * (-_C03_SIGMA) + noisy
+        return F.mse_loss(pred, _C03_X)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        if not bug:  # "interval": "step"; with the default "epoch" Lightning steps it only at the epoch's end
+            sched.step()
+        return loss
+
+    return model, step, _kw(optimizer=opt, inputs=(_C03_X, _C03_NOISE), lr_scheduler=sched, total_steps=50)
+
+
+def _c03_proof(bug: bool) -> bool:
+    """Within the first epoch (50 steps) the learning rate stays 0 and the LoRA weights do not change at all."""
+    model, step, kw = _c03_build(bug)
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    for _ in range(50):
+        step()
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    return all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 # --------------------------------------------------------------------------------------------- cases
 
 CASES: list[BlindCase] = [
@@ -139,4 +203,9 @@ CASES: list[BlindCase] = [
               "Target padding (id 0) is not replaced by -100 in the labels, so the loss is mostly padding and the "
               "encoder-decoder learns to emit padding.",
               _c02_build, _c02_proof),
+    BlindCase("b18-case-03", "https://github.com/ace-step/ACE-Step/pull/198",
+              "per-step warmup scheduler stepped per epoch",
+              "The warmup LambdaLR is returned without interval='step', so Lightning steps it once per epoch and the "
+              "learning rate stays at its step-0 value of 0 for the whole epoch: the adapter never trains.",
+              _c03_build, _c03_proof),
 ]
