@@ -190,6 +190,45 @@ def _c03_proof(bug: bool) -> bool:
     return all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+# --------------------------------------------------------------------------------------------- case-04
+# Trainer with label_smoothing_factor > 0 pops the labels and computes the loss with LabelSmoother on the raw
+# logits, without the causal shift the model's own loss does: a causal LM is trained to output the token it is
+# given (labels = input_ids), not the next one. Fix from the thread: LabelSmoother(..., shift_labels=True) for
+# causal LMs.
+
+_C04_IDS = torch.randint(3, 40, (8, 12), generator=_gen(1806))
+
+
+def _c04_build(bug: bool) -> Case:
+    """Causal-LM fine-tune with label smoothing 0.1 computed on unshifted labels (labels = input_ids) in the bug."""
+    from transformers import LlamaForCausalLM
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama_config()).train()
+    smoother = LabelSmoother(epsilon=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    labels = _C04_IDS.clone()
+
+    def loss_fn() -> torch.Tensor:
+        outputs = model(input_ids=_C04_IDS)  # Trainer popped "labels" from the inputs
+        return smoother(outputs, labels, shift_labels=not bug)
+
+    step = _sgd_step(model, opt, loss_fn)
+    return model, step, _kw(optimizer=opt, inputs=_C04_IDS)
+
+
+def _c04_proof(bug: bool) -> bool:
+    """After short training the LM predicts its own input token at most positions (a copy task), not the next."""
+    model, step, _ = _c04_build(bug)
+    for _ in range(15):
+        step()
+    model.eval()
+    with torch.no_grad():
+        pred = model(input_ids=_C04_IDS).logits.argmax(-1)
+    return float((pred == _C04_IDS).float().mean()) > 0.5
+
+
 # --------------------------------------------------------------------------------------------- cases
 
 CASES: list[BlindCase] = [
@@ -208,4 +247,9 @@ CASES: list[BlindCase] = [
               "The warmup LambdaLR is returned without interval='step', so Lightning steps it once per epoch and the "
               "learning rate stays at its step-0 value of 0 for the whole epoch: the adapter never trains.",
               _c03_build, _c03_proof),
+    BlindCase("b18-case-04", "https://github.com/huggingface/transformers/issues/17960",
+              "label smoothing loss skips the causal-LM label shift",
+              "With label_smoothing_factor > 0 the loss is computed on unshifted labels, so the causal LM learns to "
+              "copy the current input token instead of predicting the next one.",
+              _c04_build, _c04_proof),
 ]
