@@ -229,6 +229,54 @@ def _c04_proof(bug: bool) -> bool:
     return float((pred == _C04_IDS).float().mean()) > 0.5
 
 
+# --------------------------------------------------------------------------------------------- case-05
+# LoRA/alpaca fine-tune data preparation tokenizes "prompt + response" without appending the EOS token, so the
+# model is never trained to emit EOS after a response and generates on until max tokens. Fix from the thread:
+# append tokenizer.eos_token_id to every training example (labels follow input_ids, padding -100).
+
+_C05_BOS, _C05_EOS, _C05_PAD = 1, 2, 0
+_C05_G = _gen(1807)
+_C05_TEXTS = [torch.randint(3, 40, (n,), generator=_C05_G).tolist() for n in (9, 7, 10, 8)]
+_C05_LEN = 14
+
+
+def _c05_batch(bug: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, masks = [], []
+    for toks in _C05_TEXTS:
+        seq = [_C05_BOS] + toks + ([] if bug else [_C05_EOS])
+        masks.append([1] * len(seq) + [0] * (_C05_LEN - len(seq)))
+        rows.append(seq + [_C05_PAD] * (_C05_LEN - len(seq)))
+    ids, mask = torch.tensor(rows), torch.tensor(masks)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _c05_build(bug: bool) -> Case:
+    """Causal-LM SFT of a tiny Llama on examples tokenized without the EOS token in the bug."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama_config(pad_token_id=_C05_PAD)).train()
+    ids, mask, labels = _c05_batch(bug)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    step = _sgd_step(model, opt, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    return model, step, _kw(optimizer=opt, inputs=ids)
+
+
+def _c05_proof(bug: bool) -> bool:
+    """After training, at the end of each training response the model gives EOS almost no probability."""
+    model, step, _ = _c05_build(bug)
+    for _ in range(25):
+        step()
+    model.eval()
+    probs = []
+    with torch.no_grad():
+        for toks in _C05_TEXTS:
+            logits = model(input_ids=torch.tensor([[_C05_BOS] + toks])).logits[0, -1]
+            probs.append(float(logits.softmax(-1)[_C05_EOS]))
+    return sum(probs) / len(probs) < 0.05
+
+
 # --------------------------------------------------------------------------------------------- cases
 
 CASES: list[BlindCase] = [
@@ -252,4 +300,9 @@ CASES: list[BlindCase] = [
               "With label_smoothing_factor > 0 the loss is computed on unshifted labels, so the causal LM learns to "
               "copy the current input token instead of predicting the next one.",
               _c04_build, _c04_proof),
+    BlindCase("b18-case-05", "https://github.com/johnsmith0031/alpaca_lora_4bit/issues/35",
+              "EOS token missing from training examples",
+              "Training examples are tokenized without the EOS token, so the fine-tuned model never learns to end a "
+              "response and keeps generating.",
+              _c05_build, _c05_proof),
 ]
