@@ -284,17 +284,21 @@ CASES: list[BlindCase] = [
               "completion-only label masking removes every target",
               "The response template starts with the pad/eos token, which the collator already masked in labels, so "
               "the template is never found and every label of the batch is -100: nothing is trained.",
-              _c01_build, _c01_proof),
+              _c01_build, _c01_proof,
+              known_alarm=('DATA-003', 'INPUT-004')),
     BlindCase("b18-case-02", "https://github.com/huggingface/transformers/issues/7896",
               "padding tokens left in seq2seq labels",
               "Target padding (id 0) is not replaced by -100 in the labels, so the loss is mostly padding and the "
               "encoder-decoder learns to emit padding.",
-              _c02_build, _c02_proof),
+              _c02_build, _c02_proof,
+              known_alarm=('TIE-002',)),
     BlindCase("b18-case-03", "https://github.com/ace-step/ACE-Step/pull/198",
               "per-step warmup scheduler stepped per epoch",
               "The warmup LambdaLR is returned without interval='step', so Lightning steps it once per epoch and the "
               "learning rate stays at its step-0 value of 0 for the whole epoch: the adapter never trains.",
-              _c03_build, _c03_proof),
+              _c03_build, _c03_proof,
+              known_miss="not examined yet: batch 18 was measured once at the end of round 7",
+              known_alarm=('SCHED-002',)),
     BlindCase("b18-case-04", "https://github.com/huggingface/transformers/issues/17960",
               "label smoothing loss skips the causal-LM label shift",
               "With label_smoothing_factor > 0 the loss is computed on unshifted labels, so the causal LM learns to "

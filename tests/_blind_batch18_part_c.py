@@ -339,17 +339,22 @@ def _c15_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b18-case-11", "https://github.com/PatrickHua/SimSiam/issues/26", "momentum target never updated",
               "The BYOL target network's moving-average update is never called, so the online net chases a frozen "
-              "random target.", _c11_build, _c11_proof),
+              "random target.", _c11_build, _c11_proof,
+              known_miss="not examined yet: batch 18 was measured once at the end of round 7"),
     BlindCase("b18-case-12", "https://github.com/marlbenchmark/on-policy/pull/13", "advantage scale mismatch",
               "With value normalisation on, advantages subtract normalised value predictions from raw returns, so the "
-              "policy gradient follows the returns instead of the advantage.", _c12_build, _c12_proof),
+              "policy gradient follows the returns instead of the advantage.", _c12_build, _c12_proof,
+              known_miss="not examined yet: batch 18 was measured once at the end of round 7"),
     BlindCase("b18-case-13", "https://github.com/NovaSky-AI/SkyRL/issues/1305", "masked mean over padding",
               "Advantage normalisation takes its mean over padded positions too, shifting every real token's "
-              "advantage away from zero mean.", _c13_build, _c13_proof),
+              "advantage away from zero mean.", _c13_build, _c13_proof,
+              known_miss="not examined yet: batch 18 was measured once at the end of round 7"),
     BlindCase("b18-case-14", "https://github.com/Eaphan/NCLR/issues/10", "augmentation result discarded",
               "The flip's np.fliplr result is thrown away while the intrinsics are mirrored, so points are paired "
-              "with the wrong pixels in flipped samples.", _c14_build, _c14_proof),
+              "with the wrong pixels in flipped samples.", _c14_build, _c14_proof,
+              known_miss="not examined yet: batch 18 was measured once at the end of round 7"),
     BlindCase("b18-case-15", "https://github.com/dbolya/yolact/issues/19", "anchor aspect ratio ignored",
               "Prior heights multiply by the aspect ratio instead of dividing, so every anchor is square and box "
-              "regression targets are encoded against the wrong shapes.", _c15_build, _c15_proof),
+              "regression targets are encoded against the wrong shapes.", _c15_build, _c15_proof,
+              known_miss="not examined yet: batch 18 was measured once at the end of round 7"),
 ]
