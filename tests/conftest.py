@@ -36,6 +36,18 @@ def _tracker_env() -> Iterator[None]:
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate() -> None:
+    """Accelerate keeps its state in process-wide singletons: a test's ``Accelerator`` would otherwise inherit
+    another test's accumulation setting and a ``sync_gradients`` left False mid-cycle (its optimizer then
+    never steps)."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Tiny models on a shared CPU run faster on one thread than fighting over two."""

@@ -152,6 +152,36 @@ def test_step_fn_that_runs_its_own_backward_and_optimizer_step() -> None:
     assert fingerprint(model, opt, inputs) == before
 
 
+def test_accelerates_accumulation_phase_is_put_back_so_the_next_update_syncs_on_its_last_micro_batch() -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model = mlp()
+    x, y = regression_batch()
+    base = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, base)
+    synced: list[bool] = []
+
+    def step() -> torch.Tensor:  # one update = two micro-batches, copied out: inputs= never reaches the model itself
+        total = torch.zeros(())
+        for i in range(2):
+            with accelerator.accumulate(model):
+                loss = F.mse_loss(model(x[i::2].contiguous()), y[i::2])
+                accelerator.backward(loss)
+                synced.append(accelerator.sync_gradients)
+                opt.step()
+                opt.zero_grad()
+            total = total + loss.detach()
+        return total / 2
+
+    report = audit(model, step, optimizer=base, inputs=(x, y))
+    assert report.step_fn_calls >= 2 and any("inputs= perturbed" in n for n in report.notes), report.notes
+    assert accelerator.step == 0 and accelerator.sync_gradients
+    synced.clear()
+    step()
+    assert synced == [False, True]  # the user's first update after the audit accumulates both micro-batches
+
+
 def test_scaler_state_restored() -> None:
     model = mlp()
     x, y = regression_batch()

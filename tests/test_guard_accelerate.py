@@ -63,12 +63,7 @@ def test_guard_around_accelerate_skips_micro_steps_and_unscales(tmp_path: Path) 
     overflow is the scaler's (its scale halves), not a NaN spike of still-scaled gradients; gradients that
     ``accelerator.clip_grad_norm_`` already unscaled are not unscaled twice."""
     import accelerate
-    from accelerate.state import AcceleratorState, GradientState
 
-    # Accelerate keeps its state in process-wide singletons: an earlier Trainer in this process (another test
-    # file on the same worker) would leave its accumulation setting in place of this Accelerator's
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
@@ -93,13 +88,10 @@ def test_triage_around_accelerate_judges_the_recompute_at_the_scalers_scale(tmp_
     """Triage's recompute runs ``accelerator.backward`` again, which scales: the guard divides by the wrapper's
     scaler's scale, so a one-off spike is transient and a bad batch deterministic."""
     import accelerate
-    from accelerate.state import AcceleratorState, GradientState
 
     from guardtower.events import SpikeEvent
     from guardtower.testing import InMemorySink
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     accelerator = accelerate.Accelerator(cpu=True)

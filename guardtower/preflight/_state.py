@@ -100,6 +100,46 @@ class OptimizerState:
                 delattr(opt, k)
 
 
+class AcceleratePhase:
+    """Where Accelerate's gradient accumulation stands: each ``Accelerator``'s micro-step counter and the
+    process-wide ``sync_gradients`` flag. A pass of the audit that stops ``step_fn`` after its first micro-batch
+    would otherwise leave the cycle off by one: the next pass, and the user's first update after the audit, would
+    sync on the wrong micro-batch. The counters are learnt while ``step_fn`` runs (``Accelerator._do_sync`` is
+    watched), since nothing else leads from the model or the optimizer to the ``Accelerator``."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, tuple[Any, int]] = {}  # id(accelerator) -> (accelerator, its step before the audit)
+        module = sys.modules.get("accelerate.state")
+        self.gradient_state = module.GradientState() if module is not None else None
+        self.sync = None if self.gradient_state is None else self.gradient_state.sync_gradients
+
+    @contextlib.contextmanager
+    def watched(self) -> Iterator[None]:
+        module = sys.modules.get("accelerate.accelerator")
+        if module is None:
+            yield
+            return
+        cls, original = module.Accelerator, module.Accelerator._do_sync
+        steps = self.steps
+
+        @functools.wraps(original)
+        def do_sync(accelerator: Any) -> Any:
+            steps.setdefault(id(accelerator), (accelerator, accelerator.step))
+            return original(accelerator)
+
+        cls._do_sync = do_sync
+        try:
+            yield
+        finally:
+            cls._do_sync = original
+
+    def restore(self) -> None:
+        for accelerator, step in self.steps.values():
+            accelerator.step = step
+        if self.gradient_state is not None:
+            self.gradient_state.sync_gradients = self.sync
+
+
 class TrainingState:
     """Everything ``audit()`` promises to leave bitwise identical."""
 
@@ -121,6 +161,7 @@ class TrainingState:
             self.inputs.add(t)
         self.scaler = scaler
         self.scaler_state = _copy_or_none(vars(scaler)) if scaler is not None and hasattr(scaler, "__dict__") else None
+        self.accelerate = AcceleratePhase()
         self.grad_enabled = torch.is_grad_enabled()
         self.torch_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -136,6 +177,7 @@ class TrainingState:
             for opt in self.optimizers:
                 stack.enter_context(opt.isolated())
             stack.enter_context(_steps_bypass_wrappers(self.optimizer))
+            stack.enter_context(self.accelerate.watched())
             yield
 
     def clear_grads(self) -> None:
@@ -144,7 +186,8 @@ class TrainingState:
             p.grad = None
 
     def restore_values(self) -> None:
-        """Put back parameter and buffer values, optimizer state and the scaler (idempotent)."""
+        """Put back parameter and buffer values, optimizer state, the scaler and Accelerate's accumulation
+        phase (idempotent)."""
         with torch.no_grad():
             for p, saved in self.params:
                 _copy_into(p, saved)
@@ -155,6 +198,7 @@ class TrainingState:
         if self.scaler is not None and self.scaler_state is not None:
             vars(self.scaler).clear()
             vars(self.scaler).update(copy.deepcopy(self.scaler_state))
+        self.accelerate.restore()
 
     def restore_rng(self) -> None:
         """Rewind every RNG stream to the snapshot (also used to replay a step with identical dropout masks)."""
