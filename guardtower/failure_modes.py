@@ -1205,11 +1205,12 @@ _STEP: tuple[FailureMode, ...] = (
     FailureMode(
         "LOOP-013", "Gradient clipping that no optimizer step uses", Severity.WARN,
         "step_fn calls clip_grad_norm_/clip_grad_value_, but never between its last backward() and "
-        "optimizer.step(): it clips after the step, or before backward().",
+        "optimizer.step(): it clips after the step, or before backward(), or it clips only tensors that another "
+        "of its optimizers steps (an actor-critic update clipping the critic's head).",
         "The clip runs and returns a norm, so logs look right, but it edits gradients that are cleared before "
         "any step reads them. Every update is unclipped and a gradient spike reaches the weights.",
-        "Clip after the last backward() of the step and before optimizer.step() (after scaler.unscale_ under "
-        "a GradScaler).",
+        "Clip the parameters the optimizer steps, after the last backward() of the step and before "
+        "optimizer.step() (after scaler.unscale_ under a GradScaler).",
         "https://github.com/VGraphRNN/VGRNN/issues/4",
         ("loop", "gradients"),
     ),

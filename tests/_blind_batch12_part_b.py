@@ -483,7 +483,7 @@ CASES: list[BlindCase] = [
               "trainer_G is built on the encoder's parameters and trainer_E on the decoder's: the generator "
               "objective with its attribute losses moves the encoder, and the decoder never gets its eq. 8 update",
               _c07_build, _c07_proof,
-              known_miss="blind batch 12: both sides train the decoder's and encoder's optimizers over real tensors; which optimizer should hold which part is a naming convention", known_alarm=("LOOP-014", "OPT-001")),
+              known_alarm=("LOOP-014", "OPT-001")),
     BlindCase("b12-case-08", "https://github.com/coqui-ai/TTS/issues/2348", "no_grad cuts a loss term",
               "the speaker encoder's spectrogram front-end runs under torch.no_grad(): the speaker consistency loss "
               "is added to the total but is a constant, so it sends no gradient to the generator", _c08_build,

@@ -16,7 +16,7 @@ from guardtower.failure_modes import _STEP
 from guardtower.preflight import audit
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import VOCAB, Case, SmallCNN, case_registry, gpt2, mlp, sgd_step, token_batch
+from tests._audit_core_helpers import VOCAB, Case, SmallCNN, case_registry, gpt2, sgd_step, token_batch
 
 CASES, case = case_registry()
 
@@ -71,6 +71,16 @@ def _warmup_longer_than_run(bug: bool) -> Case:
 
     return _scheduled(lambda o: get_cosine_schedule_with_warmup(o, 2000 if bug else 50, 8000 if bug else 500),
                       total=500)
+
+
+@case("SCHED-002/unstepped")
+def _warmup_longer_than_run_stepped_outside(bug: bool) -> Case:
+    # not stepped inside the step: a warmup longer than the run outlasts it at any cadence, while a decay that
+    # would end within a few steps walked per step is planned in epochs and stepped per epoch outside
+    def factor(k: int) -> float:
+        return min(1.0, k / 4000) if bug else 0.5 ** k
+
+    return _scheduled(lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor), total=500, per_step=0)
 
 
 @case("SCHED-003")
@@ -809,6 +819,70 @@ def _clip_after_step(bug: bool) -> Case:
         return loss
 
     return m, step, {"optimizer": opt}
+
+
+class _ActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.torso, self.policy, self.value = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 1)
+
+
+@case("LOOP-013/other-optimizer")
+def _clip_of_the_other_optimizers_head(bug: bool) -> Case:
+    # two optimizers: the policy update clips the value head (the critic optimizer's) instead of its own tensors
+    m = _ActorCritic()
+    critic = torch.optim.SGD([*m.torso.parameters(), *m.value.parameters()], lr=0.01)
+    actor = torch.optim.SGD([*m.torso.parameters(), *m.policy.parameters()], lr=0.01)
+    x, y = _data()
+    returns = torch.randn(16)
+
+    def step() -> torch.Tensor:
+        critic.zero_grad()
+        F.mse_loss(m.value(torch.relu(m.torso(x))).squeeze(1), returns).backward()
+        nn.utils.clip_grad_norm_(m.value.parameters(), 0.5)  # a generator, as users pass it
+        critic.step()
+        actor.zero_grad()
+        loss = F.cross_entropy(m.policy(torch.relu(m.torso(x))), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_((m.value if bug else m.policy).parameters(), 0.5)
+        actor.step()
+        return loss
+
+    return m, step, {"optimizer": actor}
+
+
+def test_clipping_a_generator_still_clips_under_the_audit() -> None:
+    m, step, kwargs = CASES["LOOP-013/other-optimizer"](False)
+    seen: list[float] = []
+    kwargs["optimizer"].register_step_pre_hook(
+        lambda *_: seen.append(float(torch.linalg.vector_norm(
+            torch.stack([p.grad.norm() for p in m.policy.parameters()])))))
+    audit(m, step, **kwargs)
+    assert seen and max(seen) <= 0.5 + 1e-4
+
+
+def test_clipping_the_half_precision_copies_of_master_weights_is_not_loop_013() -> None:
+    # the optimizer steps fp32 master copies; the loop clips the model's own gradients, then copies them over
+    m = _classifier()
+    master = [p.detach().clone().requires_grad_(True) for p in m.parameters()]
+    opt = torch.optim.SGD(master, lr=0.1)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        m.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        for w, p in zip(master, m.parameters()):
+            w.grad = p.grad.detach().clone()
+        opt.step()
+        with torch.no_grad():
+            for w, p in zip(master, m.parameters()):
+                p.copy_(w)
+        return loss
+
+    assert not audit(m, step, optimizer=opt).by_id("LOOP-013")
 
 
 def _llama(**overrides: Any) -> nn.Module:

@@ -230,6 +230,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             return
         trace.loop_events.append("step")
         tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        trace.step_params.append({id(p) for p in tracked})
         rows = [grad_rows(p.grad) for p in tracked]
         trace.step_grads.append(sum(1 for r in rows if r is not None and bool(r.any())))
         if len(trace.step_grads) == 1:  # what the first step had to follow, before a later zero_grad clears it
@@ -296,7 +297,18 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         (torch.amp.GradScaler, "scale", scaling),
         (torch.amp.GradScaler, "unscale_", lambda f: recording("unscale", f)),
     ]
-    patches += [(owner, name, lambda f: recording("clip", f))
+    def clipping(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            given, rest = (kwargs.pop("parameters"), args) if "parameters" in kwargs else (args[0], args[1:])
+            tensors = [given] if isinstance(given, torch.Tensor) else list(given)  # a generator is read once
+            trace.loop_events.append("clip")
+            trace.clip_params.append({id(t) for t in tensors})
+            return original(tensors, *rest, **kwargs)
+
+        return wrapper
+
+    patches += [(owner, name, clipping)
                 for owner in (torch.nn.utils, torch.nn.utils.clip_grad)
                 for name in ("clip_grad_norm_", "clip_grad_value_") if hasattr(owner, name)]
     def weighted_loss(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -170,6 +170,10 @@ class StepTrace:
     were accumulated both before and after another optimizer's earlier step: a phase's leftover gradient"""
     step_grads: list[int] = field(default_factory=list)
     """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
+    step_params: list[set[int]] = field(default_factory=list)
+    """for each ``"step"`` of ``loop_events``: the ids of the trainable tensors that optimizer holds"""
+    clip_params: list[set[int]] = field(default_factory=list)
+    """for each ``"clip"`` of ``loop_events``: the ids of the tensors that clip was given"""
     loss_requires_grad: bool = False
     loss_is_leaf: bool = False
     """the loss has no ``grad_fn``: a tensor built anew (``torch.tensor(loss.item(), requires_grad=True)``), not

@@ -45,7 +45,18 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
             "backward window",
             "LOOP-009", {"order": trace.loop_events},
         )]
-    if "clip" in trace.loop_events and not _clip_reaches_a_step(trace.loop_events):
+    others = [{id(p) for g in o.param_groups for p in g["params"]} for o in trace.stepped_optimizers]
+    reach = _clip_reach(trace.loop_events, trace.clip_params, trace.step_params, others)
+    if reach == "elsewhere":
+        return [Finding(
+            "loop_order", Severity.WARN,
+            f"the step clips gradients between backward() and optimizer.step(), but none of the tensors it clips "
+            f"is one that step updates ({' -> '.join(trace.loop_events)}): the clip edits another module's "
+            "gradients (those another optimizer steps), so every update of the stepped "
+            "tensors is unclipped; pass the parameters the optimizer steps to clip_grad_norm_",
+            "LOOP-013", {"order": trace.loop_events, "clipped_tensors": sorted(map(len, trace.clip_params))},
+        )]
+    if reach == "never":
         return [Finding(
             "loop_order", Severity.WARN,
             f"the step clips gradients, but no optimizer.step() follows a clip of its own gradients "
@@ -94,17 +105,32 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
-def _clip_reaches_a_step(events: list[str]) -> bool:
-    """Some ``step`` has a ``clip`` between it and the last ``backward`` before it."""
-    clipped = False
+def _clip_reach(events: list[str], clips: list[set[int]], steps: list[set[int]],
+                optimizers: list[set[int]]) -> str | None:
+    """None when some ``step`` has a ``clip`` of some of its own tensors between it and the last ``backward``
+    (or no clip ran); ``"elsewhere"`` when clips precede steps but only of tensors another of the stepped
+    ``optimizers`` holds (tensors no optimizer holds may be the model's half-precision copies of an optimizer's
+    fp32 master weights, whose gradients are copied over after the clip); ``"never"`` when no clip precedes any
+    step."""
+    if "clip" not in events:
+        return None
+    clipped: set[int] | None = None
+    outcome = "never"
+    clip_i = step_i = 0
     for event in events:
         if event in ("backward", "zero_grad"):
-            clipped = False
+            clipped = None
         elif event == "clip":
-            clipped = True
-        elif event == "step" and clipped:
-            return True
-    return False
+            clipped = (clipped or set()) | (clips[clip_i] if clip_i < len(clips) else set())
+            clip_i += 1
+        elif event == "step":
+            held = steps[step_i] if step_i < len(steps) else set()
+            step_i += 1
+            if clipped is not None:
+                if clipped & held or not held or not any(clipped <= other for other in optimizers):
+                    return None
+                outcome = "elsewhere"
+    return outcome
 
 
 def _clipped_while_scaled(events: list[str]) -> bool:

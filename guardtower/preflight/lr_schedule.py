@@ -134,7 +134,18 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
                               "scheduler": name},
             ))
         if cadence == 0:
-            return findings  # how often the loop steps it outside step_fn is unknown: judge nothing more
+            # how often the loop steps it outside step_fn is unknown; a warmup that outlasts the run stepped once
+            # per optimizer step outlasts it at any slower cadence too (per epoch it stays near its first lr)
+            verdicts = [] if per_step is None else [_judge(per_step, gi) for gi in range(len(per_step.lrs))]
+            warming = next((j for j in verdicts if j is not None and j[0] == "SCHED-002"), None)
+            if warming is not None and not findings:
+                cid, message, details = warming
+                findings.append(Finding(
+                    "lr_schedule", Severity.WARN,
+                    message + f"; step_fn does not step the {type(ctx.lr_scheduler).__name__} with the optimizer, "
+                    f"and stepped per epoch the lr stays near its first value {details['start_lr']:.3g}",
+                    cid, {**details, "scheduler_steps_per_optimizer_step": 0}))
+            return findings
     bases = [g.get("initial_lr") for g in opt.param_groups]
     for gi in range(len(walk.lrs)):
         base = bases[gi] if gi < len(bases) and isinstance(bases[gi], (int, float)) else None
