@@ -4,7 +4,8 @@ tabular, recommenders, detection/re-id), each with its fixed twin."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from itertools import pairwise
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,8 @@ def _c06_proof(bug: bool) -> bool:
     model, step, _ = _c06_build(bug)
     for _ in range(2):
         step()
-    return bool(torch.equal(model.bn1.running_mean, torch.zeros(8)))
+    running_mean = cast(torch.Tensor, cast(_ConvNet, model).bn1.running_mean)
+    return bool(torch.equal(running_mean, torch.zeros(8)))
 
 
 # --------------------------------------------------------------------------------------------- case-07
@@ -188,7 +190,7 @@ def _c08_proof(bug: bool) -> bool:
     for _ in range(_C08_BATCHES):
         step()
         lrs.append(opt.param_groups[0]["lr"])
-    restarts = sum(1 for a, b in zip(lrs, lrs[1:]) if b > a)
+    restarts = sum(1 for a, b in pairwise(lrs) if b > a)
     return restarts >= 1 and min(lrs) < 1e-2
 
 
@@ -300,6 +302,9 @@ _C10_RATE = _c10_rate()
 class _GDE(nn.Module):
     """GDE's graph-filtered embeddings on a tiny interaction matrix (filters from its singular vectors)."""
 
+    L_u: torch.Tensor
+    L_i: torch.Tensor
+
     def __init__(self, bug: bool, beta: float = 5.0, reg: float = 0.01, batch_size: int = 16) -> None:
         super().__init__()
         self.bug = bug
@@ -376,7 +381,7 @@ def _c10_proof(bug: bool) -> bool:
     model, step, _ = _c10_build(bug)
     for _ in range(200):
         step()
-    return _c10_auc(model) < 0.75
+    return _c10_auc(cast(_GDE, model)) < 0.75
 
 
 CASES: list[BlindCase] = [
