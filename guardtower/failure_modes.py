@@ -1107,6 +1107,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("schedule", "optimizer"),
     ),
     FailureMode(
+        "SCHED-006", "The schedule is sized for a longer run", Severity.WARN,
+        "Walked over the planned run, the learning rate never falls below half its peak once there, and walked on it "
+        "decays to ~0 "
+        "between 2x and 16x the planned length: the schedule's horizon is several times the run's.",
+        "A horizon counted in micro-batches while the scheduler steps once per accumulated update (or in samples) "
+        "makes the decay barely start: the run ends at the peak lr and never anneals; the loss still falls, just "
+        "not as low.",
+        "Size the schedule in optimizer steps: num_training_steps = len(loader) * epochs // "
+        "gradient_accumulation_steps (the trainer's max_steps).",
+        "https://github.com/huggingface/accelerate/issues/225",
+        ("schedule", "optimizer"),
+    ),
+    FailureMode(
         "SCHED-004", "The schedule starts over on a resumed optimizer", Severity.WARN,
         "The LR scheduler is at its first step (last_epoch=0) while the optimizer it drives already holds state "
         "from earlier steps (Adam's step count, momentum buffers), and the schedule is not constant.",
@@ -1258,6 +1271,19 @@ _STEP: tuple[FailureMode, ...] = (
         "of one batch.",
         "https://pytorch.org/tutorials/beginner/basics/data_tutorial.html",
         ("data",),
+    ),
+    FailureMode(
+        "DATA-013", "The decoder never starts from its start token", Severity.WARN,
+        "An encoder-decoder LM gets decoder_input_ids built by the user, and no row begins with "
+        "config.decoder_start_token_id.",
+        "generate() starts every output from decoder_start_token_id. Targets sliced the BART way "
+        "(decoder_input_ids = y[:, :-1], labels = y[:, 1:]) for a model whose targets carry no BOS (T5) train "
+        "the decoder from the first target token instead: the first token is never a label, and the start the "
+        "model meets at inference was never trained.",
+        "Pass the full targets as labels and let the model build decoder_input_ids (shift_right prepends the "
+        "start token), or prepend decoder_start_token_id yourself.",
+        "https://github.com/huggingface/transformers/issues/5987",
+        ("data", "labels", "llm"),
     ),
     FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,

@@ -437,11 +437,13 @@ def _c15_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b19-case-11", "https://github.com/Farama-Foundation/Gymnasium/issues/1336", "policy gradient credit",
               "The REINFORCE loss multiplies the episode's MEAN log-probability by each return, so every action "
-              "gets the same credit instead of its own return-to-go.", _c11_build, _c11_proof),
+              "gets the same credit instead of its own return-to-go.", _c11_build, _c11_proof,
+              known_miss="REINFORCE with the episode's mean log-probability times each return: every action gets the same credit; per-sample credit in a policy-gradient loss is not measured"),
     BlindCase("b19-case-12", "https://github.com/Lightning-AI/pytorch-lightning/issues/17957",
               "gradient accumulation scaling",
               "Manual-optimisation gradient accumulation backpropagates the unscaled loss of each of the N "
-              "batches, so every update uses N times the mean gradient.", _c12_build, _c12_proof),
+              "batches, so every update uses N times the mean gradient.", _c12_build, _c12_proof,
+              known_miss="manual accumulation backpropagates each of N micro-batch losses unscaled (N times the mean gradient); a loss-scale factor across micro-batches of equal weight is not distinguishable from a larger lr"),
     BlindCase("b19-case-13", "https://github.com/lucidrains/DALLE2-pytorch/issues/235",
               "classifier-free guidance dropout",
               "The condition-drop mask of the diffusion prior is built but never applied, so the text conditioning "
@@ -449,7 +451,8 @@ CASES: list[BlindCase] = [
     BlindCase("b19-case-14", "https://github.com/openclimatefix/skillful_nowcasting/issues/12",
               "GAN generator loss",
               "The generator's hinge loss is applied to its generated frames instead of the discriminator's scores, "
-              "so the generator gets no adversarial signal.", _c14_build, _c14_proof),
+              "so the generator gets no adversarial signal.", _c14_build, _c14_proof,
+              known_miss="the generator's hinge loss is applied to the generated frames instead of the discriminator's scores: the generator still gets a gradient, from a wrong objective that the audit cannot tell from a reconstruction term"),
     BlindCase("b19-case-15", "https://github.com/higgsfield/Imagination-Augmented-Agents/issues/7",
               "wrong optimizer stepped (distillation)",
               "After the distillation backward the agent's optimizer is stepped instead of the distillation "

@@ -14,7 +14,9 @@ from guardtower.preflight import audit
 from guardtower.failure_modes import _CORE
 from guardtower.severity import Severity
 
-from tests._audit_core_helpers import SmallCNN, VOCAB, Case, case_registry, gpt2, mlp, regression_batch, token_batch
+from tests._audit_core_helpers import (
+    SmallCNN, VOCAB, Case, bert_mlm, case_registry, gpt2, llama, mlp, regression_batch, token_batch,
+)
 
 CASES, case = case_registry()
 
@@ -251,13 +253,33 @@ def _left_padding_cls_pooling(bug: bool) -> Case:
 
 @case("INPUT-004")
 def _padding_unmasked(bug: bool) -> Case:
-    m = gpt2()  # pad == eos == 0
+    m = bert_mlm()  # bidirectional: every token attends to the padding
     batch = token_batch(pad_last=3)
-    batch["input_ids"][0, -1] = 0  # one real, supervised EOS at the end of a full row
-    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     if bug:
         batch["attention_mask"] = torch.ones_like(batch["attention_mask"])  # mask = ids != pad was "simplified"
     return m, lambda: m(**batch), {}
+
+
+@case("INPUT-004/left-causal")
+def _left_padding_unmasked_in_a_causal_lm(bug: bool) -> Case:
+    m = llama()  # pad == eos == bos == 0; the real tokens after the padding attend to it
+    batch = token_batch(pad_last=0)
+    batch["input_ids"][0, -1] = 0  # one real, supervised EOS at the end of a full row
+    batch["input_ids"][-1, :3] = 0
+    batch["attention_mask"][-1, :3] = 0
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    if bug:
+        batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    return m, lambda: m(**batch), {}
+
+
+def test_input_004_leaves_right_padding_of_a_causal_lm_alone() -> None:
+    # no real token of a causal LM attends to the padding after it (its labels are -100): unmasked, nothing changes
+    m = gpt2()
+    batch = token_batch(pad_last=3)
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    assert not audit(m, lambda: m(**batch)).by_id("INPUT-004")
 
 
 @case("INPUT-004/no-mask")

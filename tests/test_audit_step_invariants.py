@@ -83,6 +83,38 @@ def _warmup_longer_than_run_stepped_outside(bug: bool) -> Case:
     return _scheduled(lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor), total=500, per_step=0)
 
 
+@case("SCHED-006")
+def _schedule_sized_in_micro_batches(bug: bool) -> Case:
+    from transformers import get_linear_schedule_with_warmup
+
+    # 2,000 micro-batches, accumulated 4 per update: the schedule must count 500 optimizer steps, not 2,000
+    return _scheduled(lambda o: get_linear_schedule_with_warmup(o, 10, 2000 if bug else 500), total=500)
+
+
+def test_sched_006_leaves_a_schedule_that_never_reaches_zero_alone() -> None:
+    # an inverse-square-root decay is meant to run on: walked on, it never reaches ~0
+    model, step, kwargs = _scheduled(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: (1 + k) ** -0.5),
+                                     total=500)
+    assert not audit(model, step, **kwargs).by_id("SCHED-006")
+
+
+@case("DATA-013")
+def _t5_targets_sliced_the_bart_way(bug: bool) -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    m = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                            num_heads=2, pad_token_id=0, eos_token_id=1,
+                                            decoder_start_token_id=0)).train()
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(2, VOCAB, (4, 8), generator=g)
+    tgt = torch.cat([torch.randint(2, VOCAB, (4, 5), generator=g), torch.ones(4, 1, dtype=torch.long)], 1)
+    # the fix builds the decoder inputs itself too, by shifting right behind the start token
+    batch = ({"decoder_input_ids": tgt[:, :-1], "labels": tgt[:, 1:]} if bug else
+             {"decoder_input_ids": m._shift_right(tgt), "labels": tgt})
+    return m, lambda: m(input_ids=src, **batch), {"inputs": {"input_ids": src, **batch}}
+
+
 @case("SCHED-003")
 def _schedule_stepped_per_micro_batch(bug: bool) -> Case:
     from transformers import get_cosine_schedule_with_warmup
@@ -1214,6 +1246,57 @@ def test_grad_001_is_info_for_a_backbones_head_the_step_skips_by_calling_its_fea
     m, (x, _) = Contrastive(), _data()
     (finding,) = audit(m, lambda: m(x, x + 0.1 * torch.randn_like(x))).by_id("GRAD-001")
     assert finding.severity == Severity.INFO and finding.details["params"] == ["net.fc.weight", "net.fc.bias"]
+
+
+class _Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.torso, self.actor, self.critic = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.torso(x))
+        return self.actor(h), self.critic(h)
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_grad_001_is_info_for_a_head_whose_output_the_step_discards_and_a_failure_when_the_loss_reads_it_cut(
+        cut: bool) -> None:
+    # distilling a policy on its actions alone discards its critic's output; a value loss through float() reads it
+    # with the graph cut
+    m, (x, y) = _Policy(), _data()
+
+    def loss() -> torch.Tensor:
+        logits, value = m(x)
+        actions = F.cross_entropy(logits, y)
+        return actions * (1.0 + float(value.mean().abs())) if cut else actions
+
+    report = audit(m, loss)
+    (finding,) = report.by_id("GRAD-001")
+    assert finding.details["params"] == ["critic.weight", "critic.bias"]
+    assert finding.severity == (Severity.ERROR if cut else Severity.INFO), str(report)
+    assert any("output changed" in n for n in report.notes)
+
+
+def test_grad_001_is_info_for_a_library_models_own_parameter_the_loss_bypasses() -> None:
+    # a CLIP loss built from the embeddings with a fixed temperature never reads CLIPModel.logit_scale
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    m = CLIPModel(CLIPConfig(
+        text_config=dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8), projection_dim=8)).train()
+    ids, pixels = torch.randint(3, 50, (4, 8)), torch.randn(4, 3, 16, 16)
+
+    def loss() -> torch.Tensor:
+        out = m(input_ids=ids, pixel_values=pixels)
+        sim = F.normalize(out.image_embeds, dim=-1) @ F.normalize(out.text_embeds, dim=-1).T / 0.07
+        return F.cross_entropy(sim, torch.arange(4))
+
+    (finding,) = audit(m, loss).by_id("GRAD-001")
+    assert finding.severity == Severity.INFO and finding.details["params"] == ["logit_scale"]
 
 
 def test_grad_001_stays_a_failure_for_a_module_that_ran_under_no_grad() -> None:

@@ -42,7 +42,7 @@ def _grads_ready(ctx: AuditContext) -> bool:
     return ctx.trace is not None and ctx.trace.backward
 
 
-@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"), needs=("second_step",))
+@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"), needs=("second_step", "output_reads"))
 def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-001 trainable parameters without a gradient, GRAD-004 gradients that are exactly zero."""
     if not _grads_ready(ctx):
@@ -126,7 +126,9 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
     whose own forward never ran either (a backbone's classifier head when the step calls its feature layers), or
     a part of a library model that never ran or whose output nothing used (an unused pooler or post-layernorm,
     ``embed_tokens`` under ``inputs_embeds``, the cross-attention of a decoder used alone) while the rest of that
-    library model got gradients. Not cut: a part that ran only under ``no_grad`` stays a failure, and so do a
+    library model got gradients, or a module of the user's that ran but whose output the loss does not read (the
+    step discards it: changed, the loss stays bitwise equal). Not cut: a part that ran only under ``no_grad`` stays
+    a failure, and so do a
     library model none of which got a gradient (its output detached), a user's head that its parent's forward
     never calls (wired to nothing) and an adapter factor (an adapter that never trains is the bug itself)."""
     assert ctx.trace is not None
@@ -141,6 +143,9 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
         if owner not in modules or (owner in ran and owner not in in_graph) or is_lora_factor(n) or "lora_" in n:
             continue
         parent = owner.rpartition(".")[0]
+        if any(n.startswith(f"{m}.") for m in ctx.trace.unread_outputs):
+            idle.append(n)  # its module ran and the step discards what it computes (a policy's unused critic)
+            continue
         if owner not in ran and parent not in ran:
             idle.append(n)  # the step used the enclosing module only through its parts, never its forward
             continue
@@ -155,6 +160,8 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
 def _library_root(modules: dict[str, torch.nn.Module], owner: str) -> str | None:
     """The prefix of the outermost library (transformers, peft) model that holds ``owner`` as one of its own parts
     ("" for the audited model itself), or None: a module the user attached to a library model is the user's."""
+    if owner == "":
+        return "" if is_library_model(modules[""]) else None  # a library model's own parameter (CLIP's logit_scale)
     path = owner.split(".")
     for i in range(1, len(path)):
         prefix = ".".join(path[:i])

@@ -587,6 +587,27 @@ def _stop_never_supervised(ctx: AuditContext, labels: Any, mask: Any, ids: Any) 
     )]
 
 
+def _decoder_start_missing(ctx: AuditContext, decoder_ids: Any) -> list[Finding]:
+    """DATA-013: decoder inputs built by the user for an encoder-decoder LM, none of whose rows starts with
+    ``config.decoder_start_token_id`` (the token ``generate()`` starts from)."""
+    start = getattr(getattr(ctx.model, "config", None), "decoder_start_token_id", None)
+    if not (_is_seq2seq_lm(ctx.model) and isinstance(start, int) and isinstance(decoder_ids, torch.Tensor)
+            and decoder_ids.dim() == 2 and decoder_ids.shape[0] >= 2 and not decoder_ids.is_floating_point()):
+        return []
+    first = decoder_ids[:, 0]
+    if bool((first == start).any()):
+        return []
+    return [Finding(
+        "data", Severity.WARN,
+        f"no row of decoder_input_ids starts with decoder_start_token_id={start} (they start with "
+        f"{sorted({int(t) for t in first.unique()[:5]})}): generate() starts every output from {start}, so the "
+        "decoder is trained from another start than it meets at inference, and the first target token is never a "
+        "label (targets sliced as y[:, :-1] / y[:, 1:]); pass the full targets as labels and let the model shift "
+        "them",
+        "DATA-013", {"decoder_start_token_id": start, "first_tokens": sorted({int(t) for t in first.unique()[:5]})},
+    )]
+
+
 def _unsupervised_rows(ctx: AuditContext, labels: Any, mask: Any) -> list[Finding]:
     """DATA-011: in a language-model batch, some examples have no label at all while the others do (truncation
     cut their completion, or the prompt mask covered the whole row): they cost compute and teach nothing."""
@@ -628,7 +649,8 @@ def _model_shifts(ctx: AuditContext, labels: torch.Tensor) -> bool | None:
 
 def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     """DATA-003 every real EOS masked to -100 (pad_token = eos_token), DATA-004 labels already shifted by the
-    user and shifted again inside the model, DATA-010 no label is EOS."""
+    user and shifted again inside the model, DATA-010 no label is EOS, DATA-013 (encoder-decoders) decoder inputs
+    that never start from the decoder start token."""
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     if batch is None:
         return []
@@ -638,7 +660,7 @@ def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     findings = _stop_never_supervised(ctx, labels, label_mask, ids if causal else None)
     findings += _unsupervised_rows(ctx, labels, label_mask)
     if not causal:
-        return findings
+        return findings + _decoder_start_missing(ctx, batch.get("decoder_input_ids"))
     if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor) and ids.shape == labels.shape
             and ids.dim() == 2 and not labels.is_floating_point()):
         return findings
@@ -694,12 +716,13 @@ def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
     )]
 
 
-@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011"),
+@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011", "DATA-013"),
        needs=("padded_labels",))
 def check_data(ctx: AuditContext) -> Iterable[Finding]:
     """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels,
     DATA-003/DATA-004 causal-LM labels that mask every EOS or are shifted twice, DATA-010 EOS never a label,
-    DATA-011 examples with no label among labelled ones."""
+    DATA-011 examples with no label among labelled ones, DATA-013 decoder inputs that never start from the
+    decoder start token."""
     findings = _causal_lm_labels(ctx)
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     labels = batch.get("labels") if batch is not None else None

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import torch
 
 from guardtower.preflight._registry import AuditContext, check
-from guardtower.preflight._schedule import Walk, walk_schedule
+from guardtower.preflight._schedule import MAX_WALK, Walk, walk_schedule
 from guardtower.preflight._util import base_optimizer
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -26,6 +26,10 @@ LATEST_PEAK = 0.9
 MOVES = 2.0
 #: a schedule whose peak stays below this share of the optimizer's own lr never uses it (SCHED-005)
 FAR_BELOW = 0.01
+#: a schedule that never falls below this share of its peak after reaching it has hardly decayed (SCHED-006) ...
+STILL_HIGH = 0.5
+#: ... when walked on for this many times the planned run it does reach ~0
+OUTLAST = 16
 #: how far a restarted schedule is walked to see whether it moves, when neither the run nor the optimizer's
 #: step count says more
 _RESUME_HORIZON = 1000
@@ -82,16 +86,43 @@ def _judge(walk: Walk, gi: int, base_lr: float | None = None) -> tuple[str, str,
     return None
 
 
+def _outlasts(ctx: AuditContext, optimizer: torch.optim.Optimizer, walk: Walk,
+              gi: int) -> tuple[str, str, dict[str, object]] | None:
+    """SCHED-006: the lr stays near its peak over the whole run, on a schedule that decays to ~0 only well after
+    it (a schedule that dips within the run and rises again is periodic, not sized for a longer run)."""
+    lrs, n = walk.lrs[gi], walk.planned
+    peak = max(lrs)
+    if peak <= 0 or len(lrs) < n or n < 2 or n * OUTLAST * walk.cadence > MAX_WALK:
+        return None
+    risen = next(k for k, lr in enumerate(lrs) if lr > NEAR_ZERO * peak)
+    if min(lrs[lrs.index(peak):]) < STILL_HIGH * peak or min(lrs[risen:]) <= NEAR_ZERO * peak:
+        return None  # it decays within the run, or dips to ~0 and rises again (periodic, or resumed mid-run)
+    longer = walk_schedule(ctx.lr_scheduler, optimizer, n * OUTLAST, walk.cadence)
+    if longer is None or gi >= len(longer.lrs):
+        return None
+    later = longer.lrs[gi][n:]
+    end = next((k for k, lr in enumerate(later, start=n) if lr <= NEAR_ZERO * peak), None)
+    if end is None or end < 2 * n:  # a short run's last step sits high on a schedule that ends with it
+        return None
+    return ("SCHED-006",
+            f"param group {gi}'s lr is still {lrs[-1]:.3g} ({100 * lrs[-1] / peak:.0f}% of its peak {peak:.3g}) at "
+            f"the end of the {n:,} planned optimizer steps; the schedule reaches ~0 only at step {end:,}, "
+            f"{end / n:.1f}x the run: its length is counted in micro-batches or samples, not optimizer steps, so "
+            "the run never anneals",
+            {"group": gi, "planned_steps": n, "end_lr": lrs[-1], "peak_lr": peak, "schedule_end_step": end})
+
+
 #: schedules defined by a per-step factor or milestones alone, with no planned length that would tell their cadence
 _NO_HORIZON = ("ExponentialLR", "StepLR", "MultiStepLR", "MultiplicativeLR")
 
 
-@check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003", "SCHED-004", "SCHED-005"))
+@check("lr_schedule", emits=("SCHED-001", "SCHED-002", "SCHED-003", "SCHED-004", "SCHED-005", "SCHED-006"))
 def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
     """SCHED-001 the lr reaches ~0 early, SCHED-002 the run ends inside the warmup, SCHED-003 a per-step
     schedule that the training step does not step once per optimizer step, SCHED-004 a schedule at its start
     driving an optimizer that has already trained (a resume that restored everything but the scheduler),
-    SCHED-005 a schedule that never comes within 100x of the optimizer's own lr."""
+    SCHED-005 a schedule that never comes within 100x of the optimizer's own lr, SCHED-006 a schedule sized for
+    a run several times longer than the planned one."""
     opt = base_optimizer(ctx.optimizer)
     if ctx.lr_scheduler is None or opt is None:
         return []
@@ -149,7 +180,7 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
     bases = [g.get("initial_lr") for g in opt.param_groups]
     for gi in range(len(walk.lrs)):
         base = bases[gi] if gi < len(bases) and isinstance(bases[gi], (int, float)) else None
-        judged = _judge(walk, gi, float(base) if base is not None else None)
+        judged = _judge(walk, gi, float(base) if base is not None else None) or _outlasts(ctx, opt, walk, gi)
         if judged is not None:
             cid, message, details = judged
             findings.append(Finding("lr_schedule", Severity.WARN, message, cid, details))

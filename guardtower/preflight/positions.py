@@ -254,7 +254,9 @@ def _judge(call: ModelCall, fallback: Mapping[str, Any] | None) -> list[Finding]
         special = _ids(getattr(config, "eos_token_id", None)) | _ids(getattr(config, "bos_token_id", None))
         least = 2 if pad in special else 1  # a real EOS that shares the pad id is one token, padding is a run
         hit = ids == pad if mask is None else (ids == pad) & (mask != 0)
-        runs = torch.maximum(_from_start(hit).sum(1), _from_end(hit).sum(1))
+        # right padding cannot reach a causal model's real tokens: only what precedes them can
+        runs = _from_start(hit).sum(1) if _is_causal(call.module) else torch.maximum(_from_start(hit).sum(1),
+                                                                                      _from_end(hit).sum(1))
         rows = [int(r) for r in torch.nonzero(runs >= least).flatten()]
         if rows and (mask is not None or call.accepts_mask):
             how = ("the attention_mask marks them as real tokens" if mask is not None
@@ -274,7 +276,10 @@ def _is_causal(module: nn.Module) -> bool:
     config = hf_config(module)
     if bool(getattr(config, "is_decoder", False)):
         return True
-    return any(type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) for m in module.modules())
+    if bool(getattr(config, "is_encoder_decoder", False)):
+        return False  # its encoder reads the whole input
+    return any(type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")) or getattr(m, "is_causal", None) is True
+               for m in module.modules())  # a base model (LlamaModel) is causal by its attention
 
 
 def _unmasked_foreign_padding(ids: torch.Tensor, pad: Any, module: nn.Module, where: str) -> list[Finding]:
