@@ -52,6 +52,7 @@ def _train_seven_steps_with_a_nan_at_step_5(net: nn.Module, guard: GuardedOptimi
 def test_a_rejected_step_names_its_rank_and_batch_and_is_quarantined(tmp_path: Path) -> None:
     net, guard, sink = make(tmp_path)
     _train_seven_steps_with_a_nan_at_step_5(net, guard, epoch=2)
+    guard.flush()  # events reach the sink on the bus's worker thread
     event = spikes(sink)[5]
     assert event.ranks == (0,) and event.rank_values[0][:2] == (0, "nonfinite")
     assert event.batch == {"step": 5, "epoch": 2, "index": 4, "batch_size": 8,
@@ -83,6 +84,7 @@ def test_the_fingerprint_is_of_the_content_and_indices_replace_it(tmp_path: Path
     ((net(x) - y) ** 2).mean().backward()
     guard.observe_batch((x, y), indices=torch.tensor([7, 3, 9]))
     guard.step()
+    guard.flush()
     assert spikes(sink)[1].batch == {"step": 1, "indices": [7, 3, 9], "batch_size": 3}
     guard.close()
 
@@ -110,6 +112,7 @@ def test_triage_labels_a_one_off_fault_transient_and_a_bad_batch_deterministic(t
         guard.observe_batch(x, index=step - 1)
         guard.step(closure_for(net, guard, x, y, step == 4, calls))
         per_step[step] = len(calls)
+    guard.flush()
     found = spikes(sink)
     assert sorted(found) == [4, 8]
     assert (found[4].triage, found[4].ranks, found[4].triage_ranks) == ("transient", (0,), ())
