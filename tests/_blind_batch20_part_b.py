@@ -7,7 +7,8 @@ on the CPU; nothing is downloaded. Each proof shows the bug without the audit.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -335,7 +336,7 @@ class _MeanTeacher(nn.Module):
         self.teacher.load_state_dict(self.student.state_dict())
         self.teacher.requires_grad_(False)
 
-    def train(self, mode: bool = True) -> "_MeanTeacher":
+    def train(self, mode: bool = True) -> _MeanTeacher:
         super().train(mode)
         self.teacher.eval()  # the teacher only makes pseudo-labels
         return self
