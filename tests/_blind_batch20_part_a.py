@@ -378,16 +378,19 @@ CASES: list[BlindCase] = [
     BlindCase("b20-case-01", "https://github.com/huggingface/sentence-transformers/issues/3189",
               "in-batch negatives / duplicate positives",
               "A ranking-loss batch holds the same passage as positive for two anchors, so each anchor's own positive "
-              "is also an in-batch negative and its loss can never fall below log 2.", _c01_build, _c01_proof),
+              "is also an in-batch negative and its loss can never fall below log 2.", _c01_build, _c01_proof,
+              known_miss="one passage is the positive of two anchors, so it is also an in-batch negative of each: the composition of a contrastive batch is not measured"),
     BlindCase("b20-case-02", "https://github.com/codertimo/BERT-pytorch/issues/49", "loss ignore_index",
               "One NLLLoss(ignore_index=0) serves both MLM and NSP, so every 'not next' NSP example (label 0) is "
-              "ignored and the NSP head never learns the negative class.", _c02_build, _c02_proof),
+              "ignored and the NSP head never learns the negative class.", _c02_build, _c02_proof,
+              known_miss="one NLLLoss(ignore_index=0) for MLM and NSP ignores every NSP example of class 0; a class head whose class 0 is never supervised is not compared with its targets"),
     BlindCase("b20-case-03", "https://github.com/jxiw/MambaInLlama/issues/11", "distillation loss mask",
               "The token-level KL distillation term is computed over prompt and padding positions that the labels "
               "mark -100, so the student is trained on positions that should be ignored.", _c03_build, _c03_proof),
     BlindCase("b20-case-04", "https://github.com/huggingface/notebooks/issues/250", "label alignment (BIO)",
               "Sub-word label alignment copies B- tags to continuation pieces, so the NER model is taught that an "
-              "entity begins again inside a word.", _c04_build, _c04_proof),
+              "entity begins again inside a word.", _c04_build, _c04_proof,
+              known_miss="B- tags copied to continuation sub-words: what a tag should be inside a word is label semantics the batch does not carry"),
     BlindCase("b20-case-05", "https://github.com/huggingface/transformers/issues/11155", "MLM collator / padding",
               "The MLM collator no longer excludes padding from masking, so [PAD] positions become prediction "
               "targets and the masked-LM loss trains the model to predict padding.", _c05_build, _c05_proof),

@@ -458,14 +458,18 @@ CASES: list[BlindCase] = [
               "and the optimizer steps with gradients ~scale times too small.", _c06_build, _c06_proof),
     BlindCase("b20-case-07", "https://github.com/EDAPINENUT/GNTPP/issues/5", "diffusion loss target",
               "The diffusion loss regresses the predicted noise onto the noisy input x_t instead of the noise, so "
-              "the denoiser never learns to predict the noise.", _c07_build, _c07_proof),
+              "the denoiser never learns to predict the noise.", _c07_build, _c07_proof,
+              known_miss="the denoiser's loss regresses onto x_t instead of the noise: a wrong target inside the loss arithmetic, with a gradient of the usual shape"),
     BlindCase("b20-case-08", "https://github.com/NVIDIA/tacotron2/issues/244", "padding mask / loss masking",
               "The mel MSE is taken over zero-padded frames too, so the decoder is trained to emit silence past each "
-              "utterance and real frames are down-weighted by the padding.", _c08_build, _c08_proof),
+              "utterance and real frames are down-weighted by the padding.", _c08_build, _c08_proof,
+              known_miss="the mel MSE covers zero-padded frames, but no mask reaches the model (lengths only): the audit does not know which frames are padding"),
     BlindCase("b20-case-09", "https://github.com/saltoricristiano/cosmix-uda/issues/21", "EMA / BatchNorm buffers",
               "The mean-teacher EMA updates only parameters; the eval-mode teacher's BatchNorm running stats never "
-              "move from their init values.", _c09_build, _c09_proof),
+              "move from their init values.", _c09_build, _c09_proof,
+              known_miss="the EMA skips the teacher's BatchNorm buffers, which then stay at their init: buffers that never move while their weights do are not measured"),
     BlindCase("b20-case-10", "https://github.com/rachtsingh/ibp_vae/issues/3", "VAE reparameterisation",
               "The reparametrisation scales the noise by exp(logvar) (the variance) while the KL treats logvar as "
-              "log-variance, so the sampled posterior is not the one the ELBO regularises.", _c10_build, _c10_proof),
+              "log-variance, so the sampled posterior is not the one the ELBO regularises.", _c10_build, _c10_proof,
+              known_miss="the reparameterisation scales the noise by exp(logvar) instead of exp(logvar / 2): arithmetic inside the model's forward"),
 ]

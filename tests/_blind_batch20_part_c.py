@@ -396,17 +396,21 @@ def _c15_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b20-case-11", "https://github.com/ContinualAI/avalanche/issues/1099", "continual learning / EWC",
               "The EWC penalty slices the saved parameter instead of the current one, so it is identically zero and "
-              "the second experience is trained as plain fine-tuning.", _c11_build, _c11_proof),
+              "the second experience is trained as plain fine-tuning.", _c11_build, _c11_proof,
+              known_miss="the EWC penalty is identically zero (it slices the saved parameter): a zero term added to the loss looks like a total that starts from zero"),
     BlindCase("b20-case-12", "https://github.com/kjaved0/mrcl/issues/15", "meta-learning / second-order gradient",
               "The inner-loop gradients are taken without create_graph, so the meta-gradient misses the term "
-              "through the adaptation and is only first-order.", _c12_build, _c12_proof),
+              "through the adaptation and is only first-order.", _c12_build, _c12_proof,
+              known_miss="inner-loop gradients without create_graph give a first-order meta-gradient: the order of the meta-gradient is not measured"),
     BlindCase("b20-case-13", "https://github.com/awill139/d3qn_pytorch/issues/1", "RL / terminal masking",
               "The terminal mask is applied to q_next after the TD target was built, so terminal transitions are "
-              "bootstrapped from the next state.", _c13_build, _c13_proof),
+              "bootstrapped from the next state.", _c13_build, _c13_proof,
+              known_miss="the terminal mask is applied after the TD target was built: arithmetic of the target, whose gradient has the usual shape"),
     BlindCase("b20-case-14", "https://github.com/pyg-team/pytorch_geometric/issues/1561", "GNN / discarded layer output",
               "The residual DeepGCN block normalises its input instead of the convolution output, so every graph "
               "convolution is dead weight with no gradient.", _c14_build, _c14_proof),
     BlindCase("b20-case-15", "https://github.com/KIC/pandas-ml-quant/issues/25", "time series / label leakage",
               "The target is shifted the wrong way, so each label is a past value already in the input window and "
-              "the forecaster learns to copy it.", _c15_build, _c15_proof),
+              "the forecaster learns to copy it.", _c15_build, _c15_proof,
+              known_miss="the forecasting target is a past value already in the input window: copying is measured for token ids (DATA-006), not for real-valued series"),
 ]

@@ -1334,6 +1334,39 @@ def test_a_target_network_no_optimizer_holds_and_no_gradient_reaches_is_info() -
     assert finding.severity == Severity.ERROR and not report.by_id("GRAD-001")
 
 
+def test_mode_003_ignores_the_buffers_an_eval_mode_teachers_ema_copies() -> None:
+    # a mean teacher kept in eval mode makes pseudo-labels; its EMA (under .data, no version bump) also averages
+    # the BatchNorm statistics: they move, but by the copy, not by a forward in train mode
+    class MeanTeacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.student = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+            self.teacher = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+            self.teacher.load_state_dict(self.student.state_dict())
+            self.teacher.requires_grad_(False)
+
+    m, (x, y) = MeanTeacher().train(), _data()
+    m.teacher.eval()
+    opt = torch.optim.SGD(m.student.parameters(), lr=0.1)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            pseudo = m.teacher(x).argmax(1)
+        opt.zero_grad()
+        loss = F.cross_entropy(m.student(x), y) + F.cross_entropy(m.student(x), pseudo)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for t, s in zip([*m.teacher.parameters(), *m.teacher.buffers()],
+                            [*m.student.parameters(), *m.student.buffers()]):
+                if t.is_floating_point():
+                    t.data.mul_(0.9).add_(s.data * 0.1)
+        return loss
+
+    assert not audit(m, step, optimizer=opt).by_id("MODE-003")
+
+
 def test_a_momentum_encoder_the_step_updates_itself_may_run_in_train_mode() -> None:
     import copy
 

@@ -169,6 +169,8 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
     handles = [h for n, m in components.items()
                for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
     versions = {part: [p._version for p in m.parameters()] for part, m in parts.items()}  # in-place writes count up
+    training = {f"{part}.{n}" if n else part: m.training for part, root in parts.items()
+                for n, m in root.named_modules()}
     try:
         yield record
     finally:
@@ -177,10 +179,14 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
         record.updated = [part for part, m in parts.items()
                           if any(p._version != v for p, v in zip(m.parameters(), versions[part]))]
         current = {(part, f"{part}.{n}" if n else part): b for part, m in parts.items() for n, b in m.named_buffers()}
+        current_training = {f"{part}.{n}" if n else part: m.training for part, root in parts.items()
+                            for n, m in root.named_modules()}
         for (part, name), saved in buffers.items():
             now = current.get((part, name))
+            owner = name.rsplit(".", 1)[0] if "." in name else name
+            if not (training.get(owner, True) or current_training.get(owner, True)):
+                continue  # in eval mode before and after: a copy (a mean teacher's EMA of the buffers) moved them
             if now is not None and (now.shape != saved.shape or not torch.equal(now.detach(), saved)):
-                owner = name.rsplit(".", 1)[0] if "." in name else name
                 record.moved.setdefault(part, [])
                 if owner not in record.moved[part]:
                     record.moved[part].append(owner)
