@@ -894,6 +894,15 @@ def test_clipping_a_generator_still_clips_under_the_audit() -> None:
     assert seen and max(seen) <= 0.5 + 1e-4
 
 
+def test_a_clip_of_no_tensors_is_not_a_clip_of_another_optimizers_tensors() -> None:
+    # clip_grad_norm_([p for p in params if p.grad is not None]) may well get an empty list
+    from guardtower.preflight.loop import _clip_reach
+
+    events = ["backward", "clip", "step"]
+    assert _clip_reach(events, [set()], [{1, 2}], [{1, 2}, {3}]) is None
+    assert _clip_reach(events, [{3}], [{1, 2}], [{1, 2}, {3}]) == "elsewhere"
+
+
 def test_clipping_the_half_precision_copies_of_master_weights_is_not_loop_013() -> None:
     # the optimizer steps fp32 master copies; the loop clips the model's own gradients, then copies them over
     m = _classifier()

@@ -121,8 +121,8 @@ def audit(
     ``step_fn`` is a zero-argument callable returning the loss (a scalar tensor, or an object with ``.loss``
     such as a Hugging Face output); the audit runs backward itself. Parameters, buffers, gradients,
     optimizer state, RNG streams, ``training`` flags, the inputs' ``requires_grad`` and Accelerate's
-    accumulation phase are restored bitwise, also when ``step_fn`` or a check raises. ``lr_scheduler`` (optional) is looked ahead to catch a schedule
-    that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
+    accumulation phase are restored bitwise, also when ``step_fn`` or a check raises. ``lr_scheduler``
+    (optional) is looked ahead to catch a schedule that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
     one batch, at the schedule's peak lr, and checks that its loss falls (LOSS-009); everything is restored
     afterwards as well, and a progress line (tqdm when installed) shows the step and the time left unless
     ``verbose=False``. ``total_steps`` (optional) is the planned number of optimizer steps: the schedule is

@@ -128,9 +128,9 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
     ``embed_tokens`` under ``inputs_embeds``, the cross-attention of a decoder used alone) while the rest of that
     library model got gradients, or a module of the user's that ran but whose output the loss does not read (the
     step discards it: changed, the loss stays bitwise equal). Not cut: a part that ran only under ``no_grad`` stays
-    a failure, and so do a
-    library model none of which got a gradient (its output detached), a user's head that its parent's forward
-    never calls (wired to nothing) and an adapter factor (an adapter that never trains is the bug itself)."""
+    a failure, and so do a library model none of which got a gradient (its output detached), a user's head that
+    its parent's forward never calls (wired to nothing) and an adapter factor (an adapter that never trains is the
+    bug itself)."""
     assert ctx.trace is not None
     ran, in_graph = ctx.trace.ran, ctx.trace.ran_with_grad
     if not ran:

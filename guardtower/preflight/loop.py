@@ -127,7 +127,7 @@ def _clip_reach(events: list[str], clips: list[set[int]], steps: list[set[int]],
             held = steps[step_i] if step_i < len(steps) else set()
             step_i += 1
             if clipped is not None:
-                if clipped & held or not held or not any(clipped <= other for other in optimizers):
+                if not clipped or clipped & held or not held or not any(clipped <= other for other in optimizers):
                     return None
                 outcome = "elsewhere"
     return outcome
