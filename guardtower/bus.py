@@ -61,8 +61,9 @@ class BaseSink:
     ``handle(event)`` sends and raises on failure (``guardtower._delivery.TransientError`` when a retry may
     help); a sink that sends several events in one go defines ``handle_batch(events)`` too (without it, the
     engine hands over one event at a time, so a failure names exactly the event it concerns); ``close()``
-    shuts the destination down. Attributes the engine reads (with these defaults for sinks that do not subclass ``BaseSink``): ``rank_zero_only`` — with ``main_process_only``
-    buses, act on rank 0 only (remote sinks: trackers, alerts); ``queue_size`` — the bound of the queue;
+    shuts the destination down. Attributes the engine reads (with these defaults for sinks that do not subclass
+    ``BaseSink``): ``rank_zero_only`` — with ``main_process_only`` buses, act on rank 0 only (remote sinks:
+    trackers, alerts); ``queue_size`` — the bound of the queue;
     ``spool`` — a ``Spool`` for what cannot be delivered (None: counted as dropped); ``replay_spool`` —
     the engine re-sends the spool itself once the destination answers again (else ``guardtower replay``
     does); ``retry`` — a ``RetryPolicy`` (None: one attempt).

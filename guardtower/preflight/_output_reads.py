@@ -42,6 +42,8 @@ def gradientless_modules(model: nn.Module, grads: dict[str, Any], ran_with_grad:
 
 
 def _shifted(value: Any) -> Any:
+    """Every float tensor of an output moved off its value (``x / 2 + 1`` changes zeros too, unlike the inputs'
+    ``_perturb``, which zeroes them: a cut head's output may already be zero)."""
     if isinstance(value, torch.Tensor):
         return value * 0.5 + 1.0 if value.is_floating_point() else value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):

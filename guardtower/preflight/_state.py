@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from guardtower.preflight._util import iter_tensors
+from guardtower.preflight._util import iter_tensors, patched
 
 __all__ = ["TrainingState", "OptimizerState", "TensorFlags", "clone_value", "restore_value"]
 
@@ -119,19 +119,18 @@ class AcceleratePhase:
         if module is None:
             yield
             return
-        cls, original = module.Accelerator, module.Accelerator._do_sync
         steps = self.steps
 
-        @functools.wraps(original)
-        def do_sync(accelerator: Any) -> Any:
-            steps.setdefault(id(accelerator), (accelerator, accelerator.step))
-            return original(accelerator)
+        def watch(original: Any) -> Any:
+            @functools.wraps(original)
+            def do_sync(accelerator: Any) -> Any:
+                steps.setdefault(id(accelerator), (accelerator, accelerator.step))
+                return original(accelerator)
 
-        cls._do_sync = do_sync
-        try:
+            return do_sync
+
+        with patched([(module.Accelerator, "_do_sync", watch)]):
             yield
-        finally:
-            cls._do_sync = original
 
     def restore(self) -> None:
         for accelerator, step in self.steps.values():

@@ -297,6 +297,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         (torch.amp.GradScaler, "scale", scaling),
         (torch.amp.GradScaler, "unscale_", lambda f: recording("unscale", f)),
     ]
+
     def clipping(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -311,6 +312,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     patches += [(owner, name, clipping)
                 for owner in (torch.nn.utils, torch.nn.utils.clip_grad)
                 for name in ("clip_grad_norm_", "clip_grad_value_") if hasattr(owner, name)]
+
     def weighted_loss(original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             weight = kwargs.get("weight", args[2] if len(args) > 2 else None)

@@ -146,7 +146,8 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
         # a schedule not stepped by the step is judged per-step only when its horizon fits the planned run in
         # optimizer steps (walked once per step it moves, and neither ends early nor stays in warmup); one that
         # would end in a few percent of the run was planned per epoch, and stepping it elsewhere is right
-        fits = per_step is not None and all(_judge(per_step, gi) is None for gi in range(len(per_step.lrs)))
+        verdicts = [] if per_step is None else [_judge(per_step, gi) for gi in range(len(per_step.lrs))]
+        fits = per_step is not None and all(v is None for v in verdicts)
         moves = fits and per_step is not None and any(
             max(s) > MOVES * max(min(s), 1e-30) or max(s) > 0 == min(s) for s in per_step.lrs)
         # a decay with no length of its own (ExponentialLR, StepLR) says nothing of its cadence: not stepped by a
@@ -167,9 +168,8 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
         if cadence == 0:
             # how often the loop steps it outside step_fn is unknown; a warmup that outlasts the run stepped once
             # per optimizer step outlasts it at any slower cadence too (per epoch it stays near its first lr)
-            verdicts = [] if per_step is None else [_judge(per_step, gi) for gi in range(len(per_step.lrs))]
-            warming = next((j for j in verdicts if j is not None and j[0] == "SCHED-002"), None)
-            if warming is not None and not findings:
+            warming = next((v for v in verdicts if v is not None and v[0] == "SCHED-002"), None)
+            if warming is not None:  # then it does not fit: no SCHED-003 above
                 cid, message, details = warming
                 findings.append(Finding(
                     "lr_schedule", Severity.WARN,
