@@ -1286,6 +1286,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("data", "labels", "llm"),
     ),
     FailureMode(
+        "DATA-014", "The positive is also a negative", Severity.WARN,
+        "A cross_entropy over candidates (in-batch negatives, a contrastive score matrix) has rows where the "
+        "target's logit equals another candidate's logit: the same item is both the positive and a negative.",
+        "A duplicate passage or caption in an in-batch-negatives batch, hard negatives resampled from a pool that "
+        "holds the positive, or a sample drawn twice: the loss pushes the item away from itself, cannot fall below "
+        "log 2 on those rows, and the gradient of the two equal candidates cancels. Training runs; retrieval "
+        "quality is quietly lower.",
+        "Deduplicate the batch (a sampler with no duplicates, e.g. sentence-transformers' NoDuplicatesBatchSampler), "
+        "sample hard negatives only from the true negatives, or mask candidates equal to the positive.",
+        "https://github.com/huggingface/sentence-transformers/issues/3189",
+        ("data", "loss"),
+    ),
+    FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,
         "The loss pulls each position towards the next input token, and the prediction at a position depends on "
         "the tokens after it (measured: gradient from later token embeddings).",

@@ -528,6 +528,46 @@ def _seq2seq_labels_padded_with_pad_id(bug: bool) -> Case:
     return model, lambda: model(**batch), {"inputs": batch}
 
 
+class _GRULanguageModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.head = nn.Embedding(VOCAB, 16), nn.GRU(16, 16, batch_first=True), nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(ids))[0])
+
+
+@case("DATA-005/inferred-pad-id")
+def _hand_written_lm_over_padding_nothing_declares(bug: bool) -> Case:
+    # no mask, no config: only the batch shows that 0 pads the rows (padded to the longest)
+    model = _GRULanguageModel()
+    ids = torch.randint(1, VOCAB, (4, 10), generator=torch.Generator().manual_seed(4))
+    for row, length in enumerate((10, 7, 5, 8)):
+        ids[row, length:] = 0
+
+    def step() -> torch.Tensor:
+        logits, target = model(ids)[:, :-1], ids[:, 1:]
+        if not bug:
+            target = target.masked_fill(target == 0, -100)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+    return model, step, {"inputs": ids}
+
+
+def test_a_token_that_also_occurs_inside_rows_is_not_inferred_as_padding() -> None:
+    model = _GRULanguageModel()
+    ids = torch.randint(1, VOCAB, (4, 10), generator=torch.Generator().manual_seed(4))
+    ids[:, -2:] = 3  # every row ends alike, and 3 is an ordinary token elsewhere
+    ids[0, 2] = 3
+    ids[1, 6:] = 3
+
+    def step() -> torch.Tensor:
+        return F.cross_entropy(model(ids)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    assert not audit(model, step, inputs=ids).by_id("DATA-005")
+
+
 @case("DATA-006")
 def _labels_not_shifted(bug: bool) -> Case:
     model = gpt2()
@@ -559,6 +599,52 @@ def _weights_proportional_to_counts(bug: bool) -> Case:
     counts = torch.bincount(y).float()
     weights = counts / counts.sum() if bug else counts.sum() / (3 * counts)
     return m, lambda: F.cross_entropy(m(x), y, weight=weights), {"inputs": x}
+
+
+class _BiEncoder(nn.Module):
+    """Bag-of-tokens query and passage towers, in-batch negatives: scores[i, j] = q_i . p_j / T."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.query, self.passage = nn.EmbeddingBag(VOCAB, 16), nn.EmbeddingBag(VOCAB, 16)
+
+    def forward(self, queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
+        q, p = F.normalize(self.query(queries), dim=-1), F.normalize(self.passage(passages), dim=-1)
+        return q @ p.t() / 0.05
+
+
+def _in_batch_negatives(passages: torch.Tensor) -> Case:
+    m = _BiEncoder()
+    queries = torch.randint(0, VOCAB, (8, 6), generator=torch.Generator().manual_seed(1))
+    return m, lambda: F.cross_entropy(m(queries, passages), torch.arange(8)), {"inputs": (queries, passages)}
+
+
+@case("DATA-014")
+def _one_passage_positive_of_two_queries(bug: bool) -> Case:
+    passages = torch.randint(0, VOCAB, (8, 6), generator=torch.Generator().manual_seed(2))
+    if bug:
+        passages[5] = passages[2]  # two questions with the same answer passage, both in one batch
+    return _in_batch_negatives(passages)
+
+
+def test_data_014_is_quiet_on_ties_a_relu_or_a_mask_makes() -> None:
+    # NT-Xent masks each sample's similarity to itself with -inf, and a ReLU'd score matrix ties at 0: neither is
+    # the same item as positive and negative
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    views = torch.cat([x + 0.1, x.flip(-1)])
+
+    def nt_xent() -> torch.Tensor:
+        z = F.normalize(enc(views), dim=1)
+        sim = (z @ z.t() / 0.5).masked_fill(torch.eye(12, dtype=torch.bool), float("-inf"))
+        return F.cross_entropy(sim, torch.cat([torch.arange(6, 12), torch.arange(0, 6)]))
+
+    assert not audit(enc, nt_xent, inputs=views).by_id("DATA-014")
+    head = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    y = torch.arange(12) % 16
+    assert not audit(head, lambda: F.cross_entropy(head(views), y), inputs=views).by_id("DATA-014")
 
 
 def _accumulated(divide: bool, equal_tokens: bool = True, k: int = 2) -> Case:
@@ -1284,7 +1370,38 @@ def test_grad_001_is_info_for_a_head_whose_output_the_step_discards_and_a_failur
     (finding,) = report.by_id("GRAD-001")
     assert finding.details["params"] == ["critic.weight", "critic.bias"]
     assert finding.severity == (Severity.ERROR if cut else Severity.INFO), str(report)
-    assert any("output changed" in n for n in report.notes)
+    assert any("values of one gradient-less module or parameter changed" in n for n in report.notes)
+
+
+class _Energy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.mlp(pos).sum()
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_grad_001_is_info_for_a_bias_a_force_loss_drops_and_a_failure_when_the_loss_reads_it_cut(cut: bool) -> None:
+    # forces are -dE/dpos: the energy's last bias shifts E by a constant and drops out of the derivative; a loss
+    # that reads it through float() (an energy term with the graph cut) does depend on it
+    m = _Energy()
+    g = torch.Generator().manual_seed(5)
+    pos, target = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g)
+
+    def loss() -> torch.Tensor:
+        p = pos.clone().requires_grad_(True)
+        energy = m(p)
+        forces = -torch.autograd.grad(energy, p, create_graph=True)[0]
+        loss = F.mse_loss(forces, target)
+        return loss * (1.0 + 0.01 * float(m.mlp[2].bias.abs().sum())) if cut else loss
+
+    report = audit(m, loss)
+    (finding,) = report.by_id("GRAD-001")
+    assert finding.details["params"] == ["mlp.2.bias"]
+    assert finding.severity == (Severity.ERROR if cut else Severity.INFO), str(report)
 
 
 def test_grad_001_is_info_for_a_library_models_own_parameter_the_loss_bypasses() -> None:

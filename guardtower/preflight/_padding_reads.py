@@ -21,7 +21,7 @@ from guardtower.preflight._registry import AuditContext
 from guardtower.preflight._trace import PaddingRead
 from guardtower.preflight._util import LABEL_KEYS
 
-__all__ = ["measure_padding_reads", "marked_padding", "token_ids", "top_level"]
+__all__ = ["measure_padding_reads", "marked_padding", "inferred_padding", "token_ids", "top_level"]
 
 #: the prediction of a row run alone may differ from its prediction inside the batch by float noise only
 _SAME = 1e-4
@@ -67,6 +67,22 @@ def marked_padding(ctx: AuditContext, tensors: list[tuple[str, torch.Tensor]], i
         padding = (ids == pad).flip(1).cummin(1).values.flip(1)  # the run of pad ids that ends each row
         if _end_runs(padding):
             return padding, f"pad id {pad}"
+    return None
+
+
+def inferred_padding(ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(padding positions, pad id) of token ids that nothing declares: one id that occurs only as the run ending
+    rows, in runs of different lengths, one of them at least two long. A real token (even EOS, which precedes
+    the padding) also occurs inside rows, or ends them all alike; rows padded to the longest one look this way."""
+    if ids.dim() != 2 or ids.is_floating_point() or ids.shape[0] < 2 or ids.shape[1] < 3:
+        return None
+    for pad in ids[:, -1].unique().tolist():
+        at = ids == pad
+        padding = at.flip(1).cummin(1).values.flip(1)
+        runs = padding.sum(1)
+        if (bool(torch.equal(at, padding)) and _end_runs(padding) and int(runs.max()) >= 2
+                and int((runs > 0).sum()) >= 2 and int(runs.unique().numel()) >= 2):
+            return padding, int(pad)
     return None
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._future import measure_future_leak
-from guardtower.preflight._output_reads import confirm_outputs_unread, gradientless_modules
+from guardtower.preflight._value_reads import confirm_values_unread, gradientless_candidates
 from guardtower.preflight._sample_leak import eval_pass
 from guardtower.preflight._padding_reads import measure_padding_reads
 from guardtower.preflight._overfit import at_peak_lr, overfit_losses
@@ -226,16 +226,15 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 trace.flows_after_update = gradients_after_one_update(
                     counted_step, ctx.params, zero, state.restore_rng, optimizer, user_backward=trace.user_backward)
             state.restore_values()
-        unread = (gradientless_modules(model, trace.grads, trace.ran_with_grad)
-                  if "output_reads" in needs and trace.error is None and not multi_rank() else [])
+        unread = (gradientless_candidates(model, trace.grads, trace.ran_with_grad)
+                  if "value_reads" in needs and trace.error is None and not multi_rank() else [])
         if unread and isinstance(trace.loss, torch.Tensor):
-            how = "with its own backward (weights put back)" if trace.user_backward else "without gradients"
-            report.notes.append(f"step_fn ran {len(unread)} more time(s), {how}, each with one gradient-less "
-                                "module's output changed: whether the loss reads it tells a cut graph from an "
-                                "output the step discards")
+            how = "with its own backward (weights put back)" if trace.user_backward else "without a backward"
+            report.notes.append(f"step_fn ran {len(unread)} more time(s), {how}, each with the values of one "
+                                "gradient-less module or parameter changed: whether the loss reads them tells a cut "
+                                "graph from values the step does not use")
             with state.isolated_optimizers():
-                trace.unread_outputs = confirm_outputs_unread(model, counted_step, unread, trace.loss,
-                                                              state.restore_rng, backward=trace.user_backward)
+                trace.unread = confirm_values_unread(model, counted_step, unread, trace.loss, state.restore_rng)
             state.restore_values()
         grads = trace.input_grads
         if ("input_independence" in needs and grads and all(not g for g in grads.values())

@@ -20,11 +20,12 @@ __all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Fu
 #: ``eval_mode`` one eval-mode pass of a model that is not a library one (does dropout still drop?),
 #: ``padding`` three gradient-free eval-mode passes of one padded row (does its prediction read its padding?),
 #: ``second_step`` a real update and one more step when gradients are exactly zero (do they flow afterwards?),
-#: ``output_reads`` one run per gradient-less module of the user's with its output changed (does the loss read it?)
+#: ``value_reads`` one run per gradient-less module or parameter of the user's with its values changed (does the
+#: loss read them?)
 Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode", "padding",
-               "second_step", "output_reads"]
+               "second_step", "value_reads"]
 NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future",
-                                    "eval_mode", "padding", "second_step", "output_reads"})
+                                    "eval_mode", "padding", "second_step", "value_reads"})
 
 
 @dataclass
@@ -190,9 +191,10 @@ class StepTrace:
     """names of the model's submodules whose forward ran during the step"""
     ran_with_grad: set[str] = field(default_factory=set)
     """those of ``ran`` that ran at least once with autograd on (so their output was in the graph)"""
-    unread_outputs: set[str] = field(default_factory=set)
-    """modules that ran with autograd on, got no gradient at all, and whose output the loss does not read (a
-    changed output leaves the loss bitwise equal): computed and discarded, not cut from the graph"""
+    unread: set[str] = field(default_factory=set)
+    """modules (none of whose parameters got a gradient) and single parameters that took part with autograd on,
+    got no gradient, and whose values the loss does not read (changed, the loss stays bitwise equal): not cut
+    from the graph"""
     grad_rows_after_backward: dict[str, torch.Tensor] = field(default_factory=dict)
     """param name -> which rows of its gradient were non-zero right after ``step_fn``'s backward passes"""
     grad_rows_at_step: dict[str, torch.Tensor | None] = field(default_factory=dict)

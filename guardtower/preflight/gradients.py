@@ -42,7 +42,7 @@ def _grads_ready(ctx: AuditContext) -> bool:
     return ctx.trace is not None and ctx.trace.backward
 
 
-@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"), needs=("second_step", "output_reads"))
+@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"), needs=("second_step", "value_reads"))
 def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-001 trainable parameters without a gradient, GRAD-004 gradients that are exactly zero."""
     if not _grads_ready(ctx):
@@ -126,8 +126,9 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
     whose own forward never ran either (a backbone's classifier head when the step calls its feature layers), or
     a part of a library model that never ran or whose output nothing used (an unused pooler or post-layernorm,
     ``embed_tokens`` under ``inputs_embeds``, the cross-attention of a decoder used alone) while the rest of that
-    library model got gradients, or a module of the user's that ran but whose output the loss does not read (the
-    step discards it: changed, the loss stays bitwise equal). Not cut: a part that ran only under ``no_grad`` stays
+    library model got gradients, or a module or parameter of the user's that took part but whose values the loss
+    does not read (changed, the loss stays bitwise equal: an output the step discards, the last bias of an energy
+    model trained on forces only). Not cut: a part that ran only under ``no_grad`` stays
     a failure, and so do a library model none of which got a gradient (its output detached), a user's head that
     its parent's forward never calls (wired to nothing) and an adapter factor (an adapter that never trains is the
     bug itself)."""
@@ -143,8 +144,8 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
         if owner not in modules or (owner in ran and owner not in in_graph) or is_lora_factor(n) or "lora_" in n:
             continue
         parent = owner.rpartition(".")[0]
-        if any(n.startswith(f"{m}.") for m in ctx.trace.unread_outputs):
-            idle.append(n)  # its module ran and the step discards what it computes (a policy's unused critic)
+        if n in ctx.trace.unread or any(n.startswith(f"{m}.") for m in ctx.trace.unread):
+            idle.append(n)  # the loss does not read it (a policy's unused critic, a bias a force loss drops)
             continue
         if owner not in ran and parent not in ran:
             idle.append(n)  # the step used the enclosing module only through its parts, never its forward

@@ -98,6 +98,9 @@ class LossCall:
     targets: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
     """``(class-id targets, ignore_index, weight=)`` of a ``cross_entropy`` or ``nll_loss`` call (a CPU copy, up to
     ``_MAX_TARGETS`` ids): what the loss is asked to predict where"""
+    target_ties: tuple[int, int] | None = None
+    """``(rows, judged)`` of a float32 ``cross_entropy`` over candidates (``(N, C)``, 3 to ``_MAX_CANDIDATES``):
+    the rows whose target's logit equals another candidate's, out of the rows judged"""
 
 
 #: raw logits all inside [0, 1] without a sigmoid behind them: a few (a small head at init) can, this many cannot
@@ -174,6 +177,32 @@ def _trains(t: torch.Tensor, trainable: set[int]) -> bool:
 
 #: class-id targets kept per loss call, at most (a copy on the host)
 _MAX_TARGETS = 1 << 20
+#: above this many classes two logits of a row can tie by chance often enough to matter
+_MAX_CANDIDATES = 4096
+#: two logits of a row within this share of the row's largest magnitude are the same candidate (one row of a
+#: matrix product may round differently from another)
+_TIE = 1e-6
+#: a logit this large is a mask's fill value, which many candidates share on purpose
+_FILL = 1e4
+
+
+def _target_ties(x: torch.Tensor, target: torch.Tensor, ignore: int) -> tuple[int, int]:
+    """``(rows, judged)``: the rows of ``x`` (N, C) whose target logit equals another class's. Not a tie at exactly
+    0 (a ReLU) or at a mask's fill (|x| >= 1e4), nor one the whole row shares (a head that outputs a constant).
+    Logits computed in 16 bits and cast up (every value exactly a bf16 or fp16 one) tie by chance: none judged."""
+    finite = x[torch.isfinite(x)]
+    if any(torch.equal(finite, finite.to(low).float()) for low in _HALF):
+        return 0, 0
+    keep = (target != ignore) & (target >= 0) & (target < x.shape[1])
+    x, target = x[keep], target[keep]
+    picked = x.gather(1, target[:, None])
+    finite = torch.isfinite(x)
+    scale = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(1, keepdim=True)
+    close = (x - picked).abs() <= _TIE * scale
+    close[torch.arange(x.shape[0]), target] = False
+    value = picked.squeeze(1)
+    tied = close.any(1) & (close.sum(1) < x.shape[1] - 1) & (value != 0) & (value.abs() < _FILL)
+    return int(tied.sum()), int(x.shape[0])
 
 
 def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set[int]) -> LossCall | None:
@@ -212,6 +241,9 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable:
             ignore = kwargs.get("ignore_index", -100)
             call.all_ignored = bool((target == ignore).all())
             weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            if (fn == "cross_entropy" and x.dim() == 2 and 3 <= x.shape[1] <= _MAX_CANDIDATES and not call.autocast
+                    and inp.dtype in (torch.float32, torch.float64) and target.dim() == 1):
+                call.target_ties = _target_ties(x, target.detach(), int(ignore))
             if target.numel() <= _MAX_TARGETS:
                 given = weight.detach().float().cpu() if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
                 call.targets = (target.detach().cpu().clone(), int(ignore), given)
@@ -714,6 +746,32 @@ def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
         "generator's fake without .detach()), or drop the term",
         "LOSS-016", {"fn": first.fn, "value": first.dead, "dead_terms": [c.fn for c in added][:8]},
     )]
+
+
+#: rows whose target ties another candidate, at least this many and this share of the rows judged
+_MIN_TIED_ROWS = 2
+_TIED_SHARE = 0.02
+
+
+@check("candidates", emits=("DATA-014",))
+def check_candidates(ctx: AuditContext) -> Iterable[Finding]:
+    """DATA-014: a ``cross_entropy`` over candidates (in-batch negatives, scores of a contrastive batch) whose
+    target's logit equals another candidate's in some rows: the same item is both the positive and a negative, so
+    the loss pushes it away from itself and cannot fall below log 2 there."""
+    for call in ctx.probes.get("loss_calls", []):
+        if call.target_ties is None:
+            continue
+        tied, judged = call.target_ties
+        if tied >= _MIN_TIED_ROWS and tied >= _TIED_SHARE * judged:
+            return [Finding(
+                "candidates", Severity.WARN,
+                f"in {tied} of the {judged} rows of {call.fn} (input {list(call.input_shape)}) the target's logit "
+                "equals another candidate's: the same item (a duplicate passage, the positive resampled as a hard "
+                "negative, one sample twice in the batch) is both the positive and a negative, so the loss pushes "
+                "it away from itself; drop duplicates from the batch, or mask a candidate equal to the positive",
+                "DATA-014", {"rows": tied, "judged": judged, "fn": call.fn},
+            )]
+    return []
 
 
 @check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011", "DATA-013"),

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._batch import batch_mapping, labelled_padding
-from guardtower.preflight._padding_reads import marked_padding, top_level, token_ids
+from guardtower.preflight._padding_reads import inferred_padding, marked_padding, top_level, token_ids
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._trace import RootCall, Supervision
 from guardtower.report import Finding
@@ -86,14 +86,15 @@ def _left_pad_boundary(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _padding_supervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
-    """DATA-005: padding positions (by the mask the model receives, or the pad id among the targets) that carry
-    loss gradient."""
+    """DATA-005: padding positions (by the mask the model receives, the pad id among the targets, or, when
+    nothing declares padding, the id whose runs end the rows of the token ids) that carry loss gradient."""
     if rec.magnitude.dim() != 2:
         return None
     ids, mask = _aligned(call, rec, ctx.model)
     supervised = _supervised(rec)
     config = _config(ctx.model)
     pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    inferred = inferred_padding(ids) if ids is not None and mask is None and not isinstance(pad, int) else None
     if mask is not None and bool((mask == 0).any()):
         padded = (mask == 0) & ~_left_pad_boundary(mask)
         hit = supervised & padded
@@ -105,6 +106,9 @@ def _padding_supervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> 
             is_pad = is_pad & (is_pad.cumsum(-1) >= 2)
         hit = is_pad
         how = f"have the pad id {pad} as their target"
+    elif inferred is not None:
+        hit = supervised & inferred[0]
+        how = f"hold token {inferred[1]}, which only ever pads the ends of the rows,"
     else:
         return None
     count = int(hit.sum())

@@ -1,0 +1,90 @@
+"""Whether the loss reads the values of gradient-less trainable parameters.
+
+A parameter that took part in the step with autograd on and got no gradient was either cut from the graph (its
+module's output used through ``detach()``, ``torch.tensor(...)``, ``.item()``: the loss depends on it, yet no
+gradient can flow back) or simply not read (the critic head of a policy that is distilled on its actions alone,
+an unused pooler, the last bias of an energy model trained on forces only, whose derivative drops it). Only the
+first is the silent bug; the two look the same in the gradients, so the step runs once more with each
+candidate's values changed, and the loss is compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from guardtower.preflight._step import extract_loss
+from guardtower.preflight._util import is_library_model, is_lora_factor
+
+__all__ = ["gradientless_candidates", "confirm_values_unread"]
+
+#: at most this many candidates (a module, or one parameter) get a run of their own
+_MAX_CANDIDATES = 3
+
+
+def _adapter(name: str) -> bool:
+    return is_lora_factor(name) or "lora_" in name  # an adapter that does not train is the bug itself
+
+
+def gradientless_candidates(model: nn.Module, grads: dict[str, Any], ran_with_grad: set[str]) -> list[str]:
+    """Names of what the user's own code holds that ran with autograd on and got no gradient: the outermost
+    submodules none of whose trainable parameters got one, then single gradient-less parameters of modules whose
+    other parameters did. Not the parts of a library model (GRAD-001 judges those by the rest of that model) nor
+    an adapter factor."""
+    modules = dict(model.named_modules())
+    found: list[str] = []
+    partial: list[str] = []
+    for name, module in modules.items():
+        if not name or name not in ran_with_grad or any(name.startswith(f"{f}.") for f in found):
+            continue
+        path = name.split(".")
+        if any(is_library_model(modules.get(".".join(path[:i]))) for i in range(len(path) + 1)):
+            continue
+        # under the names the model knows them by (a tied weight is listed once, under its first owner)
+        params = [(n, p) for n, p in module.named_parameters(prefix=name) if p.requires_grad and n in grads]
+        missing = [n for n, _ in params if grads[n] is None and not _adapter(n)]
+        if params and len(missing) == len(params):
+            found.append(name)
+        else:
+            own = {f"{name}.{n}" for n, _ in module.named_parameters(recurse=False)}
+            partial += [n for n in missing if n in own]
+    return (found + partial)[:_MAX_CANDIDATES]
+
+
+def _shifted(p: torch.Tensor) -> torch.Tensor:
+    """``p / 2 + 1``: moves zeros too (a zero-initialised bias)."""
+    return p * 0.5 + 1.0
+
+
+def confirm_values_unread(model: nn.Module, step_fn: Callable[[], Any], names: list[str], loss: torch.Tensor,
+                          rng: Callable[[], None]) -> set[str]:
+    """Re-run ``step_fn`` once per candidate of ``names`` (a module: all its trainable parameters; else one
+    parameter) with the candidate's values changed, same RNG stream, autograd on (a loss may differentiate the
+    model's output, as forces from an energy do); the candidates whose change leaves the loss bitwise equal. The
+    values are put back after each run; the caller puts back whatever a ``step_fn`` that steps itself changed. A
+    run that fails tells nothing."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    unread: set[str] = set()
+    for name in names:
+        held = ([p for p in modules[name].parameters() if p.requires_grad] if name in modules else [params[name]])
+        saved = [p.detach().clone() for p in held]
+        try:
+            with torch.no_grad():
+                for p in held:
+                    p.copy_(_shifted(p))
+            rng()
+            with torch.enable_grad():
+                other = extract_loss(step_fn())
+        except Exception:
+            continue
+        finally:
+            with torch.no_grad():
+                for p, value in zip(held, saved):
+                    p.copy_(value)
+        if isinstance(other, torch.Tensor) and other.shape == loss.shape and torch.equal(other.detach(),
+                                                                                         loss.detach()):
+            unread.add(name)
+    return unread
