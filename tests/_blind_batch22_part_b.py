@@ -111,7 +111,7 @@ def _c07_parts(bug: bool):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    warm = lambda s: min(1.0, (s + 1) / _C07_WARMUP)  # noqa: E731  (linear warmup, then the base schedule)
+    warm = lambda s: min(1.0, (s + 1) / _C07_WARMUP)  # linear warmup, then the base schedule
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warm(s) * 0.5 * (1 + math.cos(math.pi * min(s, _C07_TOTAL) / _C07_TOTAL)))
 
@@ -139,7 +139,7 @@ def _c07_build(bug: bool) -> Case:
 def _c07_proof(bug: bool) -> bool:
     """At every optimizer.step the gradients it sees are all zero (recorded by a step pre-hook), so after ten
     steps the loss has not moved."""
-    model, opt, _, step = _c07_parts(bug)
+    _, opt, _, step = _c07_parts(bug)
     seen: list[float] = []
 
     def pre_hook(optimizer, args, kwargs):
@@ -188,7 +188,7 @@ class _FrozenBackbone(nn.Module):
             if isinstance(m, nn.BatchNorm2d):
                 m.eval()
 
-    def train(self, mode: bool = True) -> "_FrozenBackbone":
+    def train(self, mode: bool = True) -> _FrozenBackbone:
         super().train(mode)
         if self.keep_frozen_eval:  # the PR's fix: the frozen net stays in eval whenever model.train() is called
             for m in self.modules():
