@@ -1299,6 +1299,36 @@ _STEP: tuple[FailureMode, ...] = (
         ("data", "loss"),
     ),
     FailureMode(
+        "DATA-015", "The ignore index is one of the classes", Severity.WARN,
+        "A per-sample cross_entropy or nll_loss (one target per sample of the batch) has an ignore_index in "
+        "[0, classes), and samples of that class are in the batch.",
+        "The loss silently drops every sample of that class: the head is never trained to predict it, while the "
+        "loss looks fine (it is averaged over the other samples). Typical cause: one criterion with "
+        "ignore_index=0, meant for token labels where 0 marks padding, reused for a sentence-level head where 0 "
+        "is a real class.",
+        "Give each head its own loss; keep ignore_index at -100 (outside the classes) and mark ignored targets "
+        "with -100.",
+        "https://github.com/codertimo/BERT-pytorch/issues/49",
+        ("data", "loss", "labels"),
+    ),
+    FailureMode(
+        "INPUT-012", "Packed examples attend one another", Severity.WARN,
+        "position_ids restart inside a row (several examples packed into one row), yet the predictions of the "
+        "row's later examples change when only its first example's tokens change (measured in eval mode).",
+        "Packing is meant to be invisible: each example should see only itself. When the attention mask does "
+        "not follow the packing (a 2-D all-ones attention_mask passed with packed position_ids turns the "
+        "model's packed-sequence masking off, and so does a cache (use_cache=True); an attention backend that "
+        "ignores position_ids), every example "
+        "attends the ones before it. The loss still falls, and the model learns from context that will not "
+        "exist at inference.",
+        "Pass position_ids without the all-ones attention_mask and with use_cache=False (the model then masks by "
+        "them), use an attention "
+        "implementation that supports packing (flash_attention_2, SDPA with packed position_ids), or pass a "
+        "block-diagonal mask.",
+        "https://github.com/huggingface/transformers/pull/46634",
+        ("inputs", "masks", "llm"),
+    ),
+    FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,
         "The loss pulls each position towards the next input token, and the prediction at a position depends on "
         "the tokens after it (measured: gradient from later token embeddings).",

@@ -568,6 +568,25 @@ def test_a_token_that_also_occurs_inside_rows_is_not_inferred_as_padding() -> No
     assert not audit(model, step, inputs=ids).by_id("DATA-005")
 
 
+@case("INPUT-012")
+def _packed_rows_with_an_all_ones_mask(bug: bool) -> Case:
+    # three examples packed per row, position_ids restarting at each; with a 2-D all-ones attention_mask too the
+    # model takes the plain causal path and each example attends the ones before it (so it does with a cache, and
+    # under eager attention, which ignores packed position_ids)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=32,
+                                         attn_implementation="sdpa"))
+    ids = torch.randint(1, VOCAB, (2, 18), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.arange(n) for n in (6, 5, 7)]).expand(2, -1)
+    batch = {"input_ids": ids, "position_ids": positions, "labels": ids, "use_cache": False}
+    if bug:
+        batch["attention_mask"] = torch.ones_like(ids)
+    return model, lambda: model(**batch).loss, {"inputs": batch}
+
+
 @case("DATA-006")
 def _labels_not_shifted(bug: bool) -> Case:
     model = gpt2()
@@ -647,6 +666,39 @@ def test_data_014_is_quiet_on_ties_a_relu_or_a_mask_makes() -> None:
     assert not audit(head, lambda: F.cross_entropy(head(views), y), inputs=views).by_id("DATA-014")
 
 
+class _TwoHeads(nn.Module):
+    """A token head (0 marks padding among its labels) and a sentence head (0 is a class) on one GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn = nn.Embedding(VOCAB, 16), nn.GRU(16, 16, batch_first=True)
+        self.tokens, self.sentence = nn.Linear(16, VOCAB), nn.Linear(16, 2)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.rnn(self.emb(ids))[0]
+        return self.tokens(h), self.sentence(h[:, -1])
+
+
+@case("DATA-015")
+def _one_criterion_for_token_and_sentence_heads(bug: bool) -> Case:
+    m = _TwoHeads()
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.randint(2, VOCAB, (8, 6), generator=g)
+    masked = torch.rand(8, 6, generator=g) < 0.3
+    ids = tokens.masked_fill(masked, 1)  # 1: the mask token, as masked-LM pre-training feeds it
+    token_labels = torch.where(masked, tokens, torch.zeros_like(tokens))  # 0: no target
+    is_next = torch.tensor([1, 0, 1, 0, 0, 1, 0, 1])
+    criterion = nn.CrossEntropyLoss(ignore_index=0)
+
+    def step() -> torch.Tensor:
+        tokens, sentence = m(ids)
+        head_loss = criterion if bug else nn.CrossEntropyLoss()
+        return criterion(tokens.reshape(-1, VOCAB), token_labels.reshape(-1)) + head_loss(sentence, is_next)
+
+    return m, step, {"inputs": ids}
+
+
 def _accumulated(divide: bool, equal_tokens: bool = True, k: int = 2) -> Case:
     m = _classifier()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
@@ -670,6 +722,46 @@ def _accumulated(divide: bool, equal_tokens: bool = True, k: int = 2) -> Case:
 @case("LOOP-004")
 def _accumulated_losses_summed(bug: bool) -> Case:
     return _accumulated(divide=not bug)
+
+
+@case("LOOP-004/reported-mean")
+def _preference_losses_accumulated_undivided(bug: bool) -> Case:
+    # a pairwise ranking loss (nothing the supervision measurement weighs per class), accumulated over 3
+    # micro-batches; the step reports the mean of the undivided micro-batch losses, as a logging loop does
+    m = _classifier(classes=1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, _ = _data(n=12)
+    pairs = list(zip(x[:6].split(2), x[6:].split(2)))
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        losses = []
+        for better, worse in pairs:
+            loss = -F.logsigmoid(m(better) - m(worse)).mean()
+            (loss if bug else loss / len(pairs)).backward()
+            losses.append(loss.detach())
+        opt.step()
+        return torch.stack(losses).mean()
+
+    return m, step, {"optimizer": opt, "inputs": x}
+
+
+def test_loop_004_is_quiet_for_loss_terms_of_one_forward_backpropagated_one_by_one() -> None:
+    # two terms of one forward, each backpropagated (retain_graph) and the mean reported: not micro-batches
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = _data(n=12)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        out = m(x)
+        terms = [F.cross_entropy(out, y), out.pow(2).mean()]
+        terms[0].backward(retain_graph=True)
+        terms[1].backward()
+        opt.step()
+        return torch.stack([t.detach() for t in terms]).mean()
+
+    assert not audit(m, step, optimizer=opt, inputs=x).by_id("LOOP-004")
 
 
 @case("LOOP-005")

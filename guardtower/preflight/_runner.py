@@ -17,6 +17,7 @@ from torch import nn
 from guardtower.preflight._future import measure_future_leak
 from guardtower.preflight._value_reads import confirm_values_unread, gradientless_candidates
 from guardtower.preflight._sample_leak import eval_pass
+from guardtower.preflight._packing_reads import measure_packing_reads
 from guardtower.preflight._padding_reads import measure_padding_reads
 from guardtower.preflight._overfit import at_peak_lr, overfit_losses
 from guardtower.preflight._batch import batch_mapping, confirm_padded_labels_ignored, labelled_padding
@@ -282,6 +283,13 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 report.notes.append("the model ran three more times on one padded row, in eval mode and without "
                                     "gradients: the batch marks padding, so the audit checked that cutting the "
                                     "padding off leaves the row's prediction unchanged")
+            state.restore_values()
+        if "packing" in needs and trace.error is None and trace.calls:
+            trace.packing_read = measure_packing_reads(ctx, state.restore_rng)
+            if trace.packing_read is not None:
+                report.notes.append("the model ran twice more on the batch, in eval mode and without gradients: "
+                                    "position_ids restart inside a row, so the audit checked that the row's later "
+                                    "examples do not read its first one")
             state.restore_values()
         padding = labelled_padding(model, batch_mapping(inputs, trace.calls)) if "padded_labels" in needs else None
         if padding is not None and isinstance(trace.loss, torch.Tensor) and trace.error is None:

@@ -29,6 +29,8 @@ from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tens
 __all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
 _MAX_ROOT_CALLS = 4
+#: backward passes whose value is recorded, at most
+_MAX_BACKWARDS = 64
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 #: module types whose behaviour depends on ``training``
@@ -258,6 +260,11 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             trace.backward_calls += 1
+            tensors = args[0] if args else kwargs.get("tensors")
+            retained = args[2] if len(args) > 2 else kwargs.get("retain_graph")
+            if len(trace.backward_values) < _MAX_BACKWARDS:
+                scalar = isinstance(tensors, torch.Tensor) and tensors.numel() == 1
+                trace.backward_values.append((float(tensors.detach()) if scalar else None, bool(retained)))
             return original(*args, **kwargs)
 
         return wrapper

@@ -19,13 +19,15 @@ __all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Fu
 #: ``future`` one eval-mode pass of the model for a next-token setup (does a prediction see later tokens?),
 #: ``eval_mode`` one eval-mode pass of a model that is not a library one (does dropout still drop?),
 #: ``padding`` three gradient-free eval-mode passes of one padded row (does its prediction read its padding?),
+#: ``packing`` two gradient-free eval-mode passes of a packed batch (do its packed examples see each other?),
 #: ``second_step`` a real update and one more step when gradients are exactly zero (do they flow afterwards?),
 #: ``value_reads`` one run per gradient-less module or parameter of the user's with its values changed (does the
 #: loss read them?)
 Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode", "padding",
-               "second_step", "value_reads"]
+               "second_step", "value_reads", "packing"]
 NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future",
-                                    "eval_mode", "padding", "second_step", "value_reads"})
+                                    "eval_mode", "padding", "second_step", "value_reads",
+                                    "packing"})
 
 
 @dataclass
@@ -113,6 +115,18 @@ class FutureLeak:
 
 
 @dataclass(frozen=True)
+class PackingRead:
+    """How much the later examples of one packed row (position ids restart inside it) change when its first
+    example's tokens change, in eval mode."""
+
+    row: int
+    boundary: int
+    """the position where the row's second example starts"""
+    change: float
+    """relative change of the predictions from ``boundary`` on"""
+
+
+@dataclass(frozen=True)
 class PaddingRead:
     """How much one padded row's prediction changes when its padding is dropped (the row run alone, then run
     alone cut to its real tokens), in eval mode."""
@@ -166,6 +180,9 @@ class StepTrace:
     holding only 0s and 1s, as ``"<function>.<argument>"``: a 0/1 keep-mask where an additive one is expected"""
     backward_calls: int = 0
     """how many separate backward passes ``step_fn`` ran itself (micro-batches of one accumulated step)"""
+    backward_values: list[tuple[float | None, bool]] = field(default_factory=list)
+    """for each of those passes (the first few): the value it backpropagated (None unless one scalar) and whether
+    it kept its graph (``retain_graph=True``: terms of one forward, not micro-batches)"""
     scaled_backward: bool = False
     """``step_fn`` scaled its loss with an enabled GradScaler before backward"""
     cross_phase: list[tuple[int, list[str]]] = field(default_factory=list)
@@ -219,6 +236,7 @@ class StepTrace:
     """the batch's loss before each overfitting step and after the last (``overfit`` need, ``audit(steps=N)``)"""
     future_leak: FutureLeak | None = None
     padding_read: PaddingRead | None = None
+    packing_read: PackingRead | None = None
     """``future`` need: what one prediction of a next-token setup reads (None: not such a setup, or not measured)"""
     given_inputs_ignored: bool | None = None
     """the loss was bitwise unchanged after perturbing ``inputs=`` itself, which never reached the model

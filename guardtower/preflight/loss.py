@@ -774,6 +774,37 @@ def check_candidates(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
+@check("ignored_class", emits=("DATA-015",))
+def check_ignored_class(ctx: AuditContext) -> Iterable[Finding]:
+    """DATA-015: a per-sample ``cross_entropy``/``nll_loss`` (one target per sample of the model's batch) whose
+    ``ignore_index`` is one of its own classes, and samples of that class are in the batch: they are dropped from
+    the loss, so the head never learns that class (one criterion with ``ignore_index=0`` shared by a token head,
+    where 0 marks padding, and a sample head, where 0 is a class)."""
+    trace = ctx.trace
+    if trace is None or not trace.calls:
+        return []
+    call = trace.training_call()
+    first = next((t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 1),
+                 None)
+    vocab = getattr(getattr(ctx.model, "config", None), "vocab_size", None)
+    for loss in ctx.probes.get("loss_calls", []):
+        if loss.targets is None or first is None or len(loss.input_shape) != 2 or loss.input_shape[0] != first.shape[0]:
+            continue
+        targets, ignore, _ = loss.targets
+        classes = loss.input_shape[1]
+        dropped = int((targets == ignore).sum()) if targets.dim() == 1 else 0
+        if 0 <= ignore < classes and classes != vocab and dropped:
+            return [Finding(
+                "ignored_class", Severity.WARN,
+                f"{loss.fn} over {classes} classes has ignore_index={ignore}, which is one of its classes, and "
+                f"{dropped} of the {targets.numel()} samples of the batch have that class: they are dropped from "
+                f"the loss, so the head never learns class {ignore} (a criterion shared with a token head, where "
+                f"{ignore} marks padding); give this head its own loss without ignore_index",
+                "DATA-015", {"fn": loss.fn, "ignore_index": ignore, "classes": classes, "dropped": dropped},
+            )]
+    return []
+
+
 @check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011", "DATA-013"),
        needs=("padded_labels",))
 def check_data(ctx: AuditContext) -> Iterable[Finding]:

@@ -374,6 +374,28 @@ def check_padding(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
+#: a packed row's later predictions that change by more than this (relative) read an earlier example
+PACKING_CHANGED = 1e-4
+
+
+@check("packing_reads", emits=("INPUT-012",), needs=("packing",))
+def check_packing_reads(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-012: position ids restart inside a row (several examples packed into it), yet the predictions of the
+    row's later examples change with its first example's tokens: attention crosses the packing boundaries."""
+    read = ctx.trace.packing_read if ctx.trace is not None else None
+    if read is None or read.change <= PACKING_CHANGED:
+        return []
+    return [Finding(
+        "packing_reads", Severity.WARN,
+        f"position_ids restart inside row {read.row} (a packed row: a new example starts at position "
+        f"{read.boundary}), yet the predictions after position {read.boundary} change by {100 * read.change:.2g}% "
+        "when only the first example's tokens change: the packed examples attend one another, so each trains on "
+        "context from unrelated examples; let the model mask by position_ids (no 2-D all-ones attention_mask, "
+        "use_cache=False, an attention implementation that supports packing), or pass a block-diagonal mask",
+        "INPUT-012", {"row": read.row, "boundary": read.boundary, "change": read.change},
+    )]
+
+
 @check("padding_reads", emits=("INPUT-011",), needs=("padding",))
 def check_padding_reads(ctx: AuditContext) -> Iterable[Finding]:
     """INPUT-011: the setup marks padding (a mask, a pad id), yet a padded row's prediction changes when its

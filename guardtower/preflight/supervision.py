@@ -14,6 +14,7 @@ from torch import nn
 from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._padding_reads import inferred_padding, marked_padding, top_level, token_ids
 from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._step import extract_loss
 from guardtower.preflight._trace import RootCall, Supervision
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -303,6 +304,35 @@ def _padding_targets(ctx: AuditContext) -> Finding | None:
     return None
 
 
+def _backpropagated_multiple(ctx: AuditContext) -> Finding | None:
+    """LOOP-004 from the values: the step's separate backward passes (none keeping its graph, so not terms of one
+    forward) backpropagate, together, exactly k times the loss ``step_fn`` reports, while their own values
+    differ: each micro-batch's mean loss went into backward undivided, and the step reports their mean."""
+    trace = ctx.trace
+    assert trace is not None
+    k, values = trace.backward_calls, [v for v, _ in trace.backward_values]
+    if (k < 2 or trace.loop_events.count("step") != 1 or len(values) != k or trace.scaled_backward
+            or any(retained for _, retained in trace.backward_values)):
+        return None
+    reported = extract_loss(trace.raw_output)
+    if isinstance(reported, torch.Tensor) and reported.numel() == 1:
+        reported = float(reported.detach())
+    if not isinstance(reported, float) or reported == 0.0 or not all(isinstance(v, float) for v in values):
+        return None
+    measured = [v for v in values if v is not None]
+    total, spread = sum(measured), max(measured) - min(measured)
+    if not (math.isclose(total, k * reported, rel_tol=1e-4) and spread > 1e-3 * max(abs(v) for v in measured)):
+        return None
+    return Finding(
+        "supervision", Severity.WARN,
+        f"the step's {k} backward passes together backpropagate {total:.4g}, exactly {k}x the loss step_fn reports "
+        f"({reported:.4g}, the mean of its micro-batch losses): each micro-batch's loss goes into backward "
+        f"undivided, so every update is {k}x the mean gradient (the lr is effectively {k}x larger, and changes "
+        f"with the accumulation count); divide each micro-batch's loss by {k} before backward",
+        "LOOP-004", {"micro_batches": k, "backpropagated": measured, "reported": reported},
+    )
+
+
 def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
     """LOOP-004 / LOOP-005: how the micro-batches of one accumulated step (several backward passes before one
     optimizer step inside ``step_fn``) are weighted against each other."""
@@ -360,7 +390,8 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
     if trace is None or trace.error is not None:
         return []
     labelled = labelled_padding(ctx.model, batch_mapping(ctx.inputs, trace.calls)) is not None  # DATA-002's case
-    found = [_class_weights_follow_frequency(ctx), None if labelled else _padding_targets(ctx)]
+    found = [_class_weights_follow_frequency(ctx), None if labelled else _padding_targets(ctx),
+             _backpropagated_multiple(ctx)]
     findings: list[Finding] = [f for f in found if f is not None]
     if not trace.supervision:
         return findings
@@ -375,5 +406,5 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
             if f is not None and f.catalog_id not in seen:
                 seen.add(f.catalog_id)
                 findings.append(f)
-    findings.extend(_accumulation(ctx))
+    findings.extend(f for f in _accumulation(ctx) if f.catalog_id not in {g.catalog_id for g in findings})
     return findings
