@@ -319,8 +319,9 @@ _CORE: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "OPT-007", "Weight decay on a tensor the no-decay group was meant to hold", Severity.WARN,
-        "The optimizer has an explicit weight_decay=0 group for biases and normalisation weights, yet a decayed "
-        "group still holds 1-D tensors (a name filter such as 'LayerNorm.weight' missed 'ln_f.weight').",
+        "The optimizer has an explicit weight_decay=0 group next to decayed ones, yet a decayed group still holds "
+        "1-D tensors (a name filter such as 'LayerNorm.weight' missed 'ln_f.weight', or T5's 'layer_norm.weight' "
+        "and caught none of them).",
         "The user meant to exclude them, so nobody looks again; the norm gains are pulled toward zero every step "
         "and the result is a quiet quality gap.",
         "Build the groups by tensor shape or module type (p.ndim < 2, isinstance(m, nn.LayerNorm)) instead of "

@@ -565,6 +565,25 @@ def _no_decay_filter_misses_a_norm(bug: bool) -> Case:
     return m, lambda: m(**batch), {"optimizer": opt}
 
 
+@case("OPT-007/t5-names")
+def _no_decay_filter_catches_no_norm_of_t5(bug: bool) -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    # T5 has no biases and names its norms layer_norm: the BERT filter's no-decay group holds only the relative
+    # attention bias tables (2-D), and every norm is decayed
+    torch.manual_seed(0)
+    m = T5ForConditionalGeneration(T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+                                            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    skip = ("bias", "LayerNorm.weight") if bug else ("bias", "LayerNorm.weight", "layer_norm.weight")
+    named = list(m.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if not any(k in n for k in skip)], "weight_decay": 0.1},
+                             {"params": [p for n, p in named if any(k in n for k in skip)], "weight_decay": 0.0}],
+                            lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(2, 40, (2, 6), generator=g), "labels": torch.randint(2, 40, (2, 4), generator=g)}
+    return m, lambda: m(**batch).loss, {"optimizer": opt, "inputs": batch}
+
+
 def test_opt_007_is_a_warning_and_plain_decay_everywhere_stays_info() -> None:
     model, step, kwargs = CASES["OPT-007"](True)
     (finding,) = audit(model, step, **kwargs).by_id("OPT-007")

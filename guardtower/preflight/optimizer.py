@@ -189,12 +189,10 @@ def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
         return []
     names = {id(p): n for n, p in ctx.model.named_parameters()}
     findings = [*_tiny_momentum(ctx.optimizer), *_empty_groups(ctx.optimizer), *_swapped_betas(ctx.optimizer)]
-    # a weight_decay=0 group holding 1-D tensors says the user meant to exclude them all from decay
-    no_decay_group = any(
-        not group.get("weight_decay", 0.0) and any(isinstance(p, torch.Tensor) and p.requires_grad and p.dim() <= 1
-                                                   for p in group.get("params", ()))
-        for group in ctx.optimizer.param_groups
-    )
+    # a weight_decay=0 group next to decayed ones says the user meant to exclude the biases and norms from decay,
+    # even when its name filter caught none of them (T5 names its norms layer_norm, not LayerNorm)
+    no_decay_group = len(ctx.optimizer.param_groups) > 1 and any(
+        not group.get("weight_decay", 0.0) for group in ctx.optimizer.param_groups)
     peaks = peak_lrs(ctx.lr_scheduler, base_optimizer(ctx.optimizer)) if ctx.lr_scheduler is not None else None
     for gi, group in enumerate(ctx.optimizer.param_groups):
         params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
@@ -223,8 +221,8 @@ def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
                 findings.append(Finding(
                     "optimizer_hparams", Severity.WARN,
                     f"param group {gi} applies weight_decay={wd:g} to {len(decayed)} bias/normalisation tensor(s) "
-                    f"although another group holds them with weight_decay=0: {fmt_names(decayed)} (the filter "
-                    "that builds the no-decay group missed them)",
+                    f"although a group with weight_decay=0 is there for them: {fmt_names(decayed)} (the name filter "
+                    "that builds the no-decay group missed them; it may match nothing at all)",
                     "OPT-007", {"group": gi, "weight_decay": wd, "params": decayed[:50]},
                 ))
             elif decayed:
