@@ -1330,6 +1330,18 @@ _STEP: tuple[FailureMode, ...] = (
         ("inputs", "masks", "llm"),
     ),
     FailureMode(
+        "DATA-016", "The prompt is masked by column on left-padded rows", Severity.WARN,
+        "A causal LM's batch is left-padded; every row whose padding ends before some column has its labels "
+        "masked up to exactly that column, and a row padded past it has its first real token supervised.",
+        "labels[:, :prompt_len] = -100 masks tensor columns. On a left-padded batch (a processor's default) those "
+        "columns are padding for short rows, so their real prompt tokens stay in the loss: the model is trained "
+        "to predict the prompt, and how much of it depends on how much padding each row got.",
+        "Mask by position among each row's real tokens (attention_mask.cumsum(1) - 1 < prompt_len), or pad on the "
+        "right for training.",
+        "https://github.com/QwenLM/Qwen3-ASR/pull/212",
+        ("data", "labels", "llm", "masks"),
+    ),
+    FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,
         "The loss pulls each position towards the next input token, and the prediction at a position depends on "
         "the tokens after it (measured: gradient from later token embeddings).",

@@ -587,6 +587,26 @@ def _packed_rows_with_an_all_ones_mask(bug: bool) -> Case:
     return model, lambda: model(**batch).loss, {"inputs": batch}
 
 
+@case("DATA-016")
+def _prompt_masked_by_column_on_left_padding(bug: bool) -> Case:
+    model = gpt2(pad_token_id=5)
+    g = torch.Generator().manual_seed(8)
+    lengths, width, prompt = (12, 9, 7), 12, 4
+    ids = torch.full((3, width), 5)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(6, VOCAB, (n,), generator=g)
+        mask[row, width - n:] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    if bug:
+        labels[:, :prompt] = -100  # columns: on the short rows, padding
+    else:
+        labels[(mask == 1) & (mask.cumsum(1) - 1 < prompt)] = -100  # the first real tokens of each row
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # GPT-2's absolute positions, left padding
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
+    return model, lambda: model(**batch), {"inputs": batch}
+
+
 @case("DATA-006")
 def _labels_not_shifted(bug: bool) -> Case:
     model = gpt2()

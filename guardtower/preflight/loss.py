@@ -640,6 +640,41 @@ def _decoder_start_missing(ctx: AuditContext, decoder_ids: Any) -> list[Finding]
     )]
 
 
+def _prompt_masked_by_column(labels: Any, mask: Any) -> list[Finding]:
+    """DATA-016: on a left-padded batch, the labels of every row whose padding is shorter than some column c are
+    masked up to exactly c, and a row padded past c has its first real token supervised: the prompt was masked
+    by tensor column (``labels[:, :prompt_len] = -100``), which on left-padded rows covers padding instead of the
+    prompt."""
+    if not (isinstance(labels, torch.Tensor) and isinstance(mask, torch.Tensor) and labels.dim() == 2
+            and labels.shape == mask.shape and labels.shape[0] >= 2 and not labels.is_floating_point()):
+        return []
+    real = mask != 0
+    if not bool(real.any(1).all()) or bool((~real[:, -1]).any()):
+        return []  # right padding, or an empty row: not this layout
+    pad = (~real).int().argmin(1)  # left padding per row: the first real column
+    supervised = labels != -100
+    if not bool(supervised.any(1).all()):
+        return []
+    first = supervised.int().argmax(1)
+    whole = first == pad  # rows whose first real token is a label: nothing of theirs was masked
+    if not bool(whole.any()) or bool(whole.all()) or int(pad.unique().numel()) < 2:
+        return []
+    column = int(first[~whole].min())
+    masked = ~whole
+    same = bool((first[masked] == column).all()) and bool((pad[masked] < column).all())
+    if not same or not bool((pad[whole] >= column).all()):
+        return []
+    rows = [int(r) for r in torch.nonzero(whole).flatten()]
+    return [Finding(
+        "data", Severity.WARN,
+        f"the batch is left-padded, and every row's labels are masked up to column {column} exactly, whatever its "
+        f"padding, while row(s) {rows[:8]}, padded past that column, have all their real tokens supervised: the "
+        "prompt was masked by tensor column (labels[:, :prompt_len] = -100), which on left-padded rows covers "
+        "padding and leaves the prompt in the loss; mask by position among each row's real tokens",
+        "DATA-016", {"column": column, "rows": rows[:50], "padding": [int(p) for p in pad.tolist()][:50]},
+    )]
+
+
 def _unsupervised_rows(ctx: AuditContext, labels: Any, mask: Any) -> list[Finding]:
     """DATA-011: in a language-model batch, some examples have no label at all while the others do (truncation
     cut their completion, or the prompt mask covered the whole row): they cost compute and teach nothing."""
@@ -691,6 +726,7 @@ def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     label_mask = mask if causal else batch.get("decoder_attention_mask")
     findings = _stop_never_supervised(ctx, labels, label_mask, ids if causal else None)
     findings += _unsupervised_rows(ctx, labels, label_mask)
+    findings += _prompt_masked_by_column(labels, label_mask) if causal else []
     if not causal:
         return findings + _decoder_start_missing(ctx, batch.get("decoder_input_ids"))
     if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor) and ids.shape == labels.shape
@@ -805,13 +841,14 @@ def check_ignored_class(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
-@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011", "DATA-013"),
+@check("data", emits=("DATA-001", "DATA-002", "DATA-003", "DATA-004", "DATA-010", "DATA-011", "DATA-013",
+                      "DATA-016"),
        needs=("padded_labels",))
 def check_data(ctx: AuditContext) -> Iterable[Finding]:
     """DATA-001 no supervised position in the batch, DATA-002 padding positions that carry labels,
     DATA-003/DATA-004 causal-LM labels that mask every EOS or are shifted twice, DATA-010 EOS never a label,
     DATA-011 examples with no label among labelled ones, DATA-013 decoder inputs that never start from the
-    decoder start token."""
+    decoder start token, DATA-016 a prompt mask applied by column to left-padded rows."""
     findings = _causal_lm_labels(ctx)
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     labels = batch.get("labels") if batch is not None else None
