@@ -1342,6 +1342,18 @@ _STEP: tuple[FailureMode, ...] = (
         ("data", "labels", "llm", "masks"),
     ),
     FailureMode(
+        "DATA-017", "The regression target is already in the input", Severity.WARN,
+        "A regression loss's target equals, for every sample of the batch, the model's input at one fixed "
+        "position of its second axis (one step of a window).",
+        "The answer is among the features: a forecasting label shifted the wrong way (shift(1), the previous "
+        "value, for shift(-1), the next), or the target column left in the feature window. The model learns to "
+        "copy it, the training loss looks excellent, and the forecasts carry no information.",
+        "Build the target from values the input window does not hold (the next step, series[t + 1]), and keep "
+        "the target column out of the features.",
+        "https://github.com/KIC/pandas-ml-quant/issues/25",
+        ("data", "labels"),
+    ),
+    FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,
         "The loss pulls each position towards the next input token, and the prediction at a position depends on "
         "the tokens after it (measured: gradient from later token embeddings).",

@@ -332,12 +332,14 @@ CASES: list[BlindCase] = [
               "kl-penalty-sign-flipped",
               "The KL-to-reference loss is subtracted from the actor loss, so training maximises divergence from the "
               "reference policy.",
-              _c03_build, _c03_proof),
+              _c03_build, _c03_proof,
+              known_miss="the KL-to-reference term is subtracted from the actor loss: the sign of a hand-computed loss term is arithmetic the audit does not judge"),
     BlindCase("b21-case-04", "https://github.com/ServiceNow/PipelineRL/pull/54",
               "grpo-advantage-wrong-group-stats",
               "Group-relative advantages are standardised with the first group's statistics, so other groups are not "
               "centred.",
-              _c04_build, _c04_proof),
+              _c04_build, _c04_proof,
+              known_miss="group advantages standardised with the first group's statistics: per-sample weights that come from the reward arithmetic are not compared with the rollout groups"),
     BlindCase("b21-case-05", "https://github.com/QwenLM/Qwen3-ASR/pull/212",
               "prompt-mask-wrong-with-left-padding",
               "Prompt masking by tensor columns on a left-padded batch leaves real prompt tokens in the SFT loss.",

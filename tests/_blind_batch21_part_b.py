@@ -281,18 +281,22 @@ def _c10_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b21-case-06", "https://github.com/Sllambias/asparagus/pull/12", "inverted loss mask",
               "The masked-only reconstruction loss selects the visible voxels instead of the masked ones, so "
-              "the model is trained to copy its input and never to inpaint.", _c06_build, _c06_proof),
+              "the model is trained to copy its input and never to inpaint.", _c06_build, _c06_proof,
+              known_miss="the masked-reconstruction loss selects the visible patches instead of the masked ones: copying is measured for token ids and whole-window values, not for masked patches"),
     BlindCase("b21-case-07", "https://github.com/mengcius/Surface-Defect-Detection/issues/3",
               "activation before logits loss",
               "A ReLU on the segmentation head's output feeds BCEWithLogitsLoss, so every pixel's probability "
               "stays at or above 0.5 and background can never be predicted.", _c07_build, _c07_proof),
     BlindCase("b21-case-08", "https://github.com/kornia/kornia/pull/1630", "mask interpolation in augmentation",
               "Crop/resize augmentation resamples the label mask bilinearly, so boundary pixels get averaged "
-              "class ids that are not present and are trained on wrong targets.", _c08_build, _c08_proof),
+              "class ids that are not present and are trained on wrong targets.", _c08_build, _c08_proof,
+              known_miss="bilinear resampling of the label mask invents in-between class ids at boundaries: label semantics the batch does not carry"),
     BlindCase("b21-case-09", "https://github.com/opengeos/geoai/issues/765", "ignore label clipped to a class",
               "No-data pixels (-100) are clipped to class 0 and the loss has no ignore_index, so large no-data "
-              "areas are trained as background.", _c09_build, _c09_proof),
+              "areas are trained as background.", _c09_build, _c09_proof,
+              known_miss="no-data pixels clipped to class 0 with no ignore_index: a large share of class 0 is not judged against what the data marks as missing"),
     BlindCase("b21-case-10", "https://github.com/catalyst-team/catalyst/pull/1278", "contrastive views",
               "Both SimCLR embeddings are computed from the same augmented view, so each positive pair is an "
-              "image with itself and no augmentation invariance is learned.", _c10_build, _c10_proof),
+              "image with itself and no augmentation invariance is learned.", _c10_build, _c10_proof,
+              known_miss="both SimCLR embeddings come from the same view: two deterministic forwards of identical inputs are not compared"),
 ]

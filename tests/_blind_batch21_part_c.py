@@ -284,7 +284,8 @@ def _c15_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b21-case-11", "https://github.com/tambetm/gym-minecraft/issues/4", "RL target network unused",
               "The DQN bootstrap values come from the online network, so the soft-updated target network is "
-              "never used and the TD target chases itself.", _c11_build, _c11_proof),
+              "never used and the TD target chases itself.", _c11_build, _c11_proof,
+              known_miss="the DQN bootstrap uses the online network: the target network lives outside the audited model and the step"),
     BlindCase("b21-case-12", "https://github.com/LAMDA-Tabular/TALENT/pull/92", "loss shape broadcasting",
               "An (n, 1) prediction against an (n,) target broadcasts the MSE to an (n, n) matrix, so the "
               "regressor learns to predict the mean.", _c12_build, _c12_proof),
@@ -296,5 +297,6 @@ CASES: list[BlindCase] = [
               "thousands of times smaller than intended.", _c14_build, _c14_proof),
     BlindCase("b21-case-15", "https://github.com/torchmd/torchmd-net/pull/13", "loss normalisation by graph size",
               "The per-molecule force error is multiplied by the atom count instead of divided by it, so large "
-              "molecules dominate the force loss by n squared.", _c15_build, _c15_proof),
+              "molecules dominate the force loss by n squared.", _c15_build, _c15_proof,
+              known_miss="the force error is weighted by the atom count instead of divided: per-graph loss weights inside the loss arithmetic are not measured"),
 ]

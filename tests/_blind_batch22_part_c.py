@@ -365,12 +365,15 @@ CASES: list[BlindCase] = [
               "T5 layer norm during fine-tuning.", _c12_build, _c12_proof),
     BlindCase("b22-case-13", "https://github.com/huggingface/transformers/pull/2575", "label id collision",
               "The pad label id equals the first real tag's id, so the masked token-classification loss never "
-              "trains that entity class.", _c13_build, _c13_proof),
+              "trains that entity class.", _c13_build, _c13_proof,
+              known_miss="the first real tag shares the pad label id and is filtered out by a boolean mask before the loss: a class never supervised is not compared with the label map"),
     BlindCase("b22-case-14", "https://github.com/FlagOpen/FlagEmbedding/issues/450", "contrastive target misaligned",
               "Without in-batch negatives the query-vs-group scores broadcast into an all-pairs table while the "
               "target stays 0, so every positive is pulled towards the first query and every other query is "
-              "pushed away from its own positive.", _c14_build, _c14_proof),
+              "pushed away from its own positive.", _c14_build, _c14_proof,
+              known_miss="query-vs-group scores broadcast to an all-pairs table with target 0: the candidate layout of a score matrix is not compared with the groups"),
     BlindCase("b22-case-15", "https://github.com/Alexander-H-Liu/End-to-end-ASR-Pytorch/pull/57", "CTC target",
               "CTC target lengths include the attention decoder's trailing <eos>, so CTC is trained to emit an "
-              "<eos> symbol at the end of every utterance.", _c15_build, _c15_proof),
+              "<eos> symbol at the end of every utterance.", _c15_build, _c15_proof,
+              known_miss="CTC target lengths include the decoder's EOS: which symbols a CTC target should hold is label semantics"),
 ]

@@ -607,6 +607,27 @@ def _prompt_masked_by_column_on_left_padding(bug: bool) -> Case:
     return model, lambda: model(**batch), {"inputs": batch}
 
 
+class _Forecaster(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.out = nn.LSTM(2, 16, batch_first=True), nn.Linear(16, 2)
+
+    def forward(self, window: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(window)[0][:, -1])
+
+
+@case("DATA-017")
+def _forecast_label_shifted_the_wrong_way(bug: bool) -> Case:
+    # sliding windows of a two-channel series; the label is the step before the window's end, not the one after
+    series = torch.randn(60, 2, generator=torch.Generator().manual_seed(9)).cumsum(0)
+    starts = range(0, 40, 2)
+    windows = torch.stack([series[s:s + 10] for s in starts])
+    labels = torch.stack([series[s + 8] if bug else series[s + 10] for s in starts])
+    m = _Forecaster()
+    return m, lambda: F.mse_loss(m(windows), labels), {"inputs": windows}
+
+
 @case("DATA-006")
 def _labels_not_shifted(bug: bool) -> Case:
     model = gpt2()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from guardtower.preflight._batch import batch_mapping, labelled_padding
+from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight._util import is_causal_lm, patched
 from guardtower.preflight._trace import StepTrace
@@ -98,6 +99,8 @@ class LossCall:
     targets: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
     """``(class-id targets, ignore_index, weight=)`` of a ``cross_entropy`` or ``nll_loss`` call (a CPU copy, up to
     ``_MAX_TARGETS`` ids): what the loss is asked to predict where"""
+    regression_target: torch.Tensor | None = None
+    """a CPU copy of a regression loss's float target (up to ``_MAX_TARGETS`` values)"""
     target_ties: tuple[int, int] | None = None
     """``(rows, judged)`` of a float32 ``cross_entropy`` over candidates (``(N, C)``, 3 to ``_MAX_CANDIDATES``):
     the rows whose target's logit equals another candidate's, out of the rows judged"""
@@ -230,6 +233,8 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable:
             call.input_values = _values(x, call.class_dim)
         if target.is_floating_point() and target.numel() > 0 and fn in _ASYMMETRIC:
             call.target_values = _values(target.detach().float(), None)
+        if fn in _REGRESSION and target.is_floating_point() and 0 < target.numel() <= _MAX_TARGETS:
+            call.regression_target = target.detach().cpu().clone()
         bounded = _bounding_activation(inp) if fn in _REGRESSION + _LOGITS else None
         if bounded is not None:
             call.bound = bounded[0]
@@ -807,6 +812,53 @@ def check_candidates(ctx: AuditContext) -> Iterable[Finding]:
                 "it away from itself; drop duplicates from the batch, or mask a candidate equal to the positive",
                 "DATA-014", {"rows": tied, "judged": judged, "fn": call.fn},
             )]
+    return []
+
+
+#: a target copied from the input needs at least this many samples, and this share of them distinct, to be judged
+_MIN_SERIES = 8
+_DISTINCT_SHARE = 0.5
+
+
+def _input_step_equal_to(inputs: torch.Tensor, target: torch.Tensor) -> int | None:
+    """The index t along ``inputs``' second axis (time, a window's positions) with ``inputs[:, t] == target`` for
+    every sample, or None. ``target`` is (N, ...) with one axis fewer; a trailing axis of 1 may be on either."""
+    if target.dim() == inputs.dim() and target.shape[-1] == 1:
+        target = target.squeeze(-1)
+    if inputs.dim() == target.dim() + 2 and inputs.shape[-1] == 1:
+        inputs = inputs.squeeze(-1)
+    if (inputs.dim() != target.dim() + 1 or inputs.dim() < 2 or inputs.shape[0] != target.shape[0]
+            or tuple(inputs.shape[2:]) != tuple(target.shape[1:]) or inputs.shape[1] < 2):
+        return None
+    hits = (inputs == target.unsqueeze(1)).reshape(inputs.shape[0], inputs.shape[1], -1).all(-1).all(0)
+    return int(hits.int().argmax()) if bool(hits.any()) else None
+
+
+@check("target_in_input", emits=("DATA-017",))
+def check_target_in_input(ctx: AuditContext) -> Iterable[Finding]:
+    """DATA-017: a regression loss whose target, for every sample, is exactly one step of the model's own input
+    (a window's value at one fixed position): the model can copy it (a forecasting label shifted the wrong way,
+    a target column left among the features)."""
+    trace = ctx.trace
+    if trace is None or not trace.calls:
+        return []
+    call = trace.training_call()
+    inputs = [(k, t) for k, t in top_level(call) if t.is_floating_point()]
+    for loss in ctx.probes.get("loss_calls", []):
+        target = loss.regression_target
+        if target is None or target.shape[0] < _MIN_SERIES or target.unique().numel() < _DISTINCT_SHARE * target.numel():
+            continue
+        for key, tensor in inputs:
+            step = _input_step_equal_to(tensor.detach().cpu(), target)
+            if step is not None:
+                return [Finding(
+                    "target_in_input", Severity.WARN,
+                    f"the target of {loss.fn} equals the model's input {key} at position {step} of its second axis, "
+                    f"for all {target.shape[0]} samples: the answer is already among the features, so the model "
+                    "learns to copy it (a forecasting label shifted the wrong way, shift(1) for shift(-1); the "
+                    "target column left in the window); build the target from values the input does not hold",
+                    "DATA-017", {"fn": loss.fn, "input": key, "position": step, "samples": int(target.shape[0])},
+                )]
     return []
 
 
