@@ -1354,6 +1354,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("data", "labels"),
     ),
     FailureMode(
+        "DATA-018", "Two forwards of the step compute the same thing", Severity.WARN,
+        "Two training forwards of the model in one step get equal inputs and compute equal outputs, and one "
+        "loss function's input is computed from both (it compares them).",
+        "A contrastive or consistency loss needs two different views of each sample (two augmentations, or "
+        "dropout as in SimCSE). Passing the same view twice (model(aug1) for both embeddings) through a "
+        "deterministic model makes every positive pair an image with itself: the loss falls, and no invariance "
+        "is learned.",
+        "Pass the second view (batch['aug2']), or keep dropout on when the views are meant to differ only by "
+        "it.",
+        "https://github.com/catalyst-team/catalyst/pull/1278",
+        ("data", "loss"),
+    ),
+    FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,
         "The loss pulls each position towards the next input token, and the prediction at a position depends on "
         "the tokens after it (measured: gradient from later token embeddings).",

@@ -628,6 +628,42 @@ def _forecast_label_shifted_the_wrong_way(bug: bool) -> Case:
     return m, lambda: F.mse_loss(m(windows), labels), {"inputs": windows}
 
 
+def _nt_xent(z1: torch.Tensor, z2: torch.Tensor) -> torch.Tensor:
+    z = F.normalize(torch.cat([z1, z2]), dim=1)
+    n = z1.shape[0]
+    sim = (z @ z.t() / 0.5).masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+    return F.cross_entropy(sim, torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]))
+
+
+def _encoder(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 8))
+
+
+@case("DATA-018")
+def _both_embeddings_from_the_first_view(bug: bool) -> Case:
+    enc = _encoder()
+    g = torch.Generator().manual_seed(10)
+    base = torch.randn(6, 8, generator=g)
+    aug1, aug2 = base + 0.1 * torch.randn(6, 8, generator=g), base.flip(-1)
+    return enc, lambda: _nt_xent(enc(aug1), enc(aug1 if bug else aug2)), {"inputs": aug1}
+
+
+def test_data_018_is_quiet_when_dropout_makes_the_views_or_one_forward_only_logs() -> None:
+    # SimCSE: the same sentences twice, dropout as the augmentation; and a second forward read for a metric only
+    enc = _encoder(dropout=0.1).train()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(11))
+    assert not audit(enc, lambda: _nt_xent(enc(x), enc(x)), inputs=x).by_id("DATA-018")
+    clf, (x, y) = _classifier(), _data()
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(clf(x), y)
+        _ = (clf(x).argmax(1) == y).float().mean()  # accuracy, from a second forward the loss never reads
+        return loss
+
+    assert not audit(clf, step, inputs=x).by_id("DATA-018")
+
+
 @case("DATA-006")
 def _labels_not_shifted(bug: bool) -> Case:
     model = gpt2()

@@ -441,6 +441,11 @@ def _keep_grads(ctx: AuditContext, trace: StepTrace, left_by_backward: dict[str,
     trace.grads = {name: (None if g is None else g.detach().to_dense() if g.is_sparse else g.detach())
                    for name, g in grads.items()}
     for call in trace.calls:
+        out = primary_output(call.output)
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() > 0:
+            with torch.no_grad():
+                call.fingerprint = (tuple(out.shape), float(out.sum(dtype=torch.float64)), float(out.max()),
+                                    float(out.min()))
         call.output = None
 
 

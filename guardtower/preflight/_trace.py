@@ -41,6 +41,9 @@ class RootCall:
     autocast: dict[str, torch.dtype]
     """device type -> autocast dtype, for devices where autocast was on"""
     output: Any = None
+    fingerprint: tuple[tuple[int, ...], float, float, float] | None = None
+    """(shape, float64 sum, max, min) of the primary output, kept when the output itself is let go (reductions
+    only: no copy of a large output): two calls with equal inputs and equal fingerprints computed the same"""
     grad_enabled: bool = True
     """autograd was on: a training forward, not a validation or target forward under ``no_grad``"""
 

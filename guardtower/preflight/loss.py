@@ -99,6 +99,9 @@ class LossCall:
     targets: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
     """``(class-id targets, ignore_index, weight=)`` of a ``cross_entropy`` or ``nll_loss`` call (a CPU copy, up to
     ``_MAX_TARGETS`` ids): what the loss is asked to predict where"""
+    reads_calls: frozenset[int] = frozenset()
+    """the model calls of the step (indices into ``StepTrace.calls``) whose primary output the input is computed
+    from"""
     regression_target: torch.Tensor | None = None
     """a CPU copy of a regression loss's float target (up to ``_MAX_TARGETS`` values)"""
     target_ties: tuple[int, int] | None = None
@@ -208,6 +211,24 @@ def _target_ties(x: torch.Tensor, target: torch.Tensor, ignore: int) -> tuple[in
     return int(tied.sum()), int(x.shape[0])
 
 
+def _calls_read(t: torch.Tensor, outputs: dict[int, int]) -> frozenset[int]:
+    """Which of the model calls (``outputs``: id of an output's autograd node -> call index) the autograd graph
+    behind ``t`` starts from."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack: list[Any] = [t.grad_fn]
+    while stack and len(found) < len(outputs):
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) in outputs:
+            found.add(outputs[id(node)])
+            continue
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return frozenset(found)
+
+
 def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set[int]) -> LossCall | None:
     inp = args[0] if args else kwargs.get("input", kwargs.get("log_probs"))
     target = args[1] if len(args) > 1 else kwargs.get("target", kwargs.get("targets"))
@@ -259,6 +280,17 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable:
     return call
 
 
+def _output_nodes(calls: list[Any]) -> dict[int, int]:
+    from guardtower.preflight._step import primary_output
+
+    nodes: dict[int, int] = {}
+    for i, call in enumerate(calls):
+        out = primary_output(call.output) if call.output is not None else None
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            nodes[id(out.grad_fn)] = i
+    return nodes
+
+
 @probe("loss_calls")
 @contextlib.contextmanager
 def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
@@ -273,6 +305,9 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
                 described = _describe(name, args, kwargs, trainable)
                 if described is not None:
                     calls.append(described)
+                    inp = args[0] if args else None
+                    if isinstance(inp, torch.Tensor) and inp.grad_fn is not None and ctx.trace is not None:
+                        described.reads_calls = _calls_read(inp, _output_nodes(ctx.trace.calls))
             except Exception:  # observing must never change what the step does
                 pass
             result = fn(*args, **kwargs)

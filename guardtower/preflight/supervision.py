@@ -382,6 +382,52 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
         )
 
 
+def _same_arguments(a: RootCall, b: RootCall) -> bool:
+    """The two calls got the same arguments: equal tensors, everything else equal, nothing but tensors judged."""
+    if len(a.args) != len(b.args) or set(a.kwargs) != set(b.kwargs):
+        return False
+    pairs = [*zip(a.args, b.args), *((a.kwargs[k], b.kwargs[k]) for k in a.kwargs)]
+    tensors = 0
+    for x, y in pairs:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+            tensors += 1
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x is not y and x != y:
+            return False
+    return tensors > 0
+
+
+@check("repeated_forward", emits=("DATA-018",))
+def check_repeated_forward(ctx: AuditContext) -> Iterable[Finding]:
+    """DATA-018: two training forwards of the step get the same inputs and compute the same output, and one
+    loss function compares them (its input is computed from both; two losses that each read one forward are a
+    recomputation, not this): nothing random (no augmentation, no dropout) told them apart, so a loss that compares them
+    (the two views of a contrastive pair, a consistency term) compares each sample with itself."""
+    trace = ctx.trace
+    if trace is None or trace.error is not None:
+        return []
+    supervised = {r.call for r in trace.supervision if float(r.magnitude.sum()) > 0}
+    compared = [c.reads_calls for c in ctx.probes.get("loss_calls", [])]
+    calls = [(i, c) for i, c in enumerate(trace.calls) if c.grad_enabled and i in supervised]
+    for n, (i, first) in enumerate(calls):
+        for j, second in calls[n + 1:]:
+            if (first.training != second.training or not any({i, j} <= read for read in compared)
+                    or not _same_arguments(first, second)):
+                continue
+            if first.fingerprint is not None and first.fingerprint == second.fingerprint:
+                return [Finding(
+                    "repeated_forward", Severity.WARN,
+                    f"calls {i} and {j} of the model in this step get the same inputs and compute the same output, "
+                    "and one loss compares them: nothing random (no augmentation between them, no dropout) "
+                    "tells them apart, so a loss comparing them (two views of a contrastive pair, a consistency "
+                    "term) compares each sample with itself; pass the second view (batch['aug2'], not 'aug1' "
+                    "again), or keep the dropout that is meant to make the views differ",
+                    "DATA-018", {"calls": [i, j]},
+                )]
+    return []
+
+
 @check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "LOOP-004", "LOOP-005",
                              "LOOP-011"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
