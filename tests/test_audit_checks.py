@@ -760,6 +760,23 @@ def _zero_grad_never_called(bug: bool) -> Case:
     return _full_step(("backward", "step") if bug else ("backward", "step", "zero_grad"))
 
 
+@case("LOOP-003/closure")
+def _closure_never_zeroes(bug: bool) -> Case:
+    # optimizer.step(closure): the closure's zero_grad and backward run inside step, before the update; so a
+    # clean closure is not "step before backward", and one without zero_grad accumulates forever
+    m = mlp()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def closure() -> torch.Tensor:
+        if not bug:
+            opt.zero_grad()
+        loss = F.mse_loss(m(_X), _Y)
+        loss.backward()
+        return loss
+
+    return m, lambda: opt.step(closure), {"optimizer": opt, "inputs": _X}
+
+
 @case("LOOP-003/grads-set-to-none")
 def _grads_set_to_none_before_backward(bug: bool) -> Case:
     return _full_step(("backward", "step") if bug else ("grads_to_none", "backward", "step"))
@@ -1133,6 +1150,17 @@ def _bf16_weights(bug: bool) -> Case:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5, weight_decay=0.0)
     batch = token_batch()
     return m, lambda: m(**batch), {"optimizer": opt}
+
+
+def test_amp_002_fails_when_most_weights_are_stuck_and_warns_when_only_the_norm_gains_are() -> None:
+    model, step, kwargs = CASES["AMP-002"](True)  # lr 1e-5: every bf16 tensor rounds its update away
+    (finding,) = audit(model, step, **kwargs).by_id("AMP-002")
+    assert finding.severity is Severity.ERROR
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 1)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)  # moves weights ~0.1; not gains at 1.0
+    (finding,) = audit(m, lambda: F.mse_loss(m(_X.bfloat16()).float(), _Y), optimizer=opt).by_id("AMP-002")
+    assert finding.severity is Severity.WARN and "1.weight" in finding.details["params"]
 
 
 class _WideThenNorm(nn.Module):

@@ -222,14 +222,24 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                     trace.grad_rows_after_backward[names[id(p)]] = rows
 
     depth = [0]  # an optimizer subclass whose step() calls super().step() runs the hooks of both: one step
+    closure = [False]  # the outer step got a closure: its zero_grad and backward run inside, before the update
 
     def post_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         depth[0] -= 1
+        if depth[0] == 0 and closure[0]:
+            closure[0] = False
+            record_step(opt)
 
     def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         depth[0] += 1
         if depth[0] > 1:
             return
+        closure[0] = callable(args[1] if len(args) > 1 else kwargs.get("closure"))  # args[0] is the optimizer
+        if not closure[0]:
+            record_step(opt)
+
+    def record_step(opt: torch.optim.Optimizer) -> None:
+        """The step as it used the gradients: for a closure, once it has run (its gradients are then there)."""
         trace.loop_events.append("step")
         tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         trace.step_params.append({id(p) for p in tracked})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
@@ -18,6 +19,24 @@ from guardtower.report import Finding
 from guardtower.severity import Severity
 
 __all__: list[str] = []
+
+
+def _graph_structure(ctx: AuditContext, batch: int) -> str | None:
+    """What makes the batch's samples the nodes of one graph: an (N, N) adjacency the model holds or receives, or
+    an integer (2, E) edge index over the N samples; None without one. Message passing mixes nodes by design."""
+    trace = ctx.trace
+    assert trace is not None
+    call = trace.training_call()
+    named = [*ctx.model.named_buffers(), *iter_tensors((call.args, call.kwargs), depth=3)]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            continue
+        if t.shape[0] == t.shape[1] == batch and batch >= 3:
+            return name or "an adjacency argument"
+        if (t.shape[0] == 2 and t.shape[1] >= 1 and not t.is_floating_point() and t.dtype != torch.bool
+                and 0 <= int(t.min()) and int(t.max()) < batch):
+            return name or "an edge-index argument"
+    return None
 
 
 @check("input_dependency", emits=("INPUT-001", "INPUT-002"), needs=("leak", "input_independence"))
@@ -53,7 +72,17 @@ def check_input_dependency(ctx: AuditContext) -> Iterable[Finding]:
             n for n, m in ctx.model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
         details = {"input": entry.input, "leaking_samples": entry.leaking_samples[:16],
                    "own_grad_norm": entry.own, "other_grad_norm": entry.other, "batchnorm": batchnorm[:16]}
-        if batchnorm:
+        call = trace.training_call()
+        first = next((t for _, t in iter_tensors((call.args, call.kwargs), depth=3) if t.dim() >= 1), None)
+        graph = _graph_structure(ctx, first.shape[0]) if first is not None else None
+        if graph is not None:
+            findings.append(Finding(
+                "input_dependency", Severity.INFO,
+                f"a sample's prediction depends on other samples of the batch, and the samples are the nodes of a "
+                f"graph ({graph}): message passing mixes neighbouring nodes by design",
+                "INPUT-002", {**details, "graph": graph},
+            ))
+        elif batchnorm:
             findings.append(Finding(
                 "input_dependency", Severity.INFO,
                 f"a sample's prediction depends on other samples of the batch through {len(batchnorm)} BatchNorm "

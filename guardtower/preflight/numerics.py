@@ -33,6 +33,9 @@ __all__ = ["ActivationRecord", "DEAD_FRACTION", "SATURATED_FRACTION", "MIN_ROWS"
 #: the samples look alike (a random frozen backbone's pooled features, a small batch), a healthy zero-bias layer has
 #: each unit negative on all of them with probability ~1/2, so half dead is the healthy ceiling, not a finding
 DEAD_FRACTION = 0.75
+#: and only when that many dead units would be this unlikely if each unit were dead with probability 1/2: 6 of a
+#: GAN generator's 8 units dead on one batch happens one time in seven
+DEAD_CHANCE = 1e-3
 #: a sigmoid/tanh layer is reported when at least this fraction of its outputs is within 1% of the asymptotes
 SATURATED_FRACTION = 0.5
 #: dead units are only judged on at least this many rows (samples x positions) per unit
@@ -260,13 +263,19 @@ def check_nonfinite(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
+def _tail(k: int, n: int) -> float:
+    """P(X >= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+
+
 @check("dead_relu", emits=("RELU-001",))
 def check_dead_relu(ctx: AuditContext) -> Iterable[Finding]:
     """RELU-001: ReLU layers whose units output zero for every sample of the batch."""
     rec = _record(ctx)
     if rec is None:
         return []
-    dead = {site: d for site, d in rec.dead.items() if d[1] and d[0] / d[1] >= DEAD_FRACTION}
+    dead = {site: d for site, d in rec.dead.items()
+            if d[1] and d[0] / d[1] >= DEAD_FRACTION and _tail(d[0], d[1]) < DEAD_CHANCE}
     if not dead:
         return []
     desc = [f"{site} ({d[0]}/{d[1]})" for site, d in dead.items()]
