@@ -1369,6 +1369,18 @@ _STEP: tuple[FailureMode, ...] = (
         ("data", "loss"),
     ),
     FailureMode(
+        "DATA-019", "Packed examples' labels run across the boundary", Severity.WARN,
+        "In a packed batch (position ids restart where each example starts), the last position of an example is "
+        "pulled towards the next example's first token (measured from the loss gradient).",
+        "Packing concatenates unrelated documents; when the labels are concatenated too, with no -100 at each "
+        "document's first token, the model is trained to continue every document with an unrelated one. The "
+        "loss looks normal; generation runs on past the end of an answer into another topic.",
+        "Set the label of each packed example's first token to -100 (the collator's separator), e.g. "
+        "labels[position_ids == 0] = -100.",
+        "https://github.com/NVIDIA-BioNeMo/bionemo-recipes/pull/1449",
+        ("data", "labels", "llm"),
+    ),
+    FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,
         "The loss pulls each position towards the next input token, and the prediction at a position depends on "
         "the tokens after it (measured: gradient from later token embeddings).",

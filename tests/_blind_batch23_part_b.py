@@ -470,17 +470,20 @@ def _c10_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b23-case-06", "https://github.com/SunnerLi/RecycleGAN/issues/2", "gan-adversarial-target",
               "the generator's adversarial loss scores the real next frame instead of the generated one, so no "
-              "adversarial gradient reaches the generators", _c06_build, _c06_proof),
+              "adversarial gradient reaches the generators", _c06_build, _c06_proof,
+              known_miss="the generator's adversarial loss scores the real frame: which tensor a GAN loss judges is loss arithmetic"),
     BlindCase("b23-case-07", "https://github.com/hzwer/WACV2024-SAFA/issues/8", "input-normalization",
               "low-res guidance frames enter training in [0, 255] while targets and evaluation use [0, 1]",
               _c07_build, _c07_proof),
     BlindCase("b23-case-08", "https://github.com/ostris/ai-toolkit/issues/1034", "ema-update",
               "the EMA shadow update has its sign flipped, so the averaged weights diverge from the live ones",
-              _c08_build, _c08_proof),
+              _c08_build, _c08_proof,
+              known_miss="the EMA shadow update has its sign flipped: the shadow tensors are outside the audited model"),
     BlindCase("b23-case-09", "https://github.com/zhaoyuzhi/deepfillv2/issues/6", "missing-optimizer-step",
               "the discriminator loss is backpropagated but optimizer_d.step() is never called, so D never trains",
               _c09_build, _c09_proof),
     BlindCase("b23-case-10", "https://github.com/nianticlabs/manydepth/issues/46", "lr-schedule-reset",
               "rebuilding the optimizer and StepLR at the teacher-freeze epoch restarts the schedule, so the lr "
-              "never decays", _c10_build, _c10_proof),
+              "never decays", _c10_build, _c10_proof,
+              known_miss="the optimizer and StepLR are rebuilt mid-training, restarting the schedule: a rebuild outside the audited step"),
 ]

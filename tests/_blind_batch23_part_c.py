@@ -372,16 +372,18 @@ CASES: list[BlindCase] = [
               "sum of all gradients so far instead of the current one.", _c11_build, _c11_proof),
     BlindCase("b23-case-12", "https://github.com/waittim/graph-fraud-detection/issues/3", "loss over wrong node mask",
               "The GCN node-classification loss is taken over every node, so test-node labels are trained on and "
-              "the test score is inflated.", _c12_build, _c12_proof),
+              "the test score is inflated.", _c12_build, _c12_proof,
+              known_miss="the node-classification loss covers the test nodes: which nodes are held out is not known to the step"),
     BlindCase("b23-case-13", "https://github.com/jameswniu/multi-agent-rl-mapf-drone-navigation/pull/33",
               "advantage not detached",
               "The actor-critic policy loss uses an undetached advantage, so the policy objective back-propagates "
-              "into the value head and corrupts the critic.", _c13_build, _c13_proof),
+              "into the value head and corrupts the critic.", _c13_build, _c13_proof,
+              known_miss="the policy loss backpropagates into the critic through an undetached advantage: which head a loss term should train is not declared"),
     BlindCase("b23-case-14", "https://github.com/jsboige/CoursIA/pull/926", "loss shape broadcasting",
               "MSELoss on (B, 1) predictions against (B,) targets broadcasts to (B, B), so each forecast is pulled "
               "towards the batch mean target instead of its own.", _c14_build, _c14_proof),
     BlindCase("b23-case-15", "https://github.com/dragen1860/MAML-Pytorch/pull/8", "episode label assignment",
               "Episode labels follow the sorted global class ids instead of a random permutation, so the "
               "meta-learner can memorise a class->label mapping rather than learn to adapt.", _c15_build,
-              _c15_proof),
+              _c15_proof, known_miss="episode labels follow the sorted class ids: label semantics across episodes"),
 ]

@@ -568,20 +568,34 @@ def test_a_token_that_also_occurs_inside_rows_is_not_inferred_as_padding() -> No
     assert not audit(model, step, inputs=ids).by_id("DATA-005")
 
 
+def _packed_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, max_position_embeddings=32, attn_implementation="sdpa"))
+
+
+@case("DATA-019")
+def _packed_labels_without_a_separator(bug: bool) -> Case:
+    model = _packed_llama()
+    ids = torch.randint(1, VOCAB, (1, 18), generator=torch.Generator().manual_seed(12))
+    positions = torch.cat([torch.arange(n) for n in (6, 5, 7)])[None]
+    labels = ids.clone() if bug else ids.masked_fill(positions == 0, -100)
+    batch = {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
+    return model, lambda: model(**batch).loss, {"inputs": batch}
+
+
 @case("INPUT-012")
 def _packed_rows_with_an_all_ones_mask(bug: bool) -> Case:
     # three examples packed per row, position_ids restarting at each; with a 2-D all-ones attention_mask too the
     # model takes the plain causal path and each example attends the ones before it (so it does with a cache, and
     # under eager attention, which ignores packed position_ids)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, max_position_embeddings=32,
-                                         attn_implementation="sdpa"))
+    model = _packed_llama()
     ids = torch.randint(1, VOCAB, (2, 18), generator=torch.Generator().manual_seed(7))
     positions = torch.cat([torch.arange(n) for n in (6, 5, 7)]).expand(2, -1)
-    batch = {"input_ids": ids, "position_ids": positions, "labels": ids, "use_cache": False}
+    labels = ids.masked_fill(positions == 0, -100)
+    batch = {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
     if bug:
         batch["attention_mask"] = torch.ones_like(ids)
     return model, lambda: model(**batch).loss, {"inputs": batch}

@@ -13,29 +13,54 @@ from typing import Any, Callable
 import torch
 
 from guardtower.preflight._own_pass import in_eval_mode
-from guardtower.preflight._padding_reads import token_ids, top_level
+from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext
 from guardtower.preflight._trace import PackingRead, RootCall
 
-__all__ = ["packed_row", "measure_packing_reads"]
+__all__ = ["packed_row", "packing_boundaries", "measure_packing_reads"]
+
+
+def _restarting(t: torch.Tensor) -> bool:
+    """Rows of counters that climb by one and restart at 0, at least once inside a row: positions of packing."""
+    steps = t[:, 1:] - t[:, :-1]
+    return bool(((steps == 1) | (t[:, 1:] == 0)).all()) and bool((t[:, 1:] == 0).any())
+
+
+def packing_boundaries(call: RootCall) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """``(ids argument, ids, restarts)``: ``restarts[:, t]`` is True where a new packed example starts at position
+    ``t`` (t >= 1), by ``position_ids``, or an unnamed argument of position counters that restart."""
+    tensors = top_level(call)
+    # token ids, a single packed row included (token_ids() asks for two rows, to tell a batch from one sequence)
+    found = next(((k, t) for k, t in tensors if t.dim() == 2 and not t.is_floating_point() and not t.is_complex()
+                  and t.dtype != torch.bool and t.shape[1] >= 3), None)
+    if found is None:
+        return None
+    key, ids = found
+    named = call.kwargs.get("position_ids")
+    candidates = [named] if isinstance(named, torch.Tensor) else [t for k, t in tensors if k != key]
+    for positions in candidates:
+        if positions.is_floating_point() or positions.dtype == torch.bool or positions.dim() not in (1, 2):
+            continue
+        if positions.shape[-1] != ids.shape[1] or (positions.dim() == 2 and positions.shape[0] not in (1, ids.shape[0])):
+            continue
+        positions = positions.expand_as(ids)
+        if named is None and not _restarting(positions):
+            continue
+        restarts = torch.zeros_like(ids, dtype=torch.bool)
+        restarts[:, 1:] = positions[:, 1:] < positions[:, :-1]
+        if bool(restarts.any()):
+            return key, ids, restarts
+    return None
 
 
 def packed_row(call: RootCall) -> tuple[str, torch.Tensor, int, int] | None:
-    """``(ids argument, ids, row, first boundary)`` of the first row whose ``position_ids`` restart inside it."""
-    positions = call.kwargs.get("position_ids")
-    found = token_ids(top_level(call))
-    if found is None or not isinstance(positions, torch.Tensor) or positions.is_floating_point():
+    """``(ids argument, ids, row, first boundary)`` of the first row where a new packed example starts."""
+    found = packing_boundaries(call)
+    if found is None:
         return None
-    key, ids = found
-    positions = positions.expand_as(ids) if positions.dim() in (1, 2) and positions.shape[-1] == ids.shape[1] else None
-    if positions is None:
-        return None
-    restarts = positions[:, 1:] < positions[:, :-1]
-    rows = torch.nonzero(restarts.any(1)).flatten()
-    if rows.numel() == 0:
-        return None
-    row = int(rows[0])
-    return key, ids, row, int(restarts[row].int().argmax()) + 1
+    key, ids, restarts = found
+    row = int(torch.nonzero(restarts.any(1)).flatten()[0])
+    return key, ids, row, int(restarts[row].int().argmax())
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from guardtower.preflight._batch import batch_mapping, labelled_padding
+from guardtower.preflight._packing_reads import packing_boundaries
 from guardtower.preflight._padding_reads import inferred_padding, marked_padding, top_level, token_ids
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._step import extract_loss
@@ -121,6 +122,32 @@ def _padding_supervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> 
         f"{count} position(s) that {how} receive loss gradient (rows {rows[:8]}): the loss trains the model to "
         "predict padding; set their labels to -100 (or mask them out of the loss)",
         "DATA-005", {"positions": count, "rows": rows[:50], "supervised": int(supervised.sum())},
+    )
+
+
+def _crosses_packing(call: RootCall, rec: Supervision) -> Finding | None:
+    """DATA-019: in a packed batch (position ids restart where each example starts), the last position of an
+    example is pulled towards the next example's first token: the labels run on across the boundary."""
+    found = packing_boundaries(call) if rec.target is not None and rec.magnitude.dim() == 2 else None
+    if found is None or rec.target is None:
+        return None
+    _, ids, restarts = found
+    ids, restarts = ids.detach().cpu(), restarts.cpu()
+    if tuple(ids.shape) != tuple(rec.target.shape):
+        return None
+    before = torch.zeros_like(restarts)
+    before[:, :-1] = restarts[:, 1:]  # the last position of each example that another one follows
+    crossing = before & _supervised(rec) & (rec.target == ids.roll(-1, dims=1))
+    boundaries, count = int(restarts.sum()), int(crossing.sum())
+    if count < 2 or count < 0.5 * boundaries:
+        return None
+    return Finding(
+        "supervision", Severity.WARN,
+        f"{count} of the {boundaries} packed examples' last positions are trained to predict the next example's "
+        "first token (position ids restart there): the labels run on across the packing boundary, so the model "
+        "learns to continue one document with an unrelated one; set the label of each example's first token to "
+        "-100",
+        "DATA-019", {"crossing": count, "boundaries": boundaries},
     )
 
 
@@ -428,7 +455,8 @@ def check_repeated_forward(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
-@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "LOOP-004", "LOOP-005",
+@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
+                             "LOOP-005",
                              "LOOP-011"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
     """What the loss supervises against the batch, the config and the step's accumulation."""
@@ -447,6 +475,7 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
             continue
         call = trace.calls[rec.call]
         candidates = [None if labelled else _padding_supervised(ctx, call, rec), _copies_input(ctx, call, rec),
+                      _crosses_packing(call, rec),
                       _one_class(rec), _weights_follow_frequency(rec), _weights_cancel(ctx, rec)]
         for f in candidates:
             if f is not None and f.catalog_id not in seen:
