@@ -273,8 +273,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             tensors = args[0] if args else kwargs.get("tensors")
             retained = args[2] if len(args) > 2 else kwargs.get("retain_graph")
             if len(trace.backward_values) < _MAX_BACKWARDS:
-                scalar = isinstance(tensors, torch.Tensor) and tensors.numel() == 1
-                trace.backward_values.append((float(tensors.detach()) if scalar else None, bool(retained)))
+                value = float(tensors.detach()) if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
+                trace.backward_values.append((value, bool(retained)))
             return original(*args, **kwargs)
 
         return wrapper
