@@ -1208,6 +1208,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("loss", "gradients"),
     ),
     FailureMode(
+        "LOSS-017", "A loss term trains nothing its step updates", Severity.WARN,
+        "A loss function's result is part of the loss that step_fn backpropagates and its gradient reaches "
+        "trainable parameters, but none that the optimizer steps following that backward hold.",
+        "A generator's adversarial term that scores the real frame instead of the generated one, or an actor "
+        "loss computed on the replay buffer's actions: the term's gradient lands only on the discriminator or "
+        "critic, whose own step clears it; the loss value moves, and the part being updated never learns from "
+        "that term.",
+        "Compute the term from the output of the part this step trains (the discriminator on the fake, the "
+        "critic on the actor's action).",
+        "https://pytorch.org/tutorials/beginner/dcgan_faces_tutorial.html#training",
+        ("loss", "gradients"),
+    ),
+    FailureMode(
         "AMP-005", "Softmax-family loss computed in 16 bits", Severity.WARN,
         "cross_entropy, nll_loss, kl_div or ctc_loss runs on float16/bfloat16 input outside autocast (bf16 "
         "weights, an FSDP bf16 parameter policy, logits cast to half).",

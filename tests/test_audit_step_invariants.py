@@ -263,6 +263,58 @@ def test_loop_014_is_quiet_when_one_backward_feeds_two_optimizers() -> None:
     assert not audit(gan, step, optimizer=opt_d, inputs=z).by_id("LOOP-014")
 
 
+@case("LOSS-017")
+def _adversarial_term_scores_the_real_sample(bug: bool) -> Case:
+    gan = _TinyGAN()
+    opt_g, opt_d = (torch.optim.Adam(part.parameters(), lr=2e-4, betas=(0.5, 0.999)) for part in (gan.g, gan.d))
+    g = torch.Generator().manual_seed(6)
+    z, real = torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)
+    ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+
+    def step() -> torch.Tensor:
+        opt_g.zero_grad()
+        fake = gan(z)
+        recon = F.l1_loss(fake, real)
+        judged = real if bug else fake  # the bug: the generator's adversarial term scores the real sample
+        g_loss = recon + F.binary_cross_entropy_with_logits(gan.d(judged), ones)
+        g_loss.backward()
+        opt_g.step()
+        opt_d.zero_grad()
+        d_loss = (F.binary_cross_entropy_with_logits(gan.d(real), ones)
+                  + F.binary_cross_entropy_with_logits(gan.d(fake.detach()), zeros)) / 2
+        d_loss.backward()
+        opt_d.step()
+        return g_loss
+
+    return gan, step, {"optimizer": opt_g, "inputs": z}
+
+
+def test_loss_017_is_quiet_when_one_backward_feeds_both_steps_or_a_step_comes_later() -> None:
+    """A critic and an actor term summed into one backward, then both optimizers step: each term trains a part
+    that is stepped. An accumulation step that backpropagates without stepping yet judges nothing."""
+    gan = _TinyGAN()
+    opt_g, opt_d = (torch.optim.SGD(part.parameters(), lr=1e-2) for part in (gan.g, gan.d))
+    g = torch.Generator().manual_seed(7)
+    z, real = torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)
+
+    def joint() -> torch.Tensor:
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        loss = F.mse_loss(gan.d(real), torch.ones(8, 1)) + F.mse_loss(gan(z), real)
+        loss.backward()
+        opt_g.step()
+        opt_d.step()
+        return loss
+
+    def unstepped() -> torch.Tensor:
+        loss = F.mse_loss(gan.d(real), torch.ones(8, 1))
+        loss.backward()
+        return loss
+
+    assert not audit(gan, joint, optimizer=opt_g, inputs=z).by_id("LOSS-017")
+    assert not audit(gan, unstepped, optimizer=opt_g, inputs=z).by_id("LOSS-017")
+
+
 @case("LOOP-012")
 def _cleared_inside_the_accumulation_loop(bug: bool) -> Case:
     m = _classifier()

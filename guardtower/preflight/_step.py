@@ -186,7 +186,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     # which optimizer steps (numbered over every optimizer the step steps) each tensor's gradient spans: the
     # step count at each accumulation since the tensor was last cleared, and which optimizer took each step
     spans: dict[int, set[int]] = {}
-    step_log: list[set[int]] = []  # per step taken: the ids of the tensors that optimizer holds
+    step_log = trace.held_at_step
 
     def cleared(tensors: Iterable[torch.Tensor] | None = None) -> None:
         if not trace.loop_events or trace.loop_events[-1] != "zero_grad":

@@ -186,6 +186,8 @@ class StepTrace:
     backward_values: list[tuple[float | None, bool]] = field(default_factory=list)
     """for each of those passes (the first few): the value it backpropagated (None unless one scalar) and whether
     it kept its graph (``retain_graph=True``: terms of one forward, not micro-batches)"""
+    held_at_step: list[set[int]] = field(default_factory=list)
+    """for each optimizer step inside ``step_fn`` (any optimizer, in order): the ids of the tensors it holds"""
     scaled_backward: bool = False
     """``step_fn`` scaled its loss with an enabled GradScaler before backward"""
     cross_phase: list[tuple[int, list[str]]] = field(default_factory=list)

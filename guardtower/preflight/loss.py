@@ -11,7 +11,7 @@ import contextlib
 import functools
 import math
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -107,6 +107,13 @@ class LossCall:
     target_ties: tuple[int, int] | None = None
     """``(rows, judged)`` of a float32 ``cross_entropy`` over candidates (``(N, C)``, 3 to ``_MAX_CANDIDATES``):
     the rows whose target's logit equals another candidate's, out of the rows judged"""
+    reaches: frozenset[int] = frozenset()
+    """ids of the trainable parameters the result's gradient reaches"""
+    node: Any = None
+    """the result's autograd node, held only while ``step_fn`` runs (to find the backward passes it is part of)"""
+    backwards: list[int] = field(default_factory=list)
+    """for each of ``step_fn``'s backward passes that holds the result: how many optimizer steps had run when it
+    began (an index into ``StepTrace.held_at_step``)"""
 
 
 #: raw logits all inside [0, 1] without a sigmoid behind them: a few (a small head at init) can, this many cannot
@@ -160,27 +167,51 @@ def _values(x: torch.Tensor, class_dim: int | None) -> Values:
     return Values(lo, hi, tuple(log_dims), tuple(prob_dims), lse_range)
 
 
-def _trains(t: torch.Tensor, trainable: set[int]) -> bool:
-    """The autograd graph behind ``t`` reaches a trainable parameter (an input the audit made require grad, or a
-    frozen teacher's output, does not count)."""
+def _reached(t: torch.Tensor, trainable: set[int], first: bool = False) -> frozenset[int]:
+    """The trainable parameters (ids) the autograd graph behind ``t`` reaches; with ``first``, stop at the first
+    (an input the audit made require grad, or a frozen teacher's output, is not one)."""
     if not t.requires_grad:
-        return False
+        return frozenset()
     if t.grad_fn is None:
-        return id(t) in trainable
+        return frozenset({id(t)} & trainable)
+    found: set[int] = set()
     seen: set[int] = set()
     stack: list[Any] = [t.grad_fn]
-    while stack:
+    while stack and not (first and found):
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) in trainable:
-            return True
+            found.add(id(variable))
         stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return False
+    return frozenset(found)
 
 
+def _trains(t: torch.Tensor, trainable: set[int]) -> bool:
+    """The autograd graph behind ``t`` reaches a trainable parameter."""
+    return bool(_reached(t, trainable, first=True))
+
+
+def _graph_holds(root: Any, wanted: dict[int, "LossCall"]) -> list["LossCall"]:
+    """Which of ``wanted`` (id of a loss result's autograd node -> its call) the graph below ``root`` holds."""
+    found: list[LossCall] = []
+    seen: set[int] = set()
+    stack: list[Any] = [root]
+    while stack and len(found) < len(wanted):
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) in wanted:
+            found.append(wanted[id(node)])
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return found
+
+
+#: loss calls (and backward passes) whose gradient paths are followed, at most
+_MAX_TERMS = 32
 #: class-id targets kept per loss call, at most (a copy on the host)
 _MAX_TARGETS = 1 << 20
 #: above this many classes two logits of a row can tie by chance often enough to matter
@@ -312,9 +343,13 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
                 pass
             result = fn(*args, **kwargs)
             if (described is not None and torch.is_grad_enabled() and isinstance(result, torch.Tensor)
-                    and result.is_floating_point() and result.numel() > 0 and not _trains(result, trainable)):
-                described.dead = float(result.detach().float().mean())
-                dead[id(result)] = (result, described)
+                    and result.is_floating_point() and result.numel() > 0):
+                followed = len(calls) <= _MAX_TERMS  # the first calls: every parameter reached, and the node
+                described.reaches = _reached(result, trainable, first=not followed)
+                described.node = result.grad_fn if followed else None
+                if not described.reaches:
+                    described.dead = float(result.detach().float().mean())
+                    dead[id(result)] = (result, described)
             return result
 
         return wrapper
@@ -343,14 +378,40 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
 
         return method
 
+    # each backward of step_fn: the optimizer steps run so far, and which loss results its graph holds
+    backwards: list[int] = []
+    ctx.probes["loss_backwards"] = backwards
+
+    def feeding(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                tensors = args[0] if args else kwargs.get("tensors")
+                roots = [t.grad_fn for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors or ())
+                         if isinstance(t, torch.Tensor)]
+                if ctx.trace is not None and len(backwards) < _MAX_TERMS:
+                    backwards.append(len(ctx.trace.held_at_step))
+                    wanted = {id(c.node): c for c in calls if c.node is not None}
+                    for root in roots:
+                        for call in _graph_holds(root, wanted):
+                            call.backwards.append(backwards[-1])
+            except Exception:  # observing must never change what the step does
+                pass
+            return original(*args, **kwargs)
+
+        return wrapper
+
     patches: list[tuple[Any, str, Callable[[Any], Any]]] = [
         (F, name, functools.partial(wrap, name)) for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE + _OTHER]
     patches += [(torch.Tensor, name, functools.partial(follow, name)) for name in _SCALINGS + _SUMS]
+    patches.append((torch.autograd, "backward", feeding))
     try:
         with patched(patches):
             yield calls
     finally:
         dead.clear()
+        for call in calls:
+            call.node = None  # the graph is the step's; the audit keeps no part of it
 
 
 @check("loss", emits=("LOSS-001", "LOSS-002", "LOSS-003", "LOSS-006", "LOSS-007"), always=True)
@@ -822,6 +883,45 @@ def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
         "generator's fake without .detach()), or drop the term",
         "LOSS-016", {"fn": first.fn, "value": first.dead, "dead_terms": [c.fn for c in added][:8]},
     )]
+
+
+def _held_by_steps_after(before: int, backwards: list[int], held_at_step: list[set[int]]) -> set[int]:
+    """The tensors held by the optimizer steps a backward that began after ``before`` steps feeds: those that run
+    before the next backward that follows a step (several micro-batches' backwards feed one step)."""
+    later = [b for b in backwards if b > before]
+    end = min(later) if later else len(held_at_step)
+    return set().union(*held_at_step[before:end])
+
+
+@check("stepped_terms", emits=("LOSS-017",))
+def check_stepped_terms(ctx: AuditContext) -> Iterable[Finding]:
+    """LOSS-017: a loss function's result is part of the loss ``step_fn`` backpropagates, and its gradient reaches
+    trainable parameters, but none that the optimizer steps after that backward hold: the term trains nothing the
+    update moves (a generator's adversarial term that scores the real sample, so only the discriminator, which
+    this step does not update, gets its gradient)."""
+    trace = ctx.trace
+    calls: list[LossCall] = ctx.probes.get("loss_calls", [])
+    backwards: list[int] = ctx.probes.get("loss_backwards", [])
+    if trace is None or trace.error is not None or not trace.held_at_step:
+        return []
+    names = {id(p): n for n, p in ctx.params.items()}
+    for call in calls:
+        if not call.reaches or not call.backwards:
+            continue
+        held = [_held_by_steps_after(b, backwards, trace.held_at_step) for b in call.backwards]
+        if not all(h and not (call.reaches & h) for h in held):
+            continue
+        reached = sorted(names[i] for i in call.reaches if i in names)
+        return [Finding(
+            "stepped_terms", Severity.WARN,
+            f"{call.fn} (input {list(call.input_shape)}) is part of the loss step_fn backpropagates, and its "
+            f"gradient reaches {len(reached)} trainable tensor(s) ({', '.join(reached[:3])}), none of which the "
+            "optimizer step after that backward updates: the term trains nothing this update moves (a generator's "
+            "adversarial term scoring the real sample instead of the generated one; an actor loss on the replay "
+            "buffer's actions instead of the actor's); compute it from the output of the part this step trains",
+            "LOSS-017", {"fn": call.fn, "reaches": reached[:8]},
+        )]
+    return []
 
 
 #: rows whose target ties another candidate, at least this many and this share of the rows judged
