@@ -1221,6 +1221,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("loss", "gradients"),
     ),
     FailureMode(
+        "LOSS-018", "A policy-gradient weight carries gradient", Severity.WARN,
+        "A log-probability (Distribution.log_prob, log_softmax) is multiplied by a weight that takes both signs "
+        "and whose gradient reaches trainable tensors the log-probability does not reach.",
+        "-(log_prob * advantage) is the policy gradient only while the advantage is a constant for backward. Left "
+        "attached (returns - values), it also pushes the value head, or the reward model, by the policy "
+        "objective; the loss falls and the policy seems to learn, while the baseline is trained on a mix of two "
+        "objectives and stops reducing variance.",
+        "Detach the weight in the policy term: -(log_prob * advantage.detach()).mean(); train the critic with "
+        "its own value loss.",
+        "https://spinningup.openai.com/en/latest/spinningup/rl_intro3.html",
+        ("loss", "gradients"),
+    ),
+    FailureMode(
         "AMP-005", "Softmax-family loss computed in 16 bits", Severity.WARN,
         "cross_entropy, nll_loss, kl_div or ctc_loss runs on float16/bfloat16 input outside autocast (bf16 "
         "weights, an FSDP bf16 parameter policy, logits cast to half).",
@@ -1496,6 +1509,19 @@ _STEP: tuple[FailureMode, ...] = (
         "module once, before the optimizer is made).",
         "https://github.com/lafith/Mobile-UNet/issues/1",
         ("optimizer", "architecture"),
+    ),
+    FailureMode(
+        "OPT-021", "A copy of the weights moves away from them", Severity.WARN,
+        "A tensor that step_fn updates in place after the optimizer step, and that was a near copy of a trainable "
+        "tensor (an EMA shadow, a mean teacher, a target network), ends the step farther from that tensor, moved "
+        "back along the gap or toward zero.",
+        "An update of an average moves it toward the live weights whatever the decay. With its sign flipped, or "
+        "one of its two terms missing, the copy drifts away a little each step; the loss curve is the live "
+        "model's and looks normal, while the averaged weights that get evaluated and saved are garbage.",
+        "Move the copy toward the weights: s -= (1 - decay) * (s - p), s.mul_(decay).add_(p, alpha=1 - decay), "
+        "or s.lerp_(p, 1 - decay); torch.optim.swa_utils.AveragedModel does it for you.",
+        "https://github.com/ostris/ai-toolkit/issues/1034",
+        ("optimizer", "state"),
     ),
     FailureMode(
         "INIT-001", "Identical units that stay identical", Severity.WARN,

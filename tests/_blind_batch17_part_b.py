@@ -387,7 +387,5 @@ CASES: list[BlindCase] = [
               "reward not detached",
               "The REINFORCE reward is computed from the model's own feature regression and not detached, so "
               "the policy loss pushes a spurious log-prob-scaled gradient into the regression head.",
-              _c10_build, _c10_proof,
-              known_miss="an undetached reward sends the policy loss's gradient into the regression head that "
-                         "computes it; which objective trains which module is not measured"),
+              _c10_build, _c10_proof),
 ]

@@ -377,8 +377,7 @@ CASES: list[BlindCase] = [
     BlindCase("b23-case-13", "https://github.com/jameswniu/multi-agent-rl-mapf-drone-navigation/pull/33",
               "advantage not detached",
               "The actor-critic policy loss uses an undetached advantage, so the policy objective back-propagates "
-              "into the value head and corrupts the critic.", _c13_build, _c13_proof,
-              known_miss="the policy loss backpropagates into the critic through an undetached advantage: which head a loss term should train is not declared"),
+              "into the value head and corrupts the critic.", _c13_build, _c13_proof),
     BlindCase("b23-case-14", "https://github.com/jsboige/CoursIA/pull/926", "loss shape broadcasting",
               "MSELoss on (B, 1) predictions against (B,) targets broadcasts to (B, B), so each forecast is pulled "
               "towards the batch mean target instead of its own.", _c14_build, _c14_proof),

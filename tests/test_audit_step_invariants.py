@@ -4,6 +4,7 @@ rules (GRAD-001 for a module that never ran, OPT-002 without optimizer state) ha
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import pytest
@@ -1480,6 +1481,182 @@ def test_opt_020_is_quiet_for_a_layer_built_once_on_the_first_call() -> None:
     m, (x, y) = Lazy(), _data()
     assert not audit(m, lambda: F.cross_entropy(m(x), y)).by_id("OPT-020")  # the step builds it, the model keeps it
     assert isinstance(m.proj, nn.Linear)
+
+
+class _MeanTeacher(nn.Module):
+    """A student and its EMA teacher in one module (the teacher frozen, with BatchNorm buffers it copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.student(x)
+
+
+def _ema_step(update: Callable[[_MeanTeacher], None]) -> Case:
+    m = _MeanTeacher()
+    opt = torch.optim.AdamW(m.student.parameters(), lr=1e-2)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        with torch.no_grad():
+            target = m.teacher(x).softmax(-1)
+        loss = F.cross_entropy(m(x), y) + F.kl_div(m(x).log_softmax(-1), target, reduction="batchmean")
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            update(m)
+        return loss
+
+    return m, step, {"optimizer": opt, "inputs": x}
+
+
+@case("OPT-021")
+def _ema_pushed_away_from_the_weights(bug: bool) -> Case:
+    def update(m: _MeanTeacher) -> None:
+        for t, s in zip(m.teacher.parameters(), m.student.parameters()):
+            if bug:
+                t.add_((t - s) * 0.01)  # the sign flipped: s pushed away from the student
+            else:
+                t.sub_((t - s) * 0.01)
+        for t, s in zip(m.teacher.buffers(), m.student.buffers()):
+            t.copy_(s)
+
+    return _ema_step(update)
+
+
+@case("OPT-021/decay-without-its-other-term")
+def _ema_decayed_toward_zero(bug: bool) -> Case:
+    def update(m: _MeanTeacher) -> None:
+        teacher, student = list(m.teacher.parameters()), list(m.student.parameters())
+        torch._foreach_mul_(teacher, 0.99)
+        if not bug:  # the bug: the (1 - decay) * p term is missing, the teacher shrinks toward zero
+            torch._foreach_add_(teacher, student, alpha=0.01)
+
+    return _ema_step(update)
+
+
+@pytest.mark.parametrize("update", [
+    lambda m: [t.lerp_(s, 0.5) for t, s in zip(m.teacher.parameters(), m.student.parameters())],
+    lambda m: m.teacher.load_state_dict(m.student.state_dict()),  # a hard target-network copy
+    lambda m: [t.copy_(b) for t, b in zip(m.teacher.buffers(), m.student.buffers())],  # buffers only
+    lambda m: [p.grad.mul_(2.0) for p in m.student.parameters() if p.grad is not None],  # a gradient, by hand
+    lambda m: [p.mul_(0.999) for p in m.student.parameters()],  # weight decay on the weights themselves
+], ids=["lerp", "hard-copy", "buffers", "grad", "own-decay"])
+def test_opt_021_is_quiet_for_updates_that_move_a_copy_toward_its_weights(update: Callable[[Any], Any]) -> None:
+    model, step, kwargs = _ema_step(update)
+    assert not audit(model, step, **kwargs).by_id("OPT-021")
+
+
+def test_opt_021_judges_an_averaged_model_and_a_velocity_buffer_quietly() -> None:
+    """torch's own AveragedModel (an EMA of the weights) moves toward them; a hand-written momentum buffer has
+    the weights' shape but is no copy of them."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    m = _classifier()
+    averaged = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    velocity = [torch.zeros_like(p) for p in m.parameters()]
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        averaged.update_parameters(m)
+        with torch.no_grad():
+            for v, p in zip(velocity, m.parameters()):
+                v.mul_(0.9).add_(p.grad)
+        return loss
+
+    report = audit(m, step, optimizer=opt, inputs=x)
+    assert not report.by_id("OPT-021")
+
+
+class _PolicyValue(nn.Module):
+    def __init__(self, actions: int = 4, continuous: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.Tanh())
+        self.policy = nn.Linear(32, actions)
+        self.value = nn.Linear(32, 1)
+        self.log_std = nn.Parameter(torch.zeros(actions)) if continuous else None
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.distributions.Distribution, torch.Tensor]:
+        h = self.trunk(obs)
+        if self.log_std is not None:
+            return torch.distributions.Normal(self.policy(h), self.log_std.exp()), self.value(h).squeeze(-1)
+        return torch.distributions.Categorical(logits=self.policy(h)), self.value(h).squeeze(-1)
+
+
+_OBS = torch.randn(16, 8, generator=torch.Generator().manual_seed(21))
+_RETURNS = torch.randn(16, generator=torch.Generator().manual_seed(22))
+
+
+@case("LOSS-018")
+def _advantage_left_attached_to_the_value_head(bug: bool) -> Case:
+    m = _PolicyValue()
+    opt = torch.optim.Adam(m.parameters(), lr=3e-4)
+    actions = torch.arange(16) % 4
+
+    def loss_fn() -> torch.Tensor:
+        dist, values = m(_OBS)
+        advantage = _RETURNS - values
+        weight = advantage if bug else advantage.detach()
+        return -(dist.log_prob(actions) * weight).mean() + 0.5 * advantage.pow(2).mean()
+
+    return m, sgd_step(m, opt, loss_fn), {"optimizer": opt, "inputs": _OBS}
+
+
+@case("LOSS-018/ppo-ratio")
+def _ppo_ratio_times_an_attached_advantage(bug: bool) -> Case:
+    m = _PolicyValue(continuous=True)
+    opt = torch.optim.Adam(m.parameters(), lr=3e-4)
+    actions = torch.randn(16, 4, generator=torch.Generator().manual_seed(23))
+    with torch.no_grad():
+        old = m(_OBS)[0].log_prob(actions).sum(-1)
+
+    def loss_fn() -> torch.Tensor:
+        dist, values = m(_OBS)
+        advantage = _RETURNS - values
+        if not bug:
+            advantage = advantage.detach()
+        ratio = (dist.log_prob(actions).sum(-1) - old).exp()
+        clipped = torch.min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
+        return -clipped.mean() + F.mse_loss(values, _RETURNS) - 0.01 * dist.entropy().mean()
+
+    return m, sgd_step(m, opt, loss_fn), {"optimizer": opt, "inputs": _OBS}
+
+
+def test_loss_018_is_quiet_for_gates_teachers_entropy_and_a_learned_temperature() -> None:
+    """A mixture's gates weight its experts' log-probabilities and are meant to learn from them (they are never
+    negative); a teacher's probabilities carry no gradient; an entropy bonus and SAC's alpha are no weights of a
+    policy-gradient term."""
+    torch.manual_seed(0)
+    gate, experts = nn.Linear(8, 3), nn.ModuleList(nn.Linear(8, 5) for _ in range(3))
+    student, teacher = nn.Linear(8, 5), nn.Linear(8, 5).requires_grad_(False)
+    log_alpha = nn.Parameter(torch.zeros(1))
+    model = nn.ModuleDict({"gate": gate, "experts": experts, "student": student,
+                           "alpha": nn.ParameterList([log_alpha])})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = _OBS, torch.arange(16) % 5
+
+    def loss_fn() -> torch.Tensor:
+        weights = gate(x).softmax(-1)
+        picked = torch.stack([F.log_softmax(e(x), -1).gather(1, y[:, None]).squeeze(1) for e in experts], -1)
+        mixture = -(weights * picked).sum(-1).mean()
+        logp = F.log_softmax(student(x), -1)
+        distill = -(teacher(x).softmax(-1) * logp).sum(-1).mean()
+        entropy = (logp.exp() * logp).sum(-1).mean()
+        alpha_loss = -(log_alpha * (logp.max(-1).values + 1.0).detach()).mean()
+        return mixture + distill + 0.01 * entropy + alpha_loss
+
+    assert not audit(model, sgd_step(model, opt, loss_fn), optimizer=opt, inputs=x).by_id("LOSS-018")
 
 
 @case("INIT-001")

@@ -27,6 +27,8 @@ from guardtower.preflight import layer_inputs as _layer_inputs  # noqa: F401
 from guardtower.preflight import tying as _tying  # noqa: F401
 from guardtower.preflight import distributed as _distributed  # noqa: F401
 from guardtower.preflight import forward_weights as _forward_weights  # noqa: F401
+from guardtower.preflight import shadows as _shadows  # noqa: F401
+from guardtower.preflight import logprob_weights as _logprob_weights  # noqa: F401
 from guardtower.preflight.lora import is_peft_model, lora_summary
 from guardtower.preflight._runner import audit, run_static
 

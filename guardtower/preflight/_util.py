@@ -145,3 +145,25 @@ def fmt_names(names: list[str], limit: int = 5) -> str:
     """``a, b, c and 4 more``."""
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def reached_params(t: torch.Tensor, trainable: set[int], first: bool = False) -> frozenset[int]:
+    """The trainable parameters (ids) the autograd graph behind ``t`` reaches; with ``first``, stop at the first
+    (an input the audit made require grad, or a frozen teacher's output, is not one)."""
+    if not t.requires_grad:
+        return frozenset()
+    if t.grad_fn is None:
+        return frozenset({id(t)} & trainable)
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack: list[Any] = [t.grad_fn]
+    while stack and not (first and found):
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in trainable:
+            found.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return frozenset(found)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
-from guardtower.preflight._util import is_causal_lm, patched
+from guardtower.preflight._util import is_causal_lm, patched, reached_params
 from guardtower.preflight._trace import StepTrace
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -167,31 +167,9 @@ def _values(x: torch.Tensor, class_dim: int | None) -> Values:
     return Values(lo, hi, tuple(log_dims), tuple(prob_dims), lse_range)
 
 
-def _reached(t: torch.Tensor, trainable: set[int], first: bool = False) -> frozenset[int]:
-    """The trainable parameters (ids) the autograd graph behind ``t`` reaches; with ``first``, stop at the first
-    (an input the audit made require grad, or a frozen teacher's output, is not one)."""
-    if not t.requires_grad:
-        return frozenset()
-    if t.grad_fn is None:
-        return frozenset({id(t)} & trainable)
-    found: set[int] = set()
-    seen: set[int] = set()
-    stack: list[Any] = [t.grad_fn]
-    while stack and not (first and found):
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) in trainable:
-            found.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return frozenset(found)
-
-
 def _trains(t: torch.Tensor, trainable: set[int]) -> bool:
     """The autograd graph behind ``t`` reaches a trainable parameter."""
-    return bool(_reached(t, trainable, first=True))
+    return bool(reached_params(t, trainable, first=True))
 
 
 def _graph_holds(root: Any, wanted: dict[int, "LossCall"]) -> list["LossCall"]:
@@ -345,7 +323,7 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
             if (described is not None and torch.is_grad_enabled() and isinstance(result, torch.Tensor)
                     and result.is_floating_point() and result.numel() > 0):
                 followed = len(calls) <= _MAX_TERMS  # the first calls: every parameter reached, and the node
-                described.reaches = _reached(result, trainable, first=not followed)
+                described.reaches = reached_params(result, trainable, first=not followed)
                 described.node = result.grad_fn if followed else None
                 if not described.reaches:
                     described.dead = float(result.detach().float().mean())
