@@ -1234,6 +1234,21 @@ _STEP: tuple[FailureMode, ...] = (
         ("loss", "gradients"),
     ),
     FailureMode(
+        "LOSS-019", "A loss term is maximised", Severity.INFO,
+        "The gradient that backward brings to a loss function's result (cross_entropy, mse_loss, kl_div, ...) is "
+        "nowhere positive and somewhere negative, and the optimizer step after that backward moves what the "
+        "term reaches: the loss enters the objective with a minus sign.",
+        "A KL-to-reference penalty, a reconstruction or a regulariser subtracted instead of added: the total "
+        "loss still falls, faster than before, because the term runs off to large values; the model drifts "
+        "from the reference or forgets what the term was meant to keep.",
+        "Add the term (loss = task + beta * kl); to maximise a reward, negate the reward, not a loss function. "
+        "Reported as INFO: adversarial objectives (a domain or attention adversary), unlearning and minimax "
+        "generators maximise a loss on purpose, and one step cannot tell them from a penalty subtracted by "
+        "mistake.",
+        "https://github.com/huggingface/trl/blob/main/trl/trainer/ppo_trainer.py",
+        ("loss", "gradients"),
+    ),
+    FailureMode(
         "AMP-005", "Softmax-family loss computed in 16 bits", Severity.WARN,
         "cross_entropy, nll_loss, kl_div or ctc_loss runs on float16/bfloat16 input outside autocast (bf16 "
         "weights, an FSDP bf16 parameter policy, logits cast to half).",

@@ -114,6 +114,9 @@ class LossCall:
     backwards: list[int] = field(default_factory=list)
     """for each of ``step_fn``'s backward passes that holds the result: how many optimizer steps had run when it
     began (an index into ``StepTrace.held_at_step``)"""
+    ascended: bool = False
+    """the gradient backward brought to the result was nowhere positive and somewhere negative: the loss that was
+    backpropagated grows as this term grows (the term is maximised)"""
 
 
 #: raw logits all inside [0, 1] without a sigmoid behind them: a few (a small head at init) can, this many cannot
@@ -325,6 +328,9 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
                 followed = len(calls) <= _MAX_TERMS  # the first calls: every parameter reached, and the node
                 described.reaches = reached_params(result, trainable, first=not followed)
                 described.node = result.grad_fn if followed else None
+                if followed and described.reaches and not _target_trains(args, kwargs, trainable):
+                    with contextlib.suppress(Exception):
+                        result.register_hook(functools.partial(_note_pull, described))
                 if not described.reaches:
                     described.dead = float(result.detach().float().mean())
                     dead[id(result)] = (result, described)
@@ -863,6 +869,20 @@ def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
     )]
 
 
+def _note_pull(call: LossCall, grad: torch.Tensor) -> None:
+    """Backward hook on a loss result: keep whether the loss backpropagated decreases as the term grows."""
+    if not call.ascended:
+        g = grad.detach()
+        call.ascended = bool((g <= 0).all()) and bool((g < 0).any())
+
+
+def _target_trains(args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set[int]) -> bool:
+    """The loss compares two tensors that both carry gradient (a distance pushing a negative away, an entropy
+    written as cross_entropy(x, p)): subtracting it is a design, not a maximised loss."""
+    target = args[1] if len(args) > 1 else kwargs.get("target")
+    return isinstance(target, torch.Tensor) and _trains(target, trainable)
+
+
 def _held_by_steps_after(before: int, backwards: list[int], held_at_step: list[set[int]]) -> set[int]:
     """The tensors held by the optimizer steps a backward that began after ``before`` steps feeds: those that run
     before the next backward that follows a step (several micro-batches' backwards feed one step)."""
@@ -898,6 +918,37 @@ def check_stepped_terms(ctx: AuditContext) -> Iterable[Finding]:
             "adversarial term scoring the real sample instead of the generated one; an actor loss on the replay "
             "buffer's actions instead of the actor's); compute it from the output of the part this step trains",
             "LOSS-017", {"fn": call.fn, "reaches": reached[:8]},
+        )]
+    return []
+
+
+@check("maximised_terms", emits=("LOSS-019",))
+def check_maximised_terms(ctx: AuditContext) -> Iterable[Finding]:
+    """LOSS-019: a loss function's result enters the loss that is backpropagated with a negative sign (the
+    gradient arriving at it is nowhere positive), and the update that follows moves what it reaches: the step
+    maximises that loss. INFO: an adversarial term (a domain or attention adversary, unlearning) does it on
+    purpose, and the step cannot tell that from a penalty subtracted by mistake."""
+    trace = ctx.trace
+    calls: list[LossCall] = ctx.probes.get("loss_calls", [])
+    backwards: list[int] = ctx.probes.get("loss_backwards", [])
+    if trace is None or trace.error is not None:
+        return []
+    names = {id(p): n for n, p in ctx.params.items()}
+    for call in calls:
+        if not call.ascended:
+            continue
+        if trace.user_backward and not any(call.reaches & _held_by_steps_after(b, backwards, trace.held_at_step)
+                                           for b in call.backwards):
+            continue  # its gradient is cleared or lands on a tensor no step moves (an attack on the input)
+        reached = sorted(names[i] for i in call.reaches if i in names)
+        return [Finding(
+            "maximised_terms", Severity.INFO,
+            f"{call.fn} (input {list(call.input_shape)}) enters the backpropagated loss with a negative sign: the "
+            f"gradient arriving at it is nowhere positive, so the update that follows increases it, on "
+            f"{len(reached)} trainable tensor(s) ({', '.join(reached[:3])}). A divergence or penalty subtracted "
+            "instead of added (loss - beta * kl) is maximised; add it, or negate the reward rather than the loss "
+            "(INFO: adversarial objectives, unlearning and minimax generators maximise a loss on purpose)",
+            "LOSS-019", {"fn": call.fn, "reaches": reached[:8]},
         )]
     return []
 
