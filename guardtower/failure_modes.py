@@ -1539,6 +1539,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("optimizer", "state"),
     ),
     FailureMode(
+        "MODE-009", "A momentum copy's statistics never follow its weights", Severity.WARN,
+        "The step updates a frozen part's weights in place (an EMA or mean teacher, a target encoder), but the "
+        "running statistics of its normalisation layers, in eval mode, stay where they were while the trained "
+        "network's statistics move.",
+        "An EMA update written over parameters() skips the buffers: the teacher's BatchNorm keeps its initial "
+        "mean 0 and variance 1 (or the values it was copied with) under weights that keep changing, so its "
+        "pseudo-labels and evaluation are computed with mismatched normalisation; nothing errors.",
+        "Update the buffers with the weights: an EMA of the float buffers and a copy of num_batches_tracked "
+        "(timm's ModelEmaV3 and torch.optim.swa_utils.AveragedModel(use_buffers=True) do both).",
+        "https://github.com/saltoricristiano/cosmix-uda/issues/21",
+        ("modes", "batchnorm", "state"),
+    ),
+    FailureMode(
         "INIT-001", "Identical units that stay identical", Severity.WARN,
         "Every row (output unit) of a trainable weight is equal, and so is every row of its gradient.",
         "Gradient descent keeps equal units equal: a layer initialised with a constant (nn.init.constant_, "

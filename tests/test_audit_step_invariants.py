@@ -1540,6 +1540,30 @@ def _ema_decayed_toward_zero(bug: bool) -> Case:
     return _ema_step(update)
 
 
+@case("MODE-009")
+def _ema_teacher_in_eval_mode_skips_its_buffers(bug: bool) -> Case:
+    def update(m: _MeanTeacher) -> None:
+        m.teacher.eval()  # the teacher only makes targets
+        for t, s in zip(m.teacher.parameters(), m.student.parameters()):
+            t.data.mul_(0.99).add_(s.data, alpha=0.01)  # .data: no version counter moves
+        if not bug:  # the fix: the running statistics follow too
+            for t, s in zip(m.teacher.buffers(), m.student.buffers()):
+                t.data.lerp_(s.data.to(t.dtype), 0.01) if t.is_floating_point() else t.data.copy_(s.data)
+
+    m, step, kwargs = _ema_step(update)
+    m.teacher.eval()
+    return m, step, kwargs
+
+
+def test_mode_009_is_quiet_for_a_frozen_backbone_in_eval_mode_that_nothing_updates() -> None:
+    m = _MeanTeacher()
+    m.teacher.eval()
+    opt = torch.optim.AdamW(m.student.parameters(), lr=1e-2)
+    x, y = _data()
+    step = sgd_step(m, opt, lambda: F.cross_entropy(m(x) + m.teacher(x), y))
+    assert not audit(m, step, optimizer=opt, inputs=x).by_id("MODE-009")
+
+
 @pytest.mark.parametrize("update", [
     lambda m: [t.lerp_(s, 0.5) for t, s in zip(m.teacher.parameters(), m.student.parameters())],
     lambda m: m.teacher.load_state_dict(m.student.state_dict()),  # a hard target-network copy

@@ -23,6 +23,7 @@ from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight.positions import hf_config
 from guardtower.preflight._step import MODE_SENSITIVE
 from guardtower.preflight._util import fmt_names, optimizer_tensors, stepped_elsewhere
+from guardtower.preflight.shadows import written_storage
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -123,6 +124,9 @@ class FrozenPartsRecord:
     updated: list[str] = field(default_factory=list)
     """frozen parts whose weights the step itself changed in place: a momentum copy (EMA teacher, BYOL/MoCo
     target encoder) that follows the trained network, modes included"""
+    idle_stats: dict[str, list[str]] = field(default_factory=dict)
+    """frozen part -> its normalisation layers in eval mode whose running statistics the step left as they were,
+    recorded only when the trained network's statistics moved"""
 
 
 def _rng_states(module: nn.Module) -> list[torch.Tensor]:
@@ -133,6 +137,15 @@ def _rng_states(module: nn.Module) -> list[torch.Tensor]:
     if p is not None and p.device.type == "cuda":
         states.append(torch.cuda.get_rng_state(p.device))
     return states
+
+
+def _running_stats(root: nn.Module, skip: dict[str, nn.Module] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The running means of the normalisation layers under ``root`` that track statistics (those under ``skip``'s
+    parts left out), by their name under ``root``."""
+    skipped = {id(m) for part in (skip or {}).values() for m in part.modules()}
+    return [(f"{n}.running_mean" if n else "running_mean", m.running_mean) for n, m in root.named_modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+            and isinstance(m.running_mean, torch.Tensor) and id(m) not in skipped]
 
 
 @probe("frozen_parts")
@@ -166,6 +179,7 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
     buffers = {(part, f"{part}.{n}" if n else part): b.detach().clone()
                for part, m in parts.items() for n, b in m.named_buffers()
                if b.dtype != torch.bool and b.device.type != "meta"}
+    trained_stats = {n: b.detach().clone() for n, b in _running_stats(ctx.model, skip=parts)}
     handles = [h for n, m in components.items()
                for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
     versions = {part: [p._version for p in m.parameters()] for part, m in parts.items()}  # in-place writes count up
@@ -181,6 +195,14 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
         current = {(part, f"{part}.{n}" if n else part): b for part, m in parts.items() for n, b in m.named_buffers()}
         current_training = {f"{part}.{n}" if n else part: m.training for part, root in parts.items()
                             for n, m in root.named_modules()}
+        trained_moved = any(not torch.equal(b.detach(), trained_stats[n]) for n, b in _running_stats(ctx.model,
+                                                                                              skip=parts))
+        for part in parts if trained_moved else ():
+            idle = [f"{part}.{n}".rsplit(".", 1)[0] for n, b in _running_stats(parts[part])
+                    if torch.equal(b.detach(), buffers.get((part, f"{part}.{n}"), b))]
+            idle = [n for n in idle if not (training.get(n, True) or current_training.get(n, True))]
+            if idle:
+                record.idle_stats[part] = sorted(set(idle))
         for (part, name), saved in buffers.items():
             now = current.get((part, name))
             owner = name.rsplit(".", 1)[0] if "." in name else name
@@ -218,6 +240,31 @@ def check_train_mode(ctx: AuditContext) -> Iterable[Finding]:
             "MODE-001", {"modules": stuck, "root_training": True},
         )]
     return []
+
+
+@check("copy_statistics", emits=("MODE-009",))
+def check_copy_statistics(ctx: AuditContext) -> Iterable[Finding]:
+    """MODE-009: a momentum copy whose weights the step updates keeps its normalisation statistics where they were
+    (in eval mode, never copied), while the trained network's statistics move."""
+    record = ctx.probes.get("frozen_parts")
+    if not isinstance(record, FrozenPartsRecord) or not record.idle_stats:
+        return []
+    written = written_storage(ctx)
+    modules = dict(ctx.model.named_modules())
+    parts = sorted(p for p in record.idle_stats if p in record.updated or (
+        p in modules and any(t.data_ptr() in written for t in modules[p].parameters())))
+    layers = [n for p in parts for n in record.idle_stats[p]]
+    if not parts:
+        return []
+    return [Finding(
+        "copy_statistics", Severity.WARN,
+        f"the step updates the weights of {fmt_names(parts)} in place (a momentum copy: an EMA or mean teacher, a "
+        f"target encoder), but the running statistics of its normalisation layers ({fmt_names(layers)}) stayed "
+        "where they were while the trained network's moved: they run in eval mode and the update copies only the "
+        "parameters, so the copy normalises with statistics that belong to no weights it has. Update the buffers "
+        "too (EMA of the float buffers, copy of num_batches_tracked), e.g. zip(student.buffers(), teacher.buffers())",
+        "MODE-009", {"modules": parts, "layers": layers},
+    )]
 
 
 @check("frozen_parts", emits=("MODE-002", "MODE-003"))

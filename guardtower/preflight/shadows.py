@@ -52,6 +52,8 @@ class Drift:
 class ShadowRecord:
     saved: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """(storage address, shape) of each tensor written -> (the tensor, its value before the first write)"""
+    storage: set[int] = field(default_factory=set)
+    """storage addresses of every tensor written (kept after ``saved`` is released)"""
     written: int = 0
     """copies judged (written tensors that were near a trainable tensor of their shape)"""
     drifts: list[Drift] = field(default_factory=list)
@@ -106,6 +108,7 @@ def _shadows_probe(ctx: AuditContext) -> Iterator[ShadowRecord]:
             return  # a gradient rescaled by hand, not a copy
         room[0] -= t.numel()
         record.saved[key] = (t, t.detach().clone())
+        record.storage.add(ptr)
 
     def method(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -155,6 +158,13 @@ def _shadows_probe(ctx: AuditContext) -> Iterator[ShadowRecord]:
                 _judge(record, candidates)  # now: the audit may put the weights back before the checks run
         finally:
             record.saved.clear()
+
+
+def written_storage(ctx: AuditContext) -> set[int]:
+    """Storage addresses of the tensors of a trainable tensor's shape that ``step_fn`` wrote in place outside any
+    optimizer step, after one had run (``.data`` writes included: they bump no version counter)."""
+    record: ShadowRecord | None = ctx.probes.get("shadows")
+    return record.storage if record is not None else set()
 
 
 @check("shadows", emits=("OPT-021",))
