@@ -330,7 +330,7 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
                 described.node = result.grad_fn if followed else None
                 if followed and described.reaches and not _target_trains(args, kwargs, trainable):
                     with contextlib.suppress(Exception):
-                        result.register_hook(functools.partial(_note_pull, described))
+                        result.register_hook(functools.partial(_note_pull, described, running))
                 if not described.reaches:
                     described.dead = float(result.detach().float().mean())
                     dead[id(result)] = (result, described)
@@ -362,6 +362,7 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
 
         return method
 
+    running = [True]  # while step_fn runs: what its own backward passes bring to the loss results counts
     # each backward of step_fn: the optimizer steps run so far, and which loss results its graph holds
     backwards: list[int] = []
     ctx.probes["loss_backwards"] = backwards
@@ -394,6 +395,7 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
             yield calls
     finally:
         dead.clear()
+        running[0] = False
         for call in calls:
             call.node = None  # the graph is the step's; the audit keeps no part of it
 
@@ -869,11 +871,15 @@ def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
     )]
 
 
-def _note_pull(call: LossCall, grad: torch.Tensor) -> None:
-    """Backward hook on a loss result: keep whether the loss backpropagated decreases as the term grows."""
-    if not call.ascended:
-        g = grad.detach()
-        call.ascended = bool((g <= 0).all()) and bool((g < 0).any())
+def _note_pull(call: LossCall, running: list[bool], grad: torch.Tensor | None) -> None:
+    """Backward hook on a loss result: keep whether the loss ``step_fn`` backpropagated decreases as the term grows
+    (the audit's own later passes, which may run through the result, are not the step's)."""
+    try:
+        if running[0] and not call.ascended and isinstance(grad, torch.Tensor):
+            g = grad.detach()
+            call.ascended = bool((g <= 0).all()) and bool((g < 0).any())
+    except Exception:  # observing must never change what the step does
+        pass
 
 
 def _target_trains(args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set[int]) -> bool:
