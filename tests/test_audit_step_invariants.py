@@ -221,12 +221,18 @@ class _TinyGAN(nn.Module):
         return self.g(z)
 
 
-@case("LOOP-014")
-def _generator_gradient_left_on_the_discriminator(bug: bool) -> Case:
+def _gan_setup(seed: int) -> tuple[_TinyGAN, torch.optim.Optimizer, torch.optim.Optimizer, torch.Tensor,
+                                   torch.Tensor]:
+    """A GAN with an Adam optimizer per part, a latent batch and a real batch."""
     gan = _TinyGAN()
     opt_g, opt_d = (torch.optim.Adam(part.parameters(), lr=2e-4, betas=(0.5, 0.999)) for part in (gan.g, gan.d))
-    g = torch.Generator().manual_seed(4)
-    z, real = torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    return gan, opt_g, opt_d, torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)
+
+
+@case("LOOP-014")
+def _generator_gradient_left_on_the_discriminator(bug: bool) -> Case:
+    gan, opt_g, opt_d, z, real = _gan_setup(seed=4)
     ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
 
     def step() -> torch.Tensor:
@@ -266,10 +272,7 @@ def test_loop_014_is_quiet_when_one_backward_feeds_two_optimizers() -> None:
 
 @case("LOSS-017")
 def _adversarial_term_scores_the_real_sample(bug: bool) -> Case:
-    gan = _TinyGAN()
-    opt_g, opt_d = (torch.optim.Adam(part.parameters(), lr=2e-4, betas=(0.5, 0.999)) for part in (gan.g, gan.d))
-    g = torch.Generator().manual_seed(6)
-    z, real = torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)
+    gan, opt_g, opt_d, z, real = _gan_setup(seed=6)
     ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
 
     def step() -> torch.Tensor:

@@ -270,6 +270,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             trace.backward_calls += 1
+            trace.backward_steps.append(len(step_log))
             tensors = args[0] if args else kwargs.get("tensors")
             retained = args[2] if len(args) > 2 else kwargs.get("retain_graph")
             if len(trace.backward_values) < _MAX_BACKWARDS:

@@ -188,6 +188,8 @@ class StepTrace:
     it kept its graph (``retain_graph=True``: terms of one forward, not micro-batches)"""
     held_at_step: list[set[int]] = field(default_factory=list)
     """for each optimizer step inside ``step_fn`` (any optimizer, in order): the ids of the tensors it holds"""
+    backward_steps: list[int] = field(default_factory=list)
+    """for each backward pass ``step_fn`` ran: how many of those optimizer steps had run when it began"""
     scaled_backward: bool = False
     """``step_fn`` scaled its loss with an enabled GradScaler before backward"""
     cross_phase: list[tuple[int, list[str]]] = field(default_factory=list)

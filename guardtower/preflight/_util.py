@@ -147,6 +147,33 @@ def fmt_names(names: list[str], limit: int = 5) -> str:
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
+def graph_nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """Each autograd node of the graph below ``root`` once (depth first); the walk does not go below a node for
+    which ``stop`` is true."""
+    seen: set[int] = set()
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        if stop is None or not stop(node):
+            stack.extend(next_fn for next_fn, _ in node.next_functions)
+
+
+def graph_holds(root: Any, wanted: dict[int, Any]) -> list[Any]:
+    """The values of ``wanted`` (id of an autograd node -> value) whose nodes the graph below ``root`` holds, not
+    looking below a node found."""
+    found: list[Any] = []
+    for node in graph_nodes(root, stop=lambda n: id(n) in wanted):
+        if id(node) in wanted:
+            found.append(wanted[id(node)])
+            if len(found) == len(wanted):
+                break
+    return found
+
+
 def reached_params(t: torch.Tensor, trainable: set[int], first: bool = False) -> frozenset[int]:
     """The trainable parameters (ids) the autograd graph behind ``t`` reaches; with ``first``, stop at the first
     (an input the audit made require grad, or a frozen teacher's output, is not one)."""
@@ -155,15 +182,10 @@ def reached_params(t: torch.Tensor, trainable: set[int], first: bool = False) ->
     if t.grad_fn is None:
         return frozenset({id(t)} & trainable)
     found: set[int] = set()
-    seen: set[int] = set()
-    stack: list[Any] = [t.grad_fn]
-    while stack and not (first and found):
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in graph_nodes(t.grad_fn):
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) in trainable:
             found.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
+            if first:
+                break
     return frozenset(found)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
-from guardtower.preflight._util import is_causal_lm, patched, reached_params
+from guardtower.preflight._util import graph_holds, is_causal_lm, patched, reached_params
 from guardtower.preflight._trace import StepTrace
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -175,22 +175,6 @@ def _trains(t: torch.Tensor, trainable: set[int]) -> bool:
     return bool(reached_params(t, trainable, first=True))
 
 
-def _graph_holds(root: Any, wanted: dict[int, "LossCall"]) -> list["LossCall"]:
-    """Which of ``wanted`` (id of a loss result's autograd node -> its call) the graph below ``root`` holds."""
-    found: list[LossCall] = []
-    seen: set[int] = set()
-    stack: list[Any] = [root]
-    while stack and len(found) < len(wanted):
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if id(node) in wanted:
-            found.append(wanted[id(node)])
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return found
-
-
 #: loss calls (and backward passes) whose gradient paths are followed, at most
 _MAX_TERMS = 32
 #: class-id targets kept per loss call, at most (a copy on the host)
@@ -226,19 +210,7 @@ def _target_ties(x: torch.Tensor, target: torch.Tensor, ignore: int) -> tuple[in
 def _calls_read(t: torch.Tensor, outputs: dict[int, int]) -> frozenset[int]:
     """Which of the model calls (``outputs``: id of an output's autograd node -> call index) the autograd graph
     behind ``t`` starts from."""
-    found: set[int] = set()
-    seen: set[int] = set()
-    stack: list[Any] = [t.grad_fn]
-    while stack and len(found) < len(outputs):
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if id(node) in outputs:
-            found.add(outputs[id(node)])
-            continue
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return frozenset(found)
+    return frozenset(graph_holds(t.grad_fn, outputs))
 
 
 def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set[int]) -> LossCall | None:
@@ -363,10 +335,7 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
         return method
 
     running = [True]  # while step_fn runs: what its own backward passes bring to the loss results counts
-    # each backward of step_fn: the optimizer steps run so far, and which loss results its graph holds
-    backwards: list[int] = []
-    ctx.probes["loss_backwards"] = backwards
-
+    # each backward of step_fn: which loss results its graph holds (the steps run so far: StepTrace.backward_steps)
     def feeding(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -374,12 +343,11 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
                 tensors = args[0] if args else kwargs.get("tensors")
                 roots = [t.grad_fn for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors or ())
                          if isinstance(t, torch.Tensor)]
-                if ctx.trace is not None and len(backwards) < _MAX_TERMS:
-                    backwards.append(len(ctx.trace.held_at_step))
+                if ctx.trace is not None and len(ctx.trace.backward_steps) < _MAX_TERMS:
                     wanted = {id(c.node): c for c in calls if c.node is not None}
                     for root in roots:
-                        for call in _graph_holds(root, wanted):
-                            call.backwards.append(backwards[-1])
+                        for call in graph_holds(root, wanted):
+                            call.backwards.append(len(ctx.trace.held_at_step))
             except Exception:  # observing must never change what the step does
                 pass
             return original(*args, **kwargs)
@@ -889,12 +857,12 @@ def _target_trains(args: tuple[Any, ...], kwargs: dict[str, Any], trainable: set
     return isinstance(target, torch.Tensor) and _trains(target, trainable)
 
 
-def _held_by_steps_after(before: int, backwards: list[int], held_at_step: list[set[int]]) -> set[int]:
+def _held_by_steps_after(trace: StepTrace, before: int) -> set[int]:
     """The tensors held by the optimizer steps a backward that began after ``before`` steps feeds: those that run
     before the next backward that follows a step (several micro-batches' backwards feed one step)."""
-    later = [b for b in backwards if b > before]
-    end = min(later) if later else len(held_at_step)
-    return set().union(*held_at_step[before:end])
+    later = [b for b in trace.backward_steps if b > before]
+    end = min(later) if later else len(trace.held_at_step)
+    return set().union(*trace.held_at_step[before:end])
 
 
 @check("stepped_terms", emits=("LOSS-017",))
@@ -905,14 +873,13 @@ def check_stepped_terms(ctx: AuditContext) -> Iterable[Finding]:
     this step does not update, gets its gradient)."""
     trace = ctx.trace
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
-    backwards: list[int] = ctx.probes.get("loss_backwards", [])
     if trace is None or trace.error is not None or not trace.held_at_step:
         return []
     names = {id(p): n for n, p in ctx.params.items()}
     for call in calls:
         if not call.reaches or not call.backwards:
             continue
-        held = [_held_by_steps_after(b, backwards, trace.held_at_step) for b in call.backwards]
+        held = [_held_by_steps_after(trace, b) for b in call.backwards]
         if not all(h and not (call.reaches & h) for h in held):
             continue
         reached = sorted(names[i] for i in call.reaches if i in names)
@@ -936,15 +903,13 @@ def check_maximised_terms(ctx: AuditContext) -> Iterable[Finding]:
     purpose, and the step cannot tell that from a penalty subtracted by mistake."""
     trace = ctx.trace
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
-    backwards: list[int] = ctx.probes.get("loss_backwards", [])
     if trace is None or trace.error is not None:
         return []
     names = {id(p): n for n, p in ctx.params.items()}
     for call in calls:
         if not call.ascended:
             continue
-        if trace.user_backward and not any(call.reaches & _held_by_steps_after(b, backwards, trace.held_at_step)
-                                           for b in call.backwards):
+        if trace.user_backward and not any(call.reaches & _held_by_steps_after(trace, b) for b in call.backwards):
             continue  # its gradient is cleared or lands on a tensor no step moves (an attack on the input)
         reached = sorted(names[i] for i in call.reaches if i in names)
         return [Finding(
