@@ -26,6 +26,7 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from _audit_dist_worker import first_batch, net, step  # noqa: E402
+from _dist_launch import end_rank  # noqa: E402
 from guardtower.preflight import audit  # noqa: E402
 from guardtower.severity import Severity  # noqa: E402
 
@@ -140,9 +141,8 @@ def main() -> None:
             except Exception:  # noqa: BLE001 - reported to the test, which fails with the traceback
                 results[name] = {"error": traceback.format_exc()}
             dist.barrier()
-    rank = dist.get_rank()
-    dist.destroy_process_group()
-    (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from _audit_lora_helpers import ids, run_audit  # noqa: E402
+from _dist_launch import end_rank  # noqa: E402
 from guardtower.preflight.lora import lora_summary  # noqa: E402
 
 
@@ -171,8 +172,8 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - reported to the test, which fails with the traceback
             results[name] = {"error": traceback.format_exc()}
         dist.barrier()
-    dist.destroy_process_group()
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Launch a worker script as real torch.distributed (gloo) ranks on 127.0.0.1 and read back what each rank wrote:
 ``launch`` starts the ranks itself (env:// rendezvous, RANK/WORLD_SIZE set by hand), ``torchrun`` through
-``python -m torch.distributed.run`` as a user would. Shared by the distributed tests and the corpus's cases."""
+``python -m torch.distributed.run`` as a user would; ``end_rank`` is how every worker ends. Shared by the
+distributed tests and the corpus's cases."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -13,11 +15,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 WORLD_SIZE = 2
 #: the rendezvous variables a launcher sets; inherited ones (a test run under torchrun) would be wrong here
 _RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def end_rank() -> NoReturn:
+    """End a worker's rank once its results are on disk: wait for every rank (none tears gloo down while a peer
+    still talks to it), destroy the process group once nothing holds it (a DDP reducer in a reference cycle
+    does, until collected), and exit without interpreter finalisation. Finalisation destroys torch's gloo and
+    TCPStore threads in no set order, and under load that can abort the process ("terminate called without an
+    active exception", seen once in CI) after the rank has done all its work: the test judges the work."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from guardtower.events import SkipEvent  # noqa: E402
 from guardtower.guard import GuardedOptimizer  # noqa: E402
 from guardtower.testing import InMemorySink  # noqa: E402
+from tests._dist_launch import end_rank  # noqa: E402
 
 STEPS = 30  # optimizer steps, of ACCUMULATION micro-batches each
 ACCUMULATION = 2
@@ -126,8 +127,7 @@ def main(out: Path) -> None:
                for order in ("inside", "around") for scaler in (False, True) for incidents in (False, True)}
     rank = dist.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

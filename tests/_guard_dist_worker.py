@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from guardtower.events import SkipEvent, SpikeEvent, SummaryEvent  # noqa: E402
 from guardtower.guard import GuardedOptimizer  # noqa: E402
 from guardtower.testing import InMemorySink  # noqa: E402
+from tests._dist_launch import end_rank  # noqa: E402
 
 STEPS = 50
 
@@ -111,8 +112,7 @@ def main(modes: list[str], out: Path) -> None:
     torch.set_num_threads(1)
     for mode in modes:
         torch.save(run(mode, rank, world, out), out / f"{mode}-rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from guardtower.events import SpikeEvent  # noqa: E402
 from guardtower.guard import GuardedOptimizer  # noqa: E402
 from guardtower.testing import InMemorySink  # noqa: E402
+from tests._dist_launch import end_rank  # noqa: E402
 from tests._guard_dist_worker import batch  # noqa: E402
 
 STEPS = 50
@@ -104,8 +105,7 @@ def main(mode: str, out: Path) -> None:
         dist.barrier()
     results["resumed"], results["saved_world"] = resume(out, rank)
     torch.save(results, out / f"{mode}-world{world}-rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

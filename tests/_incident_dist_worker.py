@@ -28,6 +28,7 @@ from guardtower.events import SkipEvent, SpikeEvent  # noqa: E402
 from guardtower.guard import GuardedOptimizer, read_report  # noqa: E402
 from guardtower.guard.quarantine import Quarantine  # noqa: E402
 from guardtower.testing import InMemorySink  # noqa: E402
+from tests._dist_launch import end_rank  # noqa: E402
 
 BATCH = 4
 BATCHES = 16  # per rank per epoch
@@ -214,8 +215,7 @@ def main(scenario: str, out: Path) -> None:
                   "triage": triage_run(out / "triage-logs", rank)}
     result["env"] = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     torch.save(result, out / f"{scenario}-rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":
