@@ -660,8 +660,10 @@ CASES: list[BlindCase] = [
               "the momentum update of the vision and tactile key encoders is commented out, so every contrastive "
               "loss is taken against keys from the frozen initial encoders",
               _c12_build, _c12_proof,
-              known_miss="the key encoders' momentum update is commented out: a copy that never follows is not measured, and both sides get GRAD-001 FAIL on the no-grad key encoders",
-              known_alarm=("GRAD-001", "OPT-008")),
+              known_miss="GRAD-001 FAILs on both sides: on the bug all 20 key-encoder tensors (none follows), on the twin "
+                         "the 8 of the inter-modal key heads, which the repository's fix never momentum-updates either "
+                         "(true of the twin; the copies it updates are INFO)",
+              known_alarm=("GRAD-001",)),
     BlindCase("b24-case-13", "https://github.com/yxuansu/TaCL/issues/11", "teacher-train-mode",
               "the frozen teacher BERT is left in train mode with the student, so dropout re-draws the contrastive "
               "targets every step",

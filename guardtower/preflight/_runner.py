@@ -29,10 +29,11 @@ from guardtower.preflight._step import (
     given_inputs_unused,
     run_step,
 )
-from guardtower.preflight._update import measure_update, user_step_moves
+from guardtower.preflight._update import measure_update
 from guardtower.preflight._schedule import ScheduleState, find_scheduler
+from guardtower.preflight._self_updates import confirm_updated_by_step, no_grad_only
 from guardtower.preflight._second_step import gradients_after_one_update, zero_gradients
-from guardtower.preflight._util import base_optimizer, is_causal_lm, is_library_model, unique_params
+from guardtower.preflight._util import base_optimizer, base_scheduler, is_causal_lm, is_library_model, unique_params
 from guardtower._dist import multi_rank
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
@@ -165,6 +166,7 @@ def audit(
         with torch.compiler.set_stance("force_eager"):
             if lr_scheduler is None and optimizer is not None:
                 lr_scheduler = find_scheduler(base_optimizer(optimizer))
+            lr_scheduler = base_scheduler(lr_scheduler)
             report = _audit(model, step_fn, optimizer, inputs, scaler, lr_scheduler, steps, total_steps, specs,
                             verbose)
         _publish(event_bus, report, run_name(run))
@@ -194,8 +196,6 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         # a training step runs with autograd on, whatever context audit() was called from
         with torch.enable_grad(), state.isolated_optimizers():
             trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs)
-        if "update" in needs and trace.user_backward and "step" in trace.loop_events:
-            trace.user_update = user_step_moves(ctx, state.params)
         state.restore_values()
         if trace.phase == "step_fn" and trace.marked_inputs:
             # the model refuses inputs that require grad (wav2vec2 sets requires_grad on a view of its input):
@@ -236,6 +236,15 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                                 "graph from values the step does not use")
             with state.isolated_optimizers():
                 trace.unread = confirm_values_unread(model, counted_step, unread, trace.loss, state.restore_rng)
+            state.restore_values()
+        copies = (no_grad_only(model, trace.grads, trace.ran, trace.ran_with_grad)
+                  if "self_updates" in needs and trace.error is None and trace.backward and not multi_rank() else [])
+        if copies:
+            report.notes.append(f"step_fn ran once more with the values of {len(copies)} gradient-less trainable "
+                                "parameter(s) that ran only under no_grad changed (then put back): whether the step "
+                                "updates them itself, as a momentum or EMA copy")
+            with state.isolated_optimizers():
+                trace.updated_by_step = confirm_updated_by_step(model, counted_step, copies, state.restore_rng)
             state.restore_values()
         grads = trace.input_grads
         if ("input_independence" in needs and grads and all(not g for g in grads.values())

@@ -272,6 +272,10 @@ def _wrapper_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
 _MISSING = object()
 
 
+def _decides_the_step(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__name__ == "AcceleratedOptimizer" and type(optimizer).__module__.startswith("accelerate")
+
+
 def _base_step(base: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
     return base.step(closure) if closure is not None else base.step()
 
@@ -279,13 +283,16 @@ def _base_step(base: torch.optim.Optimizer, closure: Any = None, *args: Any, **k
 @contextlib.contextmanager
 def _steps_bypass_wrappers(optimizer: Any) -> Iterator[None]:
     """While ``step_fn`` runs, ``wrapper.step()`` goes straight to the innermost optimizer, so a
-    ``GuardedOptimizer`` (or any wrapper) counts no step and moves no baseline for an update that is undone."""
+    ``GuardedOptimizer`` (or any wrapper) counts no step and moves no baseline for an update that is undone. An
+    Accelerate optimizer is where the bypass stops: its step decides whether there is an update at all (none on
+    the micro-batches of an accumulation window), so skipping it would change the step the audit measures."""
     chain = _wrapper_chain(optimizer)
-    wrappers = chain[:-1]
+    target = next((i for i, w in enumerate(chain) if _decides_the_step(w)), len(chain) - 1)
+    wrappers = chain[:target]
     saved = [vars(w).get("step", _MISSING) for w in wrappers]
     try:
         for w in wrappers:
-            w.step = functools.partial(_base_step, chain[-1])  # type: ignore[method-assign]
+            w.step = functools.partial(_base_step, chain[target])  # type: ignore[method-assign]
         yield
     finally:
         for w, previous in zip(wrappers, saved):

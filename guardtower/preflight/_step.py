@@ -21,7 +21,7 @@ from torch import nn
 from guardtower.preflight._registry import PROBES, AuditContext
 from guardtower.preflight._sample_leak import sample_leaks
 from guardtower.preflight._state import TensorFlags
-from guardtower.preflight._update import grad_rows
+from guardtower.preflight._update import grad_rows, moved_without_grad
 from guardtower.preflight._supervision import first_call_output, supervision_hook
 from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace, Supervision
 from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors, patched
@@ -45,6 +45,14 @@ class _Watch:
     token_ptrs: set[int] = field(default_factory=set)
     marked: bool = False
     """the audit made a float input require grad"""
+
+
+def _nothing_to_follow(trace: StepTrace, name: str) -> bool:
+    """Whether the step's gradient leaves some of tensor ``name`` alone: none at all, or rows that backward
+    filled and the step zeroed before ``optimizer.step()``."""
+    at_step = trace.grad_rows_at_step.get(name)
+    after = trace.grad_rows_after_backward.get(name)
+    return at_step is None or (after is not None and after.shape == at_step.shape and bool((after & ~at_step).any()))
 
 
 def extract_loss(output: Any) -> Any:
@@ -223,20 +231,37 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
 
     depth = [0]  # an optimizer subclass whose step() calls super().step() runs the hooks of both: one step
     closure = [False]  # the outer step got a closure: its zero_grad and backward run inside, before the update
+    #: the first step's tensors that had nothing to follow, with their values just before it: what that step
+    #: alone did to them (a momentum copy the forward moves, an EMA after the step, are the user's own updates)
+    before_step: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
     def post_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         depth[0] -= 1
-        if depth[0] == 0 and closure[0]:
+        if depth[0] > 0:
+            return
+        if closure[0]:
             closure[0] = False
             record_step(opt)
+        for name, p, before in before_step:
+            at_step, after = trace.grad_rows_at_step.get(name), trace.grad_rows_after_backward.get(name)
+            zeroed = after & ~at_step if after is not None and at_step is not None and after.shape == at_step.shape else None
+            moved = moved_without_grad(p, before, at_step, zeroed) if before.shape == p.shape else None
+            if moved is not None:
+                trace.user_update[name] = moved
+        before_step.clear()
 
     def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         depth[0] += 1
         if depth[0] > 1:
             return
         closure[0] = callable(args[1] if len(args) > 1 else kwargs.get("closure"))  # args[0] is the optimizer
+        first = not trace.step_grads
         if not closure[0]:
             record_step(opt)
+        if first:  # a closure computes the gradients inside the step: every tracked tensor is a candidate then
+            watched = [p for g in opt.param_groups for p in g["params"] if id(p) in names and p.requires_grad
+                       and (closure[0] or _nothing_to_follow(trace, names[id(p)]))]
+            before_step.extend((names[id(p)], p, p.detach().clone()) for p in watched)
 
     def record_step(opt: torch.optim.Optimizer) -> None:
         """The step as it used the gradients: for a closure, once it has run (its gradients are then there)."""

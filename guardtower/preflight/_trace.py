@@ -22,12 +22,13 @@ __all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Fu
 #: ``packing`` two gradient-free eval-mode passes of a packed batch (do its packed examples see each other?),
 #: ``second_step`` a real update and one more step when gradients are exactly zero (do they flow afterwards?),
 #: ``value_reads`` one run per gradient-less module or parameter of the user's with its values changed (does the
-#: loss read them?)
+#: loss read them?), ``self_updates`` one run with the values of gradient-less parameters that ran only under
+#: no_grad changed (does the step move them itself?)
 Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode", "padding",
-               "second_step", "value_reads", "packing"]
+               "second_step", "value_reads", "packing", "self_updates"]
 NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future",
                                     "eval_mode", "padding", "second_step", "value_reads",
-                                    "packing"})
+                                    "packing", "self_updates"})
 
 
 @dataclass
@@ -225,6 +226,9 @@ class StepTrace:
     """param name -> which rows of its gradient were non-zero when ``step_fn``'s first optimizer step ran"""
     user_update: dict[str, "Moved"] = field(default_factory=dict)
     """param name -> how ``step_fn``'s own optimizer step moved it, for tensors it moved without a gradient"""
+    updated_by_step: set[str] = field(default_factory=set)
+    """trainable params that ran only under no_grad, got no gradient, and that ``step_fn`` moves itself when their
+    values are changed (a momentum or EMA copy of the encoder that learns)"""
     supervision: list[Supervision] = field(default_factory=list)
     """per backward through a model call's output: what the loss supervised there (the real backward only)"""
     update: dict[str, UpdateStats] = field(default_factory=dict)

@@ -17,7 +17,7 @@ from guardtower.preflight._state import clone_value, restore_value
 from guardtower.preflight._trace import Moved, UpdateStats
 from guardtower.preflight._util import base_optimizer
 
-__all__ = ["measure_update", "unhooked_step", "moved_without_grad", "user_step_moves"]
+__all__ = ["measure_update", "unhooked_step", "moved_without_grad"]
 
 #: elements stepped at once: a small model takes one step, a large one never copies more than this at a time
 _CHUNK_ELEMENTS = 1 << 23
@@ -131,24 +131,6 @@ def moved_without_grad(p: torch.Tensor, before: torch.Tensor, rows_with_grad: to
         delta = (p != before).reshape(p.shape[0], -1).any(dim=1) if p.dim() >= 2 else (p != before).any().reshape(1)
         count = int((zeroed.to(delta.device) & delta).sum())
         return Moved(whole=False, rows=count) if count else None
-
-
-def user_step_moves(ctx: AuditContext, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Moved]:
-    """Tensors that ``step_fn``'s own optimizer step moved without a gradient, against the values before it."""
-    assert ctx.trace is not None
-    names = {id(p): n for n, p in ctx.params.items()}
-    moves = {}
-    for p, before in saved:
-        name = names.get(id(p))
-        if name is None or name not in ctx.trace.grad_rows_at_step or before.shape != p.shape:
-            continue  # only what the optimizer holds: other updates (an EMA copy) are the user's own
-        at_step = ctx.trace.grad_rows_at_step.get(name)
-        after = ctx.trace.grad_rows_after_backward.get(name)
-        zeroed = after & ~at_step if after is not None and at_step is not None and after.shape == at_step.shape else None
-        moved = moved_without_grad(p, before, at_step, zeroed)
-        if moved is not None:
-            moves[name] = moved
-    return moves
 
 
 def _restore_state(opt: torch.optim.Optimizer, p: torch.Tensor, saved: dict[str, Any] | None,

@@ -14,6 +14,7 @@ __all__ = [
     "iter_tensors",
     "unique_params",
     "base_optimizer",
+    "base_scheduler",
     "optimizer_tensors",
     "is_lora_factor",
     "fmt_names",
@@ -71,6 +72,25 @@ def base_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
             break
         current = inner
     return current if isinstance(current, torch.optim.Optimizer) else None
+
+
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def base_scheduler(scheduler: Any) -> Any:
+    """The innermost torch LR scheduler behind wrappers that hold it as an attribute (Accelerate's
+    ``AcceleratedScheduler`` steps it only when the optimizer really steps): walking the wrapper would walk
+    nothing, and its own ``step()`` calls are not the schedule's. Anything else is returned as given."""
+    current = scheduler
+    for _ in range(8):
+        if current is None or isinstance(current, _SCHEDULERS):
+            break
+        inner = next((v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
+                      if isinstance(v, _SCHEDULERS)), None)
+        if inner is None:
+            break
+        current = inner
+    return current if isinstance(current, _SCHEDULERS) else scheduler
 
 
 def optimizer_tensors(optimizer: Any) -> list[tuple[int, torch.Tensor]]:

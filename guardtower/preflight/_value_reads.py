@@ -18,7 +18,7 @@ from torch import nn
 from guardtower.preflight._step import extract_loss
 from guardtower.preflight._util import is_library_model, is_lora_factor
 
-__all__ = ["gradientless_candidates", "confirm_values_unread"]
+__all__ = ["gradientless_candidates", "confirm_values_unread", "shifted"]
 
 #: at most this many candidates (a module, or one parameter) get a run of their own
 _MAX_CANDIDATES = 3
@@ -53,7 +53,7 @@ def gradientless_candidates(model: nn.Module, grads: dict[str, Any], ran_with_gr
     return (found + partial)[:_MAX_CANDIDATES]
 
 
-def _shifted(p: torch.Tensor) -> torch.Tensor:
+def shifted(p: torch.Tensor) -> torch.Tensor:
     """``p / 2 + 1``: moves zeros too (a zero-initialised bias)."""
     return p * 0.5 + 1.0
 
@@ -74,7 +74,7 @@ def confirm_values_unread(model: nn.Module, step_fn: Callable[[], Any], names: l
         try:
             with torch.no_grad():
                 for p in held:
-                    p.copy_(_shifted(p))
+                    p.copy_(shifted(p))
             rng()
             with torch.enable_grad():
                 other = extract_loss(step_fn())

@@ -42,7 +42,7 @@ def _grads_ready(ctx: AuditContext) -> bool:
     return ctx.trace is not None and ctx.trace.backward
 
 
-@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"), needs=("second_step", "value_reads"))
+@check("grad_connectivity", emits=("GRAD-001", "GRAD-004"), needs=("second_step", "value_reads", "self_updates"))
 def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     """GRAD-001 trainable parameters without a gradient, GRAD-004 gradients that are exactly zero."""
     if not _grads_ready(ctx):
@@ -86,6 +86,18 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
             "GRAD-001", {"params": untrained, "untrained": True},
         ))
         missing = [n for n in missing if n not in set(untrained)]
+    following = [n for n in missing if n in ctx.trace.updated_by_step]
+    if following:
+        # consequence: the step keeps them up to date itself (a MoCo key encoder, a BYOL/DINO target), so no
+        # gradient was needed; a copy that should follow and never changes is the failure below
+        findings.append(Finding(
+            "grad_connectivity", Severity.INFO,
+            f"{len(following)} trainable parameter(s) ran only under no_grad and got no gradient, and step_fn updates "
+            f"them itself: {fmt_names(following)} (a momentum or EMA copy of what learns); requires_grad_(False) says "
+            "so",
+            "GRAD-001", {"params": following, "updated_by_step": True},
+        ))
+        missing = [n for n in missing if n not in set(following)]
     if missing:
         findings.append(Finding(
             "grad_connectivity", Severity.ERROR,
