@@ -47,6 +47,26 @@ class _Watch:
     """the audit made a float input require grad"""
 
 
+def _by_name(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments under the names of the forward's parameters (the positional ones bound in order)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {**dict(zip(positional, args)), **kwargs}
+
+
+def _token_shape(named: dict[str, Any]) -> tuple[int, ...] | None:
+    """(batch, tokens) of a call that takes a token mask or token ids: an output of exactly that shape holds one
+    value per token (a per-token reward or score), not class scores."""
+    for key in ("attention_mask", "input_ids"):
+        value = named.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point():
+            return tuple(value.shape)
+    return None
+
+
 def _nothing_to_follow(trace: StepTrace, name: str) -> bool:
     """Whether the step's gradient leaves some of tensor ``name`` alone: none at all, or rows that backward
     filled and the step zeroed before ``optimizer.step()``."""
@@ -79,7 +99,7 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
         }
         training = {"": module.training, **{n: m.training for n, m in sensitive}}
         calls.append(RootCall(args=args, kwargs=dict(kwargs), training=training, autocast=autocast,
-                              grad_enabled=torch.is_grad_enabled()))
+                              grad_enabled=torch.is_grad_enabled(), named=_by_name(module, args, kwargs)))
         for path, t in iter_tensors((args, kwargs), skip_keys=NOT_INPUT_KEYS):
             if t.is_floating_point():
                 if mark_inputs and t.is_leaf and not t.requires_grad:
@@ -97,7 +117,8 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
                 calls[index].output = output
                 measured = first_call_output(output, primary_output)
                 if measured is not None and torch.is_grad_enabled():
-                    measured.register_hook(supervision_hook(index, measured, supervised))
+                    measured.register_hook(supervision_hook(index, measured, supervised,
+                                                            _token_shape(calls[index].named)))
                 break
 
     def embedding_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], Any]:

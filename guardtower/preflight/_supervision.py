@@ -25,8 +25,10 @@ _CE_TOLERANCE = 1e-3
 _PULL_TOLERANCE = 0.25
 
 
-def supervision_hook(call: int, output: torch.Tensor, records: list[Supervision]) -> Callable[[torch.Tensor], None]:
-    """A gradient hook for ``output`` that appends what the gradient says to ``records``."""
+def supervision_hook(call: int, output: torch.Tensor, records: list[Supervision],
+                     tokens: tuple[int, ...] | None = None) -> Callable[[torch.Tensor], None]:
+    """A gradient hook for ``output`` that appends what the gradient says to ``records``; ``tokens``: the
+    (batch, tokens) shape of the call's token inputs, which an output of one value per token has."""
     values = output.detach()
 
     def hook(grad: torch.Tensor | None) -> None:
@@ -34,6 +36,9 @@ def supervision_hook(call: int, output: torch.Tensor, records: list[Supervision]
         if grad is None:
             return
         try:
+            if tokens is not None and tuple(grad.shape) == tokens:  # one value per token: no class dim
+                records.append(Supervision(call, grad.detach().float().abs().cpu(), None, None, 0))
+                return
             records.append(_reduce(call, values, grad.detach()))
         except Exception:  # noqa: BLE001 - e.g. an output whose gradient has another layout
             return

@@ -47,6 +47,8 @@ class RootCall:
     only: no copy of a large output): two calls with equal inputs and equal fingerprints computed the same"""
     grad_enabled: bool = True
     """autograd was on: a training forward, not a validation or target forward under ``no_grad``"""
+    named: dict[str, Any] = field(default_factory=dict)
+    """the call's arguments by the forward's parameter names, positional ones included (``model(ids, mask)``)"""
 
 
 @dataclass(frozen=True)

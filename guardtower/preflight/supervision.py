@@ -50,7 +50,7 @@ def _vocab(model: nn.Module) -> int | None:
 
 
 def _call_tensor(call: RootCall, key: str) -> torch.Tensor | None:
-    value = call.kwargs.get(key)
+    value = call.named.get(key, call.kwargs.get(key))
     if value is None and key == "input_ids" and call.args and isinstance(call.args[0], torch.Tensor):
         value = call.args[0]
     return value if isinstance(value, torch.Tensor) else None
@@ -117,10 +117,12 @@ def _padding_supervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> 
     if count < 2:
         return None
     rows = sorted({int(r) for r in torch.nonzero(hit)[:, 0]})
+    remedy = ("the loss trains the model to predict padding; set their labels to -100 (or mask them out of the "
+              "loss)" if rec.classes else "the loss reads the model's per-token output (a score, a reward) at "
+              "padding; read it at each row's last real token, found from the mask, or mask padding out")
     return Finding(
         "supervision", Severity.WARN,
-        f"{count} position(s) that {how} receive loss gradient (rows {rows[:8]}): the loss trains the model to "
-        "predict padding; set their labels to -100 (or mask them out of the loss)",
+        f"{count} position(s) that {how} receive loss gradient (rows {rows[:8]}): {remedy}",
         "DATA-005", {"positions": count, "rows": rows[:50], "supervised": int(supervised.sum())},
     )
 
