@@ -408,7 +408,8 @@ CASES: list[BlindCase] = [
     BlindCase("b25b-01", "https://github.com/pytorch/ignite/issues/2590", "EMA teacher buffers stale",
               "The EMA teacher (kept in eval mode) averages BatchNorm running statistics with the tiny EMA momentum, "
               "so its normalisation stays near the initial 0/1 while the student's statistics move.",
-              _c01_build, _c01_proof),
+              _c01_build, _c01_proof,
+              known_miss="a teacher's BatchNorm statistics averaged with the EMA's momentum: how fast a copy's buffers follow is not measured"),
     BlindCase("b25b-02", "https://github.com/Lightning-AI/pytorch-lightning/issues/15062",
               "frozen BatchNorm statistics still update",
               "BaseFinetuning.freeze(train_bn=False) only removes requires_grad from BatchNorm layers, so in train "
@@ -420,9 +421,11 @@ CASES: list[BlindCase] = [
               "classes.", _c03_build, _c03_proof),
     BlindCase("b25b-04", "https://github.com/mdbloice/Augmentor/issues/209", "image and mask augmented differently",
               "Random zoom draws its crop offsets separately for the image and for its ground-truth mask, so the "
-              "segmentation model trains on masks misaligned with their images.", _c04_build, _c04_proof),
+              "segmentation model trains on masks misaligned with their images.", _c04_build, _c04_proof,
+              known_miss="image and mask augmented with different offsets: a data pipeline's pairing is outside one step on one batch"),
     BlindCase("b25b-05", "https://github.com/NVIDIA-NeMo/Speech/issues/3298", "SpecAugment masks misplaced",
               "Batched SpecAugment uses the mask widths as the mask start positions, so every time mask of the CTC "
               "model's input falls in the first few frames and the rest of each utterance is never masked.",
-              _c05_build, _c05_proof),
+              _c05_build, _c05_proof,
+              known_miss="SpecAugment's masks start within the first frames: where an augmentation masks is not measured"),
 ]

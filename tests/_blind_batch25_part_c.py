@@ -464,18 +464,22 @@ CASES: list[BlindCase] = [
     BlindCase("b25c-01", "https://github.com/shakedzy/tic_tac_toe/issues/1", "target network never synced",
               "The double-DQN target copy is gated on the replay-memory counter, which runs one ahead of the learn "
               "counter, so it never fires and the Bellman targets come from the random initial target network.",
-              _c01_build, _c01_proof),
+              _c01_build, _c01_proof,
+              known_miss="the target copy is synced on a counter that never matches: a copy that should follow only every N steps is not measured in one step"),
     BlindCase("b25c-02", "https://github.com/google-deepmind/open_spiel/issues/962", "entropy regulariser sign",
               "The batch A2C loss adds entropy_cost * entropy to the minimised loss, so the exploration bonus drives "
-              "the policy entropy down instead of up.", _c02_build, _c02_proof),
+              "the policy entropy down instead of up.", _c02_build, _c02_proof,
+              known_miss="an entropy bonus minimised: the sign of a regulariser's term is not judged"),
     BlindCase("b25c-03", "https://github.com/IntelLabs/distiller/issues/122", "distillation temperature scaling",
               "The soft-target KL term is not multiplied by T**2, so at T=4 its gradients are ~1/16 of what its loss "
-              "weight intends and the student trains almost on the hard labels alone.", _c03_build, _c03_proof),
+              "weight intends and the student trains almost on the hard labels alone.", _c03_build, _c03_proof,
+              known_miss="a distillation term without T**2: the gradient share of a loss term against its weight is not measured"),
     BlindCase("b25c-04", "https://github.com/ShomyLiu/Neu-Review-Rec/issues/9", "reduction over the batch dimension",
               "The factorization machine sums its pairwise interactions with no dim, so the whole batch's interaction "
               "term is one scalar added to every sample's prediction.", _c04_build, _c04_proof),
     BlindCase("b25c-05", "https://github.com/valdersoul/bn-vae/issues/1", "loss-weight schedule reset every step",
               "The cyclical KL-annealing restart sits inside the batch loop, so in every restart epoch the KL weight "
               "is reset to kl_start=0 on each batch and the VAE trains with its KL term switched off.",
-              _c05_build, _c05_proof),
+              _c05_build, _c05_proof,
+              known_miss="the KL weight is reset to 0 on every batch: at step 0 a zero KL weight is what annealing starts from"),
 ]

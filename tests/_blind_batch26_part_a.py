@@ -372,7 +372,8 @@ def _c05_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b26a-01", "https://github.com/NVIDIA/Megatron-LM/pull/411", "dropout switched off by an eval pass",
               "The flash attention module zeroes its own dropout probability on the first eval-mode forward, so after "
-              "the first validation pass attention dropout stays off for the rest of training.", _c01_build, _c01_proof),
+              "the first validation pass attention dropout stays off for the rest of training.", _c01_build, _c01_proof,
+              known_miss="attention dropout zeroed by an eval pass, in the module's own attribute: a dropout probability that eval mode rewrites is not seen in one training step"),
     BlindCase("b26a-02", "https://github.com/shirley-wu/cross-doc-misinfo-detection/issues/1",
               "warmup and total steps swapped",
               "get_linear_schedule_with_warmup gets the total step count as warmup and the warmup count as the run "

@@ -342,18 +342,23 @@ def _c05_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b26b-01", "https://github.com/xudonmao/VMT/issues/1", "mixup pairing of images and labels",
               "Mixup shuffles images and labels with two independent permutations, so each mixed image is trained "
-              "toward the label mixture of a different pair.", _c01_build, _c01_proof),
+              "toward the label mixture of a different pair.", _c01_build, _c01_proof,
+              known_miss="mixup pairs images and labels with two permutations: the pairing of mixed inputs and targets is not measured"),
     BlindCase("b26b-02", "https://github.com/kornia/kornia/issues/875", "focal loss class balancing",
               "The softmax focal loss multiplies every class's loss by the same scalar alpha, so alpha only rescales "
-              "the learning rate and never down-weights the dominant background class.", _c02_build, _c02_proof),
+              "the learning rate and never down-weights the dominant background class.", _c02_build, _c02_proof,
+              known_miss="one scalar alpha on every class of a focal loss: a class weight that weights nothing is not judged"),
     BlindCase("b26b-03", "https://github.com/BUTSpeechFIT/EEND/issues/3", "padding labels in the loss",
               "Diarization labels are padded with 0 while the PIT loss masks frames labelled -1, so every padded "
-              "frame is trained as silence and counted in the loss normaliser.", _c03_build, _c03_proof),
+              "frame is trained as silence and counted in the loss normaliser.", _c03_build, _c03_proof,
+              known_miss="padding labelled 0 where the loss masks -1, with no mask the model receives: padding nothing declares in a non-token target is not found"),
     BlindCase("b26b-04", "https://github.com/FlyreelAI/sesemi/issues/36", "EMA model misses BatchNorm buffers",
               "The EMA copy is averaged from the parameters only, so its BatchNorm running statistics stay at their "
-              "initial values while its weights follow the trained network.", _c04_build, _c04_proof),
+              "initial values while its weights follow the trained network.", _c04_build, _c04_proof,
+              known_miss="an EMA copy that averages parameters only: its BatchNorm buffers, never updated, are not measured"),
     BlindCase("b26b-05", "https://github.com/poppinace/indexnet_matting/issues/35", "frozen BatchNorm unfrozen by train()",
               "freeze_bn() puts the pretrained BatchNorms in eval mode once, but every epoch's net.train() turns them "
               "back to training mode, so they use batch statistics and overwrite the pretrained running statistics.",
-              _c05_build, _c05_proof),
+              _c05_build, _c05_proof,
+              known_miss="freeze_bn undone by net.train(): the intent to freeze the statistics is in a flag the audit cannot read"),
 ]

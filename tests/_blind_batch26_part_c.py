@@ -522,13 +522,16 @@ CASES: list[BlindCase] = [
     BlindCase("b26c-01", "https://github.com/VincentStimper/normalizing-flows/pull/28",
               "wrong sign of a log-determinant",
               "forward_and_log_det subtracts the layers' forward log-determinants, so a reverse-KL fit rewards the "
-              "flow for contracting space instead of penalising it.", _c01_build, _c01_proof),
+              "flow for contracting space instead of penalising it.", _c01_build, _c01_proof,
+              known_miss="a flow's log-determinant subtracted instead of added: the sign of a volume term is not judged"),
     BlindCase("b26c-02", "https://github.com/EDAPINENUT/GNTPP/issues/4", "reduction over the wrong dimensions",
               "The VAE's KL is summed without dim=-1, so one batch-wide scalar (padding and absent event types "
               "included) is broadcast onto every real event.", _c02_build, _c02_proof),
     BlindCase("b26c-03", "https://github.com/liorshk/facenet_pytorch/issues/6", "loss term cut from the graph",
               "The hard triplets are copied through numpy before the triplet loss, so that term is logged but gives "
-              "no gradient and the embedding trains on the classification loss alone.", _c03_build, _c03_proof),
+              "no gradient and the embedding trains on the classification loss alone.", _c03_build, _c03_proof,
+              known_miss="a triplet loss copied through numpy: its term carries no gradient, but the logged value is not the backpropagated one the audit compares",
+              known_alarm=("GRAD-005",)),
     BlindCase("b26c-04", "https://github.com/pytorch/rl/pull/1033", "normalisation applied to one branch only",
               "ClipPPOLoss normalises the advantage after the unclipped gain is formed, so min() compares a raw-"
               "advantage gain with a normalised one and the update depends on the advantage scale.",
@@ -536,5 +539,6 @@ CASES: list[BlindCase] = [
     BlindCase("b26c-05", "https://github.com/labmlai/annotated_deep_learning_paper_implementations/issues/146",
               "softmax over the wrong axis",
               "The DDPM U-Net's attention normalises its scores over the queries instead of the keys, so each "
-              "query mixes the values with weights that do not sum to one.", _c05_build, _c05_proof),
+              "query mixes the values with weights that do not sum to one.", _c05_build, _c05_proof,
+              known_miss="attention softmax over the queries: a softmax axis inside the model (not at a loss) is not judged"),
 ]

@@ -2686,3 +2686,111 @@ def test_grad_001_is_a_failure_when_a_whole_library_encoder_is_cut_and_info_for_
         assert finding.severity == Severity.ERROR and "bert.embeddings.word_embeddings.weight" in finding.details["params"]
     else:
         assert finding.severity == Severity.INFO and all(p.startswith("bert.pooler.") for p in finding.details["params"])
+
+
+class _MomentumEncoders(nn.Module):
+    """A MoCo-style query encoder and a key copy that runs under no_grad, stays trainable and sits in the optimizer;
+    ``follows``: the forward moves the copy towards the query encoder (the momentum update), else it never moves."""
+
+    def __init__(self, follows: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.query, self.key = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.key.load_state_dict(self.query.state_dict())
+        self.follows = follows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = F.normalize(self.query(x), dim=1)
+        with torch.no_grad():
+            k = F.normalize(self.key(x + 0.1), dim=1)
+            if self.follows:
+                for pq, pk in zip(self.query.parameters(), self.key.parameters()):
+                    pk.data = pk.data * 0.99 + pq.data * 0.01
+        return F.cross_entropy(q @ k.T / 0.1, torch.arange(x.shape[0]))
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_a_momentum_copy_the_step_updates_is_info_and_one_that_never_follows_fails(follows: bool) -> None:
+    m = _MomentumEncoders(follows)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    report = audit(m, sgd_step(m, opt, lambda: m(x)), optimizer=opt, inputs=x)
+    (finding,) = report.by_id("GRAD-001")
+    assert set(finding.details["params"]) == {"key.weight", "key.bias"}
+    assert finding.severity == (Severity.INFO if follows else Severity.ERROR)
+    # the optimizer skips tensors without a gradient: only the forward's own update moved the copy
+    assert not report.by_id("OPT-008")
+    assert torch.equal(m.key.weight, m.query.weight)  # every value put back
+
+
+@pytest.mark.parametrize("overridden", [True, False])
+def test_batchnorm_kept_in_eval_by_a_train_override_of_the_users_is_info(overridden: bool) -> None:
+    class FrozenStats(SmallCNN):
+        def train(self, mode: bool = True) -> FrozenStats:
+            super().train(mode)
+            self.bn.eval()  # pretrained statistics stay frozen; the affine weights train
+            return self
+
+    m = FrozenStats() if overridden else SmallCNN()
+    m.train()
+    m.bn.eval()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    (finding,) = audit(m, lambda: F.cross_entropy(m(x), torch.arange(4) % 5)).by_id("MODE-001")
+    assert finding.severity == (Severity.INFO if overridden else Severity.WARN)
+
+
+def test_a_per_token_score_read_at_padding_through_a_positional_mask_is_data_005() -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    class RewardModel(nn.Module):
+        def __init__(self, pad_id: int) -> None:
+            super().__init__()
+            self.body = GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                             bos_token_id=1, eos_token_id=2))
+            self.score, self.pad_id = nn.Linear(16, 1), pad_id
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            scores = self.score(hidden).squeeze(-1)
+            ends = [(row == self.pad_id).nonzero() for row in input_ids]
+            last = [int(e[0]) - 1 if len(e) else input_ids.shape[1] - 1 for e in ends]
+            return scores, scores[torch.arange(input_ids.shape[0]), torch.tensor(last)]
+
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((10, 6, 8, 5)):
+        ids[row, length:], mask[row, length:] = 0, 0
+    found = {}
+    for pad_id in (0, VOCAB + 7):  # the tokenizer's pad id, and an id that never occurs: the end is the last column
+        torch.manual_seed(0)
+        m = RewardModel(pad_id)  # called with the mask by position, as the chosen and rejected halves
+        report = audit(m, lambda: -F.logsigmoid(m(ids, mask)[1] - m(ids.flip(0), mask.flip(0))[1]).mean(),
+                       optimizer=torch.optim.AdamW(m.parameters()))
+        found[pad_id] = report.by_id("DATA-005")
+    assert not found[0]
+    finding = found[VOCAB + 7][0]
+    assert finding.severity == Severity.WARN and "per-token output" in finding.message
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_hand_written_term_cut_through_numpy_is_loss_016_and_a_constant_term_is_not(cut: bool) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    y = torch.arange(8) % 4
+    soft = torch.softmax(torch.randn(8, 4, generator=torch.Generator().manual_seed(5)), dim=1)
+
+    def loss() -> torch.Tensor:
+        logits = m(x)
+        if cut:  # an embedding penalty on a numpy copy of the outputs: a number in the loss, no gradient
+            copied = torch.from_numpy(logits.detach().numpy().copy())
+            return F.cross_entropy(logits, y) + 0.1 * copied.pow(2).mean()
+        # a KL written as a cross-entropy minus the targets' own entropy: a constant term, on purpose
+        target_entropy = -(soft * soft.log()).sum(1).mean()
+        return -(soft * logits.log_softmax(1)).sum(1).mean() - target_entropy
+
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    found = audit(m, sgd_step(m, opt, loss), optimizer=opt, inputs=x).by_id("LOSS-016")
+    assert bool(found) == cut
+    if cut:
+        assert found[0].severity == Severity.WARN and found[0].details["fn"] == "mean"

@@ -31,6 +31,7 @@ from guardtower.preflight._step import (
 )
 from guardtower.preflight._update import measure_update
 from guardtower.preflight._schedule import ScheduleState, find_scheduler
+from guardtower.preflight._cut_terms import mark_moving
 from guardtower.preflight._self_updates import confirm_updated_by_step, no_grad_only
 from guardtower.preflight._second_step import gradients_after_one_update, zero_gradients
 from guardtower.preflight._util import base_optimizer, base_scheduler, is_causal_lm, is_library_model, unique_params
@@ -245,6 +246,15 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                                 "updates them itself, as a momentum or EMA copy")
             with state.isolated_optimizers():
                 trace.updated_by_step = confirm_updated_by_step(model, counted_step, copies, state.restore_rng)
+            state.restore_values()
+        cut = [t for t in ctx.probes.get("cut_terms", []) if t.dead_added]
+        if cut and "cut_terms" in needs and trace.error is None and not multi_rank():
+            report.notes.append(f"step_fn ran once more with the trained weights changed (then put back): {len(cut)} "
+                                "term(s) without gradient are added to the loss, so the audit checked whether their "
+                                "values move with the weights")
+            with state.isolated_optimizers():
+                mark_moving(ctx.probes["cut_terms"], [p for p in ctx.params.values() if p.requires_grad],
+                            counted_step, state.restore_rng)
             state.restore_values()
         grads = trace.input_grads
         if ("input_independence" in needs and grads and all(not g for g in grads.values())

@@ -23,12 +23,13 @@ __all__ = ["Need", "NEEDS", "RootCall", "Moved", "UpdateStats", "LeakEntry", "Fu
 #: ``second_step`` a real update and one more step when gradients are exactly zero (do they flow afterwards?),
 #: ``value_reads`` one run per gradient-less module or parameter of the user's with its values changed (does the
 #: loss read them?), ``self_updates`` one run with the values of gradient-less parameters that ran only under
-#: no_grad changed (does the step move them itself?)
+#: no_grad changed (does the step move them itself?), ``cut_terms`` one run with the trained weights changed when a
+#: term without gradient is added to the loss (does its value move with the weights?)
 Need = Literal["leak", "update", "input_independence", "padded_labels", "overfit", "future", "eval_mode", "padding",
-               "second_step", "value_reads", "packing", "self_updates"]
+               "second_step", "value_reads", "packing", "self_updates", "cut_terms"]
 NEEDS: frozenset[str] = frozenset({"leak", "update", "input_independence", "padded_labels", "overfit", "future",
                                     "eval_mode", "padding", "second_step", "value_reads",
-                                    "packing", "self_updates"})
+                                    "packing", "self_updates", "cut_terms"})
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from guardtower.preflight._batch import batch_mapping, labelled_padding
+from guardtower.preflight._cut_terms import CutTerm, recorder, reduction_patches
 from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight._util import graph_holds, is_causal_lm, patched, reached_params
@@ -311,7 +312,15 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
         return wrapper
 
     # a dead loss result, followed through scalings (0.5 * kd) until it is added to a tensor that trains
-    dead: dict[int, tuple[torch.Tensor, LossCall]] = {}
+    dead: dict[int, tuple[torch.Tensor, LossCall | CutTerm]] = {}
+    cut: list[CutTerm] = []
+    ctx.probes["cut_terms"] = cut
+    record_cut = recorder(cut)
+
+    def cut_reduction(name: str, source: torch.Tensor, result: torch.Tensor) -> None:
+        term = record_cut(name, source, result)
+        if term is not None:
+            dead[id(result)] = (result, term)
 
     def follow(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(op)
@@ -357,6 +366,7 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
     patches: list[tuple[Any, str, Callable[[Any], Any]]] = [
         (F, name, functools.partial(wrap, name)) for name in _CLASSIFICATION + _REGRESSION + _DIVERGENCE + _OTHER]
     patches += [(torch.Tensor, name, functools.partial(follow, name)) for name in _SCALINGS + _SUMS]
+    patches += reduction_patches(cut_reduction)
     patches.append((torch.autograd, "backward", feeding))
     try:
         with patched(patches):
@@ -816,17 +826,32 @@ def _causal_lm_labels(ctx: AuditContext) -> list[Finding]:
     return findings
 
 
-@check("loss_terms", emits=("LOSS-016",))
+@check("loss_terms", emits=("LOSS-016",), needs=("cut_terms",))
 def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
     """LOSS-016: a loss function's result reaches no trainable parameter, yet it (or a scaling of it) is added to
     the loss that trains: that term (a distillation target compared with itself, an adversarial term on a detached
     fake judged by a frozen discriminator) changes the loss value and trains nothing. A dead result that is only
-    logged, or a zero the total starts from, is not added that way."""
+    logged, or a zero the total starts from, is not added that way. Also a hand-written term (a full mean or sum
+    without gradient) added to the loss whose value moves with the trained weights: computed from the model's
+    outputs through ``.numpy()``, ``.item()`` or ``.detach()``."""
     trace = ctx.trace
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
     added = [call for call in calls if call.dead_added]
-    if trace is None or trace.error is not None or not trace.loss_requires_grad or not added:
+    if trace is None or trace.error is not None or not trace.loss_requires_grad:
         return []
+    if not added:
+        moving = [t for t in ctx.probes.get("cut_terms", []) if t.dead_added and t.moves]
+        if not moving:
+            return []
+        term = moving[0]
+        return [Finding(
+            "loss_terms", Severity.WARN,
+            f"a term added to the trained loss ({term.fn} over {list(term.input_shape)}, value {term.dead:.4g}) has no "
+            "gradient, yet its value changes with the trained weights: it is computed from the model's outputs "
+            "through a cut (.numpy(), .item(), torch.tensor(...), .data or .detach()), so it changes the loss and "
+            "trains nothing; compute it from the outputs themselves (index them with a tensor, not through numpy)",
+            "LOSS-016", {"fn": term.fn, "value": term.dead, "cut_terms": len(moving), "input_shape": list(term.input_shape)},
+        )]
     first = added[0]
     return [Finding(
         "loss_terms", Severity.WARN,

@@ -231,15 +231,43 @@ def check_train_mode(ctx: AuditContext) -> Iterable[Finding]:
         )]
     frozen = frozen_parts(ctx)
     stuck = [n for n, t in training.items() if n and not t and not _inside(n, frozen)]
+    kept = [n for n in stuck if _kept_in_eval(ctx.model, n)]
+    findings = []
+    if kept:
+        # consequence: a train() of the user's own that puts these back in eval mode every time is the design
+        # (frozen BatchNorm statistics under trainable affine weights, mmcv's norm_eval), not a leftover .eval()
+        findings.append(Finding(
+            "train_mode", Severity.INFO,
+            f"{len(kept)} dropout/BatchNorm submodule(s) of trainable parts stay in eval mode through a train() "
+            f"override of the model's own: {fmt_names(kept)} (their running statistics are frozen on purpose)",
+            "MODE-001", {"modules": kept, "root_training": True, "kept_by_train_override": True},
+        ))
+        stuck = [n for n in stuck if n not in set(kept)]
     if stuck:
-        return [Finding(
+        return findings + [Finding(
             "train_mode", Severity.WARN,
             f"the model trains but {len(stuck)} dropout/BatchNorm submodule(s) of its trainable parts are in eval "
             f"mode: {fmt_names(stuck)} (a submodule's .eval() survives model.train() only if called after it; "
             "freeze a part on purpose with requires_grad=False as well)",
             "MODE-001", {"modules": stuck, "root_training": True},
         )]
-    return []
+    return findings
+
+
+#: packages whose own train() overrides only pass the mode on (transformers, DDP): not the user's decision
+_FRAMEWORKS = ("torch", "transformers", "peft", "lightning", "pytorch_lightning", "accelerate", "deepspeed")
+
+
+def _kept_in_eval(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` sits in a module (the model included) whose class overrides ``nn.Module.train`` in the
+    user's own code: that train() decides the mode of what is below it."""
+    path = name.split(".")
+    for depth in range(len(path)):
+        owner = model.get_submodule(".".join(path[:depth])) if depth else model
+        defining = next(c for c in type(owner).__mro__ if "train" in vars(c))
+        if defining.__module__.split(".")[0] not in _FRAMEWORKS:
+            return True
+    return False
 
 
 @check("copy_statistics", emits=("MODE-009",))
