@@ -1198,7 +1198,8 @@ _STEP: tuple[FailureMode, ...] = (
     FailureMode(
         "LOSS-016", "A loss term carries no gradient", Severity.WARN,
         "A loss function called with gradients on returns a result without gradient, and the trained loss adds "
-        "a term without gradient at its top-level sum.",
+        "a term without gradient at its top-level sum; or a hand-written term (a full mean or sum) without "
+        "gradient is added to it while its value moves with the trained weights (a cut through numpy or .item()).",
         "Both sides of a distillation KL taken from the frozen teacher, or a generator's adversarial term on "
         "fake.detach() judged by a discriminator frozen for that step: the loss value includes the term, the "
         "run trains, and the term contributes no gradient at all.",
@@ -1540,9 +1541,9 @@ _STEP: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "MODE-009", "A momentum copy's statistics never follow its weights", Severity.WARN,
-        "The step updates a frozen part's weights in place (an EMA or mean teacher, a target encoder), but the "
-        "running statistics of its normalisation layers, in eval mode, stay where they were while the trained "
-        "network's statistics move.",
+        "The step updates a frozen part's weights in place (an EMA or mean teacher, a target encoder), or those "
+        "of a copy it holds beside the model, but the running statistics of its normalisation layers, in eval "
+        "mode, stay where they were while the trained network's statistics move.",
         "An EMA update written over parameters() skips the buffers: the teacher's BatchNorm keeps its initial "
         "mean 0 and variance 1 (or the values it was copied with) under weights that keep changing, so its "
         "pseudo-labels and evaluation are computed with mismatched normalisation; nothing errors.",

@@ -487,8 +487,7 @@ CASES: list[BlindCase] = [
     BlindCase("b12-case-08", "https://github.com/coqui-ai/TTS/issues/2348", "no_grad cuts a loss term",
               "the speaker encoder's spectrogram front-end runs under torch.no_grad(): the speaker consistency loss "
               "is added to the total but is a constant, so it sends no gradient to the generator", _c08_build,
-              _c08_proof,
-              known_miss="blind batch 12: the speaker consistency term is not a torch loss function call, so its missing gradient is not followed"),
+              _c08_proof),
     BlindCase("b12-case-09", "https://github.com/jmtomczak/intro_dgm/issues/6", "unregistered submodules",
               "the reverse-diffusion networks p_dnns sit in a plain python list: model.parameters() and the "
               "optimizer see only the final decoder, and the denoising networks stay at their random init",

@@ -354,8 +354,7 @@ CASES: list[BlindCase] = [
               known_miss="padding labelled 0 where the loss masks -1, with no mask the model receives: padding nothing declares in a non-token target is not found"),
     BlindCase("b26b-04", "https://github.com/FlyreelAI/sesemi/issues/36", "EMA model misses BatchNorm buffers",
               "The EMA copy is averaged from the parameters only, so its BatchNorm running statistics stay at their "
-              "initial values while its weights follow the trained network.", _c04_build, _c04_proof,
-              known_miss="an EMA copy that averages parameters only: its BatchNorm buffers, never updated, are not measured"),
+              "initial values while its weights follow the trained network.", _c04_build, _c04_proof),
     BlindCase("b26b-05", "https://github.com/poppinace/indexnet_matting/issues/35", "frozen BatchNorm unfrozen by train()",
               "freeze_bn() puts the pretrained BatchNorms in eval mode once, but every epoch's net.train() turns them "
               "back to training mode, so they use batch statistics and overwrite the pretrained running statistics.",

@@ -530,7 +530,6 @@ CASES: list[BlindCase] = [
     BlindCase("b26c-03", "https://github.com/liorshk/facenet_pytorch/issues/6", "loss term cut from the graph",
               "The hard triplets are copied through numpy before the triplet loss, so that term is logged but gives "
               "no gradient and the embedding trains on the classification loss alone.", _c03_build, _c03_proof,
-              known_miss="a triplet loss copied through numpy: its term carries no gradient, but the logged value is not the backpropagated one the audit compares",
               known_alarm=("GRAD-005",)),
     BlindCase("b26c-04", "https://github.com/pytorch/rl/pull/1033", "normalisation applied to one branch only",
               "ClipPPOLoss normalises the advantage after the unclipped gain is formed, so min() compares a raw-"

@@ -2794,3 +2794,30 @@ def test_a_hand_written_term_cut_through_numpy_is_loss_016_and_a_constant_term_i
     assert bool(found) == cut
     if cut:
         assert found[0].severity == Severity.WARN and found[0].details["fn"] == "mean"
+
+
+@pytest.mark.parametrize("buffers_follow", [False, True])
+def test_an_ema_copy_beside_the_model_whose_statistics_never_follow_is_mode_009(buffers_follow: bool) -> None:
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(6)) * 2 + 1
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), torch.arange(4) % 5)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.mul_(0.9).add_(p, alpha=0.1)
+            if buffers_follow:
+                for e, b in zip(ema.buffers(), model.buffers()):
+                    e.copy_(b)
+        return loss
+
+    found = audit(model, step, optimizer=opt, inputs=x).by_id("MODE-009")
+    assert bool(found) != buffers_follow
+    if found:
+        assert "ema" in found[0].details["modules"]

@@ -36,6 +36,9 @@ class AuditContext:
     """the LR scheduler that will drive ``optimizer``: ``audit(lr_scheduler=)``, else the one attached to it"""
     total_steps: int | None = None
     """the planned number of optimizer steps of the run (``audit(total_steps=)``, the trainer's ``max_steps``)"""
+    companions: dict[str, nn.Module] = field(default_factory=dict)
+    """modules the training step holds besides the model, by the name it knows them by (an EMA copy, a target
+    network, a teacher kept outside the model)"""
     trace: StepTrace | None = None
     """None for static audits (``lora_summary``)"""
     probes: dict[str, Any] = field(default_factory=dict)

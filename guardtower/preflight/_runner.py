@@ -34,7 +34,7 @@ from guardtower.preflight._schedule import ScheduleState, find_scheduler
 from guardtower.preflight._cut_terms import mark_moving
 from guardtower.preflight._self_updates import confirm_updated_by_step, no_grad_only
 from guardtower.preflight._second_step import gradients_after_one_update, zero_gradients
-from guardtower.preflight._util import base_optimizer, base_scheduler, is_causal_lm, is_library_model, unique_params
+from guardtower.preflight._util import base_optimizer, base_scheduler, companion_modules, is_causal_lm, is_library_model, unique_params
 from guardtower._dist import multi_rank
 from guardtower.bus import EventBus, Sink, resolve_bus
 from guardtower.failure_modes import CATALOG
@@ -183,7 +183,8 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
            lr_scheduler: Any, steps: int, total_steps: int | None, specs: list[CheckSpec],
            verbose: bool = True) -> Report:
     ctx = AuditContext(model=model, optimizer=optimizer, inputs=inputs, scaler=scaler, params=unique_params(model),
-                       lr_scheduler=lr_scheduler, total_steps=total_steps)
+                       lr_scheduler=lr_scheduler, total_steps=total_steps,
+                       companions=companion_modules(step_fn, model))
     report = Report(checks_run=[s.name for s in specs])
     def counted_step() -> Any:  # counted: a step drawing next(iterator) consumes one batch per call
         report.step_fn_calls += 1

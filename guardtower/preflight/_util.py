@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterator
@@ -15,6 +16,7 @@ __all__ = [
     "unique_params",
     "base_optimizer",
     "base_scheduler",
+    "companion_modules",
     "optimizer_tensors",
     "is_lora_factor",
     "fmt_names",
@@ -91,6 +93,25 @@ def base_scheduler(scheduler: Any) -> Any:
             break
         current = inner
     return current if isinstance(current, _SCHEDULERS) else scheduler
+
+
+def companion_modules(step_fn: Callable[..., Any], model: nn.Module) -> dict[str, nn.Module]:
+    """The modules ``step_fn`` holds besides ``model`` (its closure variables and the globals it names): an EMA
+    copy, a target network or a teacher the user keeps outside the model. None of their modules is one of the
+    model's, nor the other way round."""
+    fn = inspect.unwrap(step_fn) if callable(step_fn) else None
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    held: list[tuple[str, Any]] = []
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        with contextlib.suppress(ValueError):  # a cell not filled yet
+            held.append((name, cell.cell_contents))
+    found_globals = getattr(fn, "__globals__", {})
+    held += [(name, found_globals[name]) for name in code.co_names if name in found_globals]
+    own = {id(m) for m in model.modules()}
+    return {name: value for name, value in held if isinstance(value, nn.Module) and id(value) not in own
+            and not any(id(m) in own for m in value.modules())}
 
 
 def optimizer_tensors(optimizer: Any) -> list[tuple[int, torch.Tensor]]:

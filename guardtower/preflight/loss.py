@@ -332,8 +332,10 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
                     source = next((dead[id(t)] for t in operands if isinstance(t, torch.Tensor) and id(t) in dead),
                                   None)
                     if source is not None and isinstance(result, torch.Tensor):
-                        if name in _SUMS and any(isinstance(t, torch.Tensor) and _trains(t, trainable)
-                                                 for t in operands):
+                        # a hand-written term is added to the loss's own top-level sum (a scalar), not
+                        # subtracted as a baseline inside it (a relativistic GAN's mean over the other side)
+                        if (name in _SUMS and (isinstance(source[1], LossCall) or result.dim() == 0)
+                                and any(isinstance(t, torch.Tensor) and _trains(t, trainable) for t in operands)):
                             source[1].dead_added = True
                         elif name in _SCALINGS and not _trains(result, trainable):
                             dead[id(result)] = (result, source[1])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 from torch import nn
@@ -127,6 +127,9 @@ class FrozenPartsRecord:
     idle_stats: dict[str, list[str]] = field(default_factory=dict)
     """frozen part -> its normalisation layers in eval mode whose running statistics the step left as they were,
     recorded only when the trained network's statistics moved"""
+    companion_stats: dict[str, list[str]] = field(default_factory=dict)
+    """module the step holds beside the model (``AuditContext.companions``) -> its normalisation layers in eval
+    mode whose running statistics the step left as they were, recorded only when the trained network's moved"""
 
 
 def _rng_states(module: nn.Module) -> list[torch.Tensor]:
@@ -139,13 +142,23 @@ def _rng_states(module: nn.Module) -> list[torch.Tensor]:
     return states
 
 
-def _running_stats(root: nn.Module, skip: dict[str, nn.Module] | None = None) -> list[tuple[str, torch.Tensor]]:
-    """The running means of the normalisation layers under ``root`` that track statistics (those under ``skip``'s
-    parts left out), by their name under ``root``."""
+def _stat_layers(root: nn.Module, skip: dict[str, nn.Module] | None = None) -> list[nn.Module]:
+    """The normalisation layers under ``root`` that track running statistics (those under ``skip``'s parts left
+    out)."""
     skipped = {id(m) for part in (skip or {}).values() for m in part.modules()}
-    return [(f"{n}.running_mean" if n else "running_mean", m.running_mean) for n, m in root.named_modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    return [m for m in root.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
             and isinstance(m.running_mean, torch.Tensor) and id(m) not in skipped]
+
+
+def _running_stats(root: nn.Module, skip: dict[str, nn.Module] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The running means of ``_stat_layers(root, skip)``, by their name under ``root``."""
+    names = {id(m): n for n, m in root.named_modules()}
+    return [(f"{names[id(m)]}.running_mean" if names[id(m)] else "running_mean", _running_mean(m))
+            for m in _stat_layers(root, skip)]
+
+
+def _running_mean(layer: nn.Module) -> torch.Tensor:
+    return cast(torch.Tensor, layer.running_mean)
 
 
 @probe("frozen_parts")
@@ -180,6 +193,8 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
                for part, m in parts.items() for n, b in m.named_buffers()
                if b.dtype != torch.bool and b.device.type != "meta"}
     trained_stats = {n: b.detach().clone() for n, b in _running_stats(ctx.model, skip=parts)}
+    companion_stats = {(c, n): (m, b.detach().clone()) for c, root in ctx.companions.items()
+                       for (n, b), m in zip(_running_stats(root), _stat_layers(root))}
     handles = [h for n, m in components.items()
                for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
     versions = {part: [p._version for p in m.parameters()] for part, m in parts.items()}  # in-place writes count up
@@ -197,6 +212,9 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
                             for n, m in root.named_modules()}
         trained_moved = any(not torch.equal(b.detach(), trained_stats[n]) for n, b in _running_stats(ctx.model,
                                                                                               skip=parts))
+        for (name, layer), (module, start) in companion_stats.items() if trained_moved else ():
+            if not module.training and torch.equal(_running_mean(module).detach(), start):
+                record.companion_stats.setdefault(name, []).append(f"{name}.{layer.rsplit('.', 1)[0]}".rstrip("."))
         for part in parts if trained_moved else ():
             idle = [f"{part}.{n}".rsplit(".", 1)[0] for n, b in _running_stats(parts[part])
                     if torch.equal(b.detach(), buffers.get((part, f"{part}.{n}"), b))]
@@ -275,13 +293,18 @@ def check_copy_statistics(ctx: AuditContext) -> Iterable[Finding]:
     """MODE-009: a momentum copy whose weights the step updates keeps its normalisation statistics where they were
     (in eval mode, never copied), while the trained network's statistics move."""
     record = ctx.probes.get("frozen_parts")
-    if not isinstance(record, FrozenPartsRecord) or not record.idle_stats:
+    if not isinstance(record, FrozenPartsRecord) or not (record.idle_stats or record.companion_stats):
         return []
     written = written_storage(ctx)
     modules = dict(ctx.model.named_modules())
     parts = sorted(p for p in record.idle_stats if p in record.updated or (
         p in modules and any(t.data_ptr() in written for t in modules[p].parameters())))
     layers = [n for p in parts for n in record.idle_stats[p]]
+    # a copy kept beside the model: its weights were written in place outside the optimizer step
+    beside = sorted(c for c in record.companion_stats
+                    if any(t.data_ptr() in written for t in ctx.companions[c].parameters()))
+    parts += beside
+    layers += [n for c in beside for n in record.companion_stats[c]]
     if not parts:
         return []
     return [Finding(
