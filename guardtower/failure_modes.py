@@ -534,8 +534,9 @@ _CORE: tuple[FailureMode, ...] = (
     ),
     FailureMode(
         "DATA-003", "Every end-of-sequence token is masked from the labels", Severity.WARN,
-        "In a causal-LM batch every real EOS (attention_mask 1) has label -100 and no label is EOS, typically "
-        "because pad_token = eos_token and the collator masks padding by token id.",
+        "In a causal-LM batch every real EOS (attention_mask 1) has label -100 and no label is EOS, or (a loss "
+        "computed outside the model) no position that predicts a real EOS gets loss gradient, typically because "
+        "pad_token = eos_token and the collator or the loss mask drops padding by token id.",
         "Loss and perplexity look fine; the model simply never sees a target to stop on, so it generates until "
         "max_new_tokens.",
         "Give the tokenizer a distinct pad token (e.g. add '<pad>' or use unk), or build labels from the "

@@ -2821,3 +2821,58 @@ def test_an_ema_copy_beside_the_model_whose_statistics_never_follow_is_mode_009(
     assert bool(found) != buffers_follow
     if found:
         assert "ema" in found[0].details["modules"]
+
+
+@pytest.mark.parametrize("by_value", [True, False])
+def test_real_end_tokens_a_loss_mask_by_value_never_supervises_are_data_003(by_value: bool) -> None:
+    eos = 2
+    m = gpt2(bos_token_id=1, eos_token_id=eos, pad_token_id=eos)  # pad_token = eos_token
+    lengths = (9, 12, 6, 10)
+    ids = torch.full((4, 12), eos)
+    g = torch.Generator().manual_seed(7)
+    for row, n in enumerate(lengths):
+        ids[row, :n - 1] = torch.randint(3, VOCAB, (n - 1,), generator=g)  # ... then the real end token at n - 1
+    attention = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]).long()
+    targets = ids[:, 1:]
+    if by_value:  # the dataset's mask: every target equal to the pad id is dropped, real ends included
+        keep = (targets != eos).float()
+    else:  # by position: a row's targets after its real end token are padding
+        keep = attention[:, 1:].float()
+
+    def loss() -> torch.Tensor:
+        logits = m(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        return (per_token * keep.reshape(-1)).sum() / keep.sum()
+
+    opt = torch.optim.AdamW(m.parameters())
+    found = audit(m, sgd_step(m, opt, loss), optimizer=opt, inputs=ids).by_id("DATA-003")
+    assert bool(found) == by_value
+    if found:
+        assert found[0].details["real_eos"] == 4
+
+
+def test_an_ema_helper_object_holding_its_copy_is_looked_into_for_mode_009() -> None:
+    class Ema:  # an EMA helper that is not a module itself, its copy an attribute (ema-pytorch's layout)
+        def __init__(self, model: nn.Module) -> None:
+            self.copy = copy.deepcopy(model).requires_grad_(False)
+
+        @torch.no_grad()
+        def update(self, model: nn.Module) -> None:
+            for e, p in zip(self.copy.parameters(), model.parameters()):
+                e.lerp_(p, 0.01)
+
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    ema, opt = Ema(model), torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(8)) * 2 + 1
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), torch.arange(4) % 5)
+        loss.backward()
+        opt.step()
+        ema.update(model)
+        return loss
+
+    (finding,) = audit(model, step, optimizer=opt, inputs=x).by_id("MODE-009")
+    assert finding.details["modules"] == ["ema.copy"]

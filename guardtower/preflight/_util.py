@@ -109,6 +109,10 @@ def companion_modules(step_fn: Callable[..., Any], model: nn.Module) -> dict[str
             held.append((name, cell.cell_contents))
     found_globals = getattr(fn, "__globals__", {})
     held += [(name, found_globals[name]) for name in code.co_names if name in found_globals]
+    # one level into the objects it holds: an EMA helper that keeps its copy as an attribute
+    held += [(f"{name}.{attr}", inner) for name, value in list(held)
+             if not isinstance(value, (nn.Module, type)) and hasattr(value, "__dict__")
+             for attr, inner in vars(value).items() if isinstance(inner, nn.Module)]
     own = {id(m) for m in model.modules()}
     return {name: value for name, value in held if isinstance(value, nn.Module) and id(value) not in own
             and not any(id(m) in own for m in value.modules())}

@@ -128,8 +128,8 @@ class FrozenPartsRecord:
     """frozen part -> its normalisation layers in eval mode whose running statistics the step left as they were,
     recorded only when the trained network's statistics moved"""
     companion_stats: dict[str, list[str]] = field(default_factory=dict)
-    """module the step holds beside the model (``AuditContext.companions``) -> its normalisation layers in eval
-    mode whose running statistics the step left as they were, recorded only when the trained network's moved"""
+    """module the step holds beside the model (``AuditContext.companions``) -> its normalisation layers whose
+    running statistics the step left as they were, recorded only when the trained network's moved"""
 
 
 def _rng_states(module: nn.Module) -> list[torch.Tensor]:
@@ -213,7 +213,7 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
         trained_moved = any(not torch.equal(b.detach(), trained_stats[n]) for n, b in _running_stats(ctx.model,
                                                                                               skip=parts))
         for (name, layer), (module, start) in companion_stats.items() if trained_moved else ():
-            if not module.training and torch.equal(_running_mean(module).detach(), start):
+            if torch.equal(_running_mean(module).detach(), start):  # not run in the step, or run in eval mode
                 record.companion_stats.setdefault(name, []).append(f"{name}.{layer.rsplit('.', 1)[0]}".rstrip("."))
         for part in parts if trained_moved else ():
             idle = [f"{part}.{n}".rsplit(".", 1)[0] for n, b in _running_stats(parts[part])

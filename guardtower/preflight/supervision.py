@@ -17,6 +17,7 @@ from guardtower.preflight._padding_reads import inferred_padding, marked_padding
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._step import extract_loss
 from guardtower.preflight._trace import RootCall, Supervision
+from guardtower.preflight._util import is_causal_lm
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -124,6 +125,33 @@ def _padding_supervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> 
         "supervision", Severity.WARN,
         f"{count} position(s) that {how} receive loss gradient (rows {rows[:8]}): {remedy}",
         "DATA-005", {"positions": count, "rows": rows[:50], "supervised": int(supervised.sum())},
+    )
+
+
+def _stops_unsupervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
+    """DATA-003, measured: in a causal LM's step whose loss is computed outside the model, none of the real
+    end-of-sequence tokens (attention mask 1) is a supervised target, while other positions are: the loss mask was
+    built by token value (``labels == pad_id`` with pad_token = eos_token) and the model never learns to stop."""
+    if rec.magnitude.dim() != 2 or _call_tensor(call, "labels") is not None or not is_causal_lm(ctx.model):
+        return None
+    ids, mask = _aligned(call, rec, ctx.model)
+    eos = getattr(_config(ctx.model), "eos_token_id", None)
+    stops = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int)]
+    if ids is None or mask is None or not stops or ids.shape[1] < 2:
+        return None
+    # position t predicts token t + 1
+    real_stop = torch.isin(ids[:, 1:], torch.tensor(stops)) & (mask[:, 1:] != 0)
+    supervised = _supervised(rec)[:, :-1]
+    n_stops, n_supervised = int(real_stop.sum()), int(supervised.sum())
+    if n_stops < 2 or n_supervised < 4 * n_stops or bool((supervised & real_stop).any()):
+        return None
+    return Finding(
+        "supervision", Severity.WARN,
+        f"none of the {n_stops} real end-of-sequence tokens (attention mask 1) is a supervised target: the positions "
+        f"that predict them get no loss gradient while {n_supervised} others do, so the model never learns to stop "
+        "(a loss mask built by token value, labels == pad_id with pad_token = eos_token); mask padding by position, "
+        "from the attention mask, instead",
+        "DATA-003", {"real_eos": n_stops, "supervised": n_supervised, "eos_token_ids": stops},
     )
 
 
@@ -457,7 +485,7 @@ def check_repeated_forward(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
-@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
+@check("supervision", emits=("DATA-003", "DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
                              "LOOP-005",
                              "LOOP-011"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
@@ -477,7 +505,7 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
             continue
         call = trace.calls[rec.call]
         candidates = [None if labelled else _padding_supervised(ctx, call, rec), _copies_input(ctx, call, rec),
-                      _crosses_packing(call, rec),
+                      _crosses_packing(call, rec), _stops_unsupervised(ctx, call, rec),
                       _one_class(rec), _weights_follow_frequency(rec), _weights_cancel(ctx, rec)]
         for f in candidates:
             if f is not None and f.catalog_id not in seen:
