@@ -23,6 +23,7 @@ from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight._util import graph_holds, is_causal_lm, patched, reached_params
 from guardtower.preflight._trace import StepTrace
+from guardtower.preflight.supervision import stops_unsupervised
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -1064,6 +1065,8 @@ def check_data(ctx: AuditContext) -> Iterable[Finding]:
     DATA-011 examples with no label among labelled ones, DATA-013 decoder inputs that never start from the
     decoder start token, DATA-016 a prompt mask applied by column to left-padded rows."""
     findings = _causal_lm_labels(ctx)
+    unsupervised = None if any(f.catalog_id == "DATA-003" for f in findings) else stops_unsupervised(ctx)
+    findings += [unsupervised] if unsupervised is not None else []
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     labels = batch.get("labels") if batch is not None else None
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])

@@ -21,7 +21,7 @@ from guardtower.preflight._util import is_causal_lm
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
-__all__: list[str] = []
+__all__ = ["stops_unsupervised"]
 
 #: a position counts as supervised when its gradient is above this share of the largest one
 _SUPERVISED = 1e-6
@@ -128,10 +128,18 @@ def _padding_supervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> 
     )
 
 
-def _stops_unsupervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
+def stops_unsupervised(ctx: AuditContext) -> Finding | None:
     """DATA-003, measured: in a causal LM's step whose loss is computed outside the model, none of the real
     end-of-sequence tokens (attention mask 1) is a supervised target, while other positions are: the loss mask was
     built by token value (``labels == pad_id`` with pad_token = eos_token) and the model never learns to stop."""
+    trace = ctx.trace
+    if trace is None or trace.error is not None:
+        return None
+    return next((f for rec in trace.supervision if rec.call < len(trace.calls)
+                 for f in [_stops_unsupervised(ctx, trace.calls[rec.call], rec)] if f is not None), None)
+
+
+def _stops_unsupervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
     if rec.magnitude.dim() != 2 or _call_tensor(call, "labels") is not None or not is_causal_lm(ctx.model):
         return None
     ids, mask = _aligned(call, rec, ctx.model)
@@ -146,7 +154,7 @@ def _stops_unsupervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> 
     if n_stops < 2 or n_supervised < 4 * n_stops or bool((supervised & real_stop).any()):
         return None
     return Finding(
-        "supervision", Severity.WARN,
+        "data", Severity.WARN,
         f"none of the {n_stops} real end-of-sequence tokens (attention mask 1) is a supervised target: the positions "
         f"that predict them get no loss gradient while {n_supervised} others do, so the model never learns to stop "
         "(a loss mask built by token value, labels == pad_id with pad_token = eos_token); mask padding by position, "
@@ -485,7 +493,7 @@ def check_repeated_forward(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
-@check("supervision", emits=("DATA-003", "DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
+@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
                              "LOOP-005",
                              "LOOP-011"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
@@ -505,7 +513,7 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
             continue
         call = trace.calls[rec.call]
         candidates = [None if labelled else _padding_supervised(ctx, call, rec), _copies_input(ctx, call, rec),
-                      _crosses_packing(call, rec), _stops_unsupervised(ctx, call, rec),
+                      _crosses_packing(call, rec),
                       _one_class(rec), _weights_follow_frequency(rec), _weights_cancel(ctx, rec)]
         for f in candidates:
             if f is not None and f.catalog_id not in seen:
