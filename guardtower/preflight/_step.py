@@ -67,12 +67,17 @@ def _token_shape(named: dict[str, Any]) -> tuple[int, ...] | None:
     return None
 
 
-def _nothing_to_follow(trace: StepTrace, name: str) -> bool:
-    """Whether the step's gradient leaves some of tensor ``name`` alone: none at all, or rows that backward
-    filled and the step zeroed before ``optimizer.step()``."""
+def _zeroed_rows(trace: StepTrace, name: str) -> torch.Tensor | None:
+    """The rows of tensor ``name`` that backward filled and the step zeroed before ``optimizer.step()``."""
     at_step = trace.grad_rows_at_step.get(name)
     after = trace.grad_rows_after_backward.get(name)
-    return at_step is None or (after is not None and after.shape == at_step.shape and bool((after & ~at_step).any()))
+    return after & ~at_step if after is not None and at_step is not None and after.shape == at_step.shape else None
+
+
+def _nothing_to_follow(trace: StepTrace, name: str) -> bool:
+    """Whether the step's gradient leaves some of tensor ``name`` alone: none at all, or zeroed rows."""
+    zeroed = _zeroed_rows(trace, name)
+    return trace.grad_rows_at_step.get(name) is None or (zeroed is not None and bool(zeroed.any()))
 
 
 def extract_loss(output: Any) -> Any:
@@ -264,9 +269,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             closure[0] = False
             record_step(opt)
         for name, p, before in before_step:
-            at_step, after = trace.grad_rows_at_step.get(name), trace.grad_rows_after_backward.get(name)
-            zeroed = after & ~at_step if after is not None and at_step is not None and after.shape == at_step.shape else None
-            moved = moved_without_grad(p, before, at_step, zeroed) if before.shape == p.shape else None
+            moved = (moved_without_grad(p, before, trace.grad_rows_at_step.get(name), _zeroed_rows(trace, name))
+                     if before.shape == p.shape else None)
             if moved is not None:
                 trace.user_update[name] = moved
         before_step.clear()
