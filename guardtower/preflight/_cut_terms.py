@@ -87,7 +87,7 @@ def mark_moving(terms: list[CutTerm], trained: list[torch.Tensor], step_fn: Call
     with torch.no_grad():
         for p in trained:
             noise = torch.randn(p.shape, generator=generator).to(device=p.device, dtype=p.dtype)
-            p.add_(noise * (_NUDGE * (float(p.detach().abs().float().mean()) + 1e-3)))
+            p.add_(noise * (p.detach().abs().mean() * _NUDGE + _NUDGE * 1e-3))  # on the device: no host sync
     again: list[CutTerm] = []
     try:
         rng()

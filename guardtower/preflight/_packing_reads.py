@@ -36,7 +36,7 @@ def packing_boundaries(call: RootCall) -> tuple[str, torch.Tensor, torch.Tensor]
     if found is None:
         return None
     key, ids = found
-    named = call.named.get("position_ids", call.kwargs.get("position_ids"))
+    named = call.argument("position_ids")
     candidates = [named] if isinstance(named, torch.Tensor) else [t for k, t in tensors if k != key]
     for positions in candidates:
         if positions.is_floating_point() or positions.dtype == torch.bool or positions.dim() not in (1, 2):

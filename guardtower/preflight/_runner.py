@@ -239,14 +239,14 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             with state.isolated_optimizers():
                 trace.unread = confirm_values_unread(model, counted_step, unread, trace.loss, state.restore_rng)
             state.restore_values()
-        copies = (no_grad_only(model, trace.grads, trace.ran, trace.ran_with_grad)
+        copies = (no_grad_only(ctx.params, trace.grads, trace.ran, trace.ran_with_grad)
                   if "self_updates" in needs and trace.error is None and trace.backward and not multi_rank() else [])
         if copies:
             report.notes.append(f"step_fn ran once more with the values of {len(copies)} gradient-less trainable "
                                 "parameter(s) that ran only under no_grad changed (then put back): whether the step "
                                 "updates them itself, as a momentum or EMA copy")
             with state.isolated_optimizers():
-                trace.updated_by_step = confirm_updated_by_step(model, counted_step, copies, state.restore_rng)
+                trace.updated_by_step = confirm_updated_by_step(ctx.params, counted_step, copies, state.restore_rng)
             state.restore_values()
         cut = [t for t in ctx.probes.get("cut_terms", []) if t.dead_added]
         if cut and "cut_terms" in needs and trace.error is None and not multi_rank():

@@ -21,20 +21,18 @@ from guardtower.preflight._value_reads import shifted
 __all__ = ["no_grad_only", "confirm_updated_by_step"]
 
 
-def no_grad_only(model: nn.Module, grads: dict[str, Any], ran: set[str], ran_with_grad: set[str]) -> list[str]:
+def no_grad_only(params: dict[str, nn.Parameter], grads: dict[str, Any], ran: set[str],
+                 ran_with_grad: set[str]) -> list[str]:
     """The trainable parameters without a gradient whose module ran in the step, and only under ``no_grad``."""
-    owners = dict(model.named_modules())
-    return [n for n, g in grads.items() if g is None and (owner := n.rpartition(".")[0]) in owners
-            and owner in ran and owner not in ran_with_grad and owners[owner].get_parameter(n.rpartition(".")[2])
-            .requires_grad]
+    return [n for n, p in params.items() if p.requires_grad and grads.get(n) is None
+            and (owner := n.rpartition(".")[0]) in ran and owner not in ran_with_grad]
 
 
-def confirm_updated_by_step(model: nn.Module, step_fn: Callable[[], Any], names: list[str],
+def confirm_updated_by_step(params: dict[str, nn.Parameter], step_fn: Callable[[], Any], names: list[str],
                             rng: Callable[[], None]) -> set[str]:
     """Re-run ``step_fn`` (same RNG stream) with the values of ``names`` changed; those the step moved off the
     changed values. The caller puts every value back; a run that fails tells nothing."""
-    params = dict(model.named_parameters())
-    held = [(n, params[n]) for n in names if n in params]
+    held = [(n, params[n]) for n in names]
     with torch.no_grad():
         changed = [shifted(p) for _, p in held]
         for (_, p), value in zip(held, changed):

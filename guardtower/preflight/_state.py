@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from guardtower.preflight._util import iter_tensors, patched
+from guardtower.preflight._util import iter_tensors, patched, wrapper_chain
 
 __all__ = ["TrainingState", "OptimizerState", "TensorFlags", "clone_value", "restore_value"]
 
@@ -246,27 +246,10 @@ def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The optimizers whose state must be kept: the optimizer and any it wraps, once per state dict."""
     # wrappers sharing param_groups/state with their base need only one snapshot of that state
     unique: list[torch.optim.Optimizer] = []
-    for opt in reversed(_wrapper_chain(optimizer)):  # innermost first: its ``state`` is a plain, settable attribute
+    for opt in reversed(wrapper_chain(optimizer, torch.optim.Optimizer)):  # innermost first: its ``state`` is a plain, settable attribute
         if not any(opt.state is u.state for u in unique):
             unique.append(opt)
     return unique
-
-
-def _wrapper_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The optimizer and the optimizers it wraps, outermost first."""
-    chain: list[torch.optim.Optimizer] = []
-    current = optimizer
-    for _ in range(8):
-        if current is None:
-            break
-        if isinstance(current, torch.optim.Optimizer) and all(current is not c for c in chain):
-            chain.append(current)
-        current = next(
-            (v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
-             if isinstance(v, torch.optim.Optimizer) and v is not current),
-            None,
-        )
-    return chain
 
 
 _MISSING = object()
@@ -286,7 +269,7 @@ def _steps_bypass_wrappers(optimizer: Any) -> Iterator[None]:
     ``GuardedOptimizer`` (or any wrapper) counts no step and moves no baseline for an update that is undone. An
     Accelerate optimizer is where the bypass stops: its step decides whether there is an update at all (none on
     the micro-batches of an accumulation window), so skipping it would change the step the audit measures."""
-    chain = _wrapper_chain(optimizer)
+    chain: list[torch.optim.Optimizer] = wrapper_chain(optimizer, torch.optim.Optimizer)
     target = next((i for i, w in enumerate(chain) if _decides_the_step(w)), len(chain) - 1)
     wrappers = chain[:target]
     saved = [vars(w).get("step", _MISSING) for w in wrappers]

@@ -57,11 +57,11 @@ def _by_name(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return {**dict(zip(positional, args)), **kwargs}
 
 
-def _token_shape(named: dict[str, Any]) -> tuple[int, ...] | None:
+def _token_shape(call: RootCall) -> tuple[int, ...] | None:
     """(batch, tokens) of a call that takes a token mask or token ids: an output of exactly that shape holds one
     value per token (a per-token reward or score), not class scores."""
     for key in ("attention_mask", "input_ids"):
-        value = named.get(key)
+        value = call.argument(key)
         if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point():
             return tuple(value.shape)
     return None
@@ -123,7 +123,7 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
                 measured = first_call_output(output, primary_output)
                 if measured is not None and torch.is_grad_enabled():
                     measured.register_hook(supervision_hook(index, measured, supervised,
-                                                            _token_shape(calls[index].named)))
+                                                            _token_shape(calls[index])))
                 break
 
     def embedding_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], Any]:

@@ -51,6 +51,10 @@ class RootCall:
     named: dict[str, Any] = field(default_factory=dict)
     """the call's arguments by the forward's parameter names, positional ones included (``model(ids, mask)``)"""
 
+    def argument(self, key: str) -> Any:
+        """The argument the forward's parameter ``key`` received, passed by name or by position."""
+        return self.named.get(key)
+
 
 @dataclass(frozen=True)
 class Moved:

@@ -14,6 +14,7 @@ from torch import nn
 __all__ = [
     "iter_tensors",
     "unique_params",
+    "wrapper_chain",
     "base_optimizer",
     "base_scheduler",
     "companion_modules",
@@ -61,19 +62,25 @@ def unique_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())
 
 
+def wrapper_chain(obj: Any, kind: type | tuple[type, ...]) -> list[Any]:
+    """``obj`` and what it wraps, outermost first: the instances of ``kind`` met by following, from each object,
+    its first attribute that is one (Accelerate's and the guards' wrappers hold what they wrap that way)."""
+    chain: list[Any] = []
+    current = obj
+    for _ in range(8):
+        if isinstance(current, kind) and all(current is not c for c in chain):
+            chain.append(current)
+        current = next((v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
+                        if isinstance(v, kind) and v is not current), None)
+        if current is None:
+            break
+    return chain
+
+
 def base_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     """The innermost ``torch.optim.Optimizer`` behind wrappers (Accelerate, guards) that hold it as an attribute."""
-    current = optimizer
-    for _ in range(8):
-        inner = next(
-            (v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
-             if isinstance(v, torch.optim.Optimizer) and v is not current),
-            None,
-        )
-        if inner is None:
-            break
-        current = inner
-    return current if isinstance(current, torch.optim.Optimizer) else None
+    chain = wrapper_chain(optimizer, torch.optim.Optimizer)
+    return chain[-1] if chain else None
 
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -83,16 +90,8 @@ def base_scheduler(scheduler: Any) -> Any:
     """The innermost torch LR scheduler behind wrappers that hold it as an attribute (Accelerate's
     ``AcceleratedScheduler`` steps it only when the optimizer really steps): walking the wrapper would walk
     nothing, and its own ``step()`` calls are not the schedule's. Anything else is returned as given."""
-    current = scheduler
-    for _ in range(8):
-        if current is None or isinstance(current, _SCHEDULERS):
-            break
-        inner = next((v for v in (vars(current).values() if hasattr(current, "__dict__") else ())
-                      if isinstance(v, _SCHEDULERS)), None)
-        if inner is None:
-            break
-        current = inner
-    return current if isinstance(current, _SCHEDULERS) else scheduler
+    chain = wrapper_chain(scheduler, _SCHEDULERS)
+    return chain[-1] if chain else scheduler
 
 
 def companion_modules(step_fn: Callable[..., Any], model: nn.Module) -> dict[str, nn.Module]:

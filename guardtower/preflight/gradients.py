@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -51,53 +51,39 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     grads = ctx.trace.grads
     trainable = [n for n, p in ctx.params.items() if p.requires_grad]
     missing = [n for n in trainable if grads.get(n) is None]
+    trained, updated_by_step = trained_ids(ctx), ctx.trace.updated_by_step
+    # each explanation, in turn, takes the parameters it accounts for out of ``missing`` as an INFO finding (the
+    # consequence is by design); what none accounts for is a failure
+    explanations: list[tuple[Callable[[list[str]], list[str]], Callable[[list[str]], str], str]] = [
+        (lambda names: _skipped_by_design(ctx, names),
+         lambda names: f"{len(names)} trainable parameter(s) got no gradient in this step because their layer or "
+         f"expert did not run (the model drops layers at random or routes tokens to experts): {fmt_names(names)}; "
+         "they get gradients in other steps", "conditional"),
+        (lambda names: _unused_parts(ctx, names),
+         lambda names: f"{len(names)} trainable parameter(s) of parts the step does not use got no gradient (their "
+         f"module never ran, or the loss does not use what it computes): {fmt_names(names)} (an unused pooler, a "
+         "backbone's head the step skips, cross-attention a decoder-only use never calls); if the loss should use "
+         "them, wire them in, else freeze them", "unused_part"),
+        # no optimizer holds them either, so nothing was meant to train them (a target network, an EMA or teacher
+        # copy left requiring grad); a gradient would change nothing
+        (lambda names: [n for n in names if trained is not None and id(ctx.params[n]) not in trained],
+         lambda names: f"{len(names)} parameter(s) that require grad got no gradient and are in no optimizer the "
+         f"step steps: {fmt_names(names)}; nothing trains them, as a target network or an EMA/teacher copy should "
+         "be (requires_grad_(False) says so)", "untrained"),
+        # the step keeps them up to date itself (a MoCo key encoder, a BYOL/DINO target), so no gradient was needed;
+        # a copy that should follow and never changes is the failure below
+        (lambda names: [n for n in names if n in updated_by_step],
+         lambda names: f"{len(names)} trainable parameter(s) ran only under no_grad and got no gradient, and "
+         f"step_fn updates them itself: {fmt_names(names)} (a momentum or EMA copy of what learns); "
+         "requires_grad_(False) says so", "updated_by_step"),
+    ]
     findings = []
-    skipped = _skipped_by_design(ctx, missing)
-    if skipped:
-        findings.append(Finding(
-            "grad_connectivity", Severity.INFO,
-            f"{len(skipped)} trainable parameter(s) got no gradient in this step because their layer or expert "
-            f"did not run (the model drops layers at random or routes tokens to experts): {fmt_names(skipped)}; "
-            "they get gradients in other steps",
-            "GRAD-001", {"params": skipped, "conditional": True},
-        ))
-        missing = [n for n in missing if n not in set(skipped)]
-    idle = _unused_parts(ctx, missing)
-    if idle:
-        findings.append(Finding(
-            "grad_connectivity", Severity.INFO,
-            f"{len(idle)} trainable parameter(s) of parts the step does not use got no gradient (their module never "
-            f"ran, or the loss does not use what it computes): {fmt_names(idle)} (an unused pooler, a backbone's head "
-            "the step skips, cross-attention a "
-            "decoder-only use never calls); if the loss should use them, wire them in, else freeze them",
-            "GRAD-001", {"params": idle, "unused_part": True},
-        ))
-        missing = [n for n in missing if n not in set(idle)]
-    trained = trained_ids(ctx)
-    untrained = [n for n in missing if trained is not None and id(ctx.params[n]) not in trained]
-    if untrained:
-        # consequence: no optimizer holds them either, so nothing was meant to train them (a target network, an
-        # EMA or teacher copy left requiring grad); a gradient would change nothing
-        findings.append(Finding(
-            "grad_connectivity", Severity.INFO,
-            f"{len(untrained)} parameter(s) that require grad got no gradient and are in no optimizer the step "
-            f"steps: {fmt_names(untrained)}; nothing trains them, as a target network or an EMA/teacher copy should "
-            "be (requires_grad_(False) says so)",
-            "GRAD-001", {"params": untrained, "untrained": True},
-        ))
-        missing = [n for n in missing if n not in set(untrained)]
-    following = [n for n in missing if n in ctx.trace.updated_by_step]
-    if following:
-        # consequence: the step keeps them up to date itself (a MoCo key encoder, a BYOL/DINO target), so no
-        # gradient was needed; a copy that should follow and never changes is the failure below
-        findings.append(Finding(
-            "grad_connectivity", Severity.INFO,
-            f"{len(following)} trainable parameter(s) ran only under no_grad and got no gradient, and step_fn updates "
-            f"them itself: {fmt_names(following)} (a momentum or EMA copy of what learns); requires_grad_(False) says "
-            "so",
-            "GRAD-001", {"params": following, "updated_by_step": True},
-        ))
-        missing = [n for n in missing if n not in set(following)]
+    for select, say, kind in explanations:
+        explained = select(missing)
+        if explained:
+            findings.append(Finding("grad_connectivity", Severity.INFO, say(explained), "GRAD-001",
+                                    {"params": explained, kind: True}))
+            missing = [n for n in missing if n not in set(explained)]
     if missing:
         findings.append(Finding(
             "grad_connectivity", Severity.ERROR,

@@ -142,19 +142,17 @@ def _rng_states(module: nn.Module) -> list[torch.Tensor]:
     return states
 
 
-def _stat_layers(root: nn.Module, skip: dict[str, nn.Module] | None = None) -> list[nn.Module]:
-    """The normalisation layers under ``root`` that track running statistics (those under ``skip``'s parts left
-    out)."""
+def _stat_layers(root: nn.Module, skip: dict[str, nn.Module] | None = None) -> list[tuple[str, nn.Module]]:
+    """The normalisation layers under ``root`` that track running statistics, by their name under ``root``
+    (those under ``skip``'s parts left out)."""
     skipped = {id(m) for part in (skip or {}).values() for m in part.modules()}
-    return [m for m in root.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-            and isinstance(m.running_mean, torch.Tensor) and id(m) not in skipped]
+    return [(n, m) for n, m in root.named_modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+            and m.track_running_stats and isinstance(m.running_mean, torch.Tensor) and id(m) not in skipped]
 
 
 def _running_stats(root: nn.Module, skip: dict[str, nn.Module] | None = None) -> list[tuple[str, torch.Tensor]]:
     """The running means of ``_stat_layers(root, skip)``, by their name under ``root``."""
-    names = {id(m): n for n, m in root.named_modules()}
-    return [(f"{names[id(m)]}.running_mean" if names[id(m)] else "running_mean", _running_mean(m))
-            for m in _stat_layers(root, skip)]
+    return [(f"{n}.running_mean" if n else "running_mean", _running_mean(m)) for n, m in _stat_layers(root, skip)]
 
 
 def _running_mean(layer: nn.Module) -> torch.Tensor:
@@ -193,8 +191,8 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
                for part, m in parts.items() for n, b in m.named_buffers()
                if b.dtype != torch.bool and b.device.type != "meta"}
     trained_stats = {n: b.detach().clone() for n, b in _running_stats(ctx.model, skip=parts)}
-    companion_stats = {(c, n): (m, b.detach().clone()) for c, root in ctx.companions.items()
-                       for (n, b), m in zip(_running_stats(root), _stat_layers(root))}
+    companion_stats = {(c, n): (m, _running_mean(m).detach().clone()) for c, root in ctx.companions.items()
+                       for n, m in _stat_layers(root)}
     handles = [h for n, m in components.items()
                for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
     versions = {part: [p._version for p in m.parameters()] for part, m in parts.items()}  # in-place writes count up
@@ -214,7 +212,7 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
                                                                                               skip=parts))
         for (name, layer), (module, start) in companion_stats.items() if trained_moved else ():
             if torch.equal(_running_mean(module).detach(), start):  # not run in the step, or run in eval mode
-                record.companion_stats.setdefault(name, []).append(f"{name}.{layer.rsplit('.', 1)[0]}".rstrip("."))
+                record.companion_stats.setdefault(name, []).append(f"{name}.{layer}" if layer else name)
         for part in parts if trained_moved else ():
             idle = [f"{part}.{n}".rsplit(".", 1)[0] for n, b in _running_stats(parts[part])
                     if torch.equal(b.detach(), buffers.get((part, f"{part}.{n}"), b))]

@@ -51,7 +51,7 @@ def _vocab(model: nn.Module) -> int | None:
 
 
 def _call_tensor(call: RootCall, key: str) -> torch.Tensor | None:
-    value = call.named.get(key, call.kwargs.get(key))
+    value = call.argument(key)
     if value is None and key == "input_ids" and call.args and isinstance(call.args[0], torch.Tensor):
         value = call.args[0]
     return value if isinstance(value, torch.Tensor) else None
