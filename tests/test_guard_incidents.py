@@ -234,6 +234,55 @@ def test_lightning_names_the_rejected_batch_and_triage_recomputes_it(tmp_path: P
     callback.close()
 
 
+@pytest.mark.parametrize("incident", ["transient", "deterministic"])
+def test_lightning_16_mixed_triage_recomputes_at_the_grad_scalers_scale(tmp_path: Path, incident: str) -> None:
+    """Under a GradScaler Lightning runs the closure itself and calls ``scaler.step(guard)`` with none; the
+    recompute is scaled again, so judged without the scale a one-off spike would read as deterministic."""
+    pytest.importorskip("lightning")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _lightning_helpers import TinyModule, lightning_trainer
+    from lightning.pytorch.plugins.precision.amp import MixedPrecision
+
+    from guardtower.integrations.lightning import GuardtowerGuard
+
+    # transient: the gradients x1e4 after the closure (a fault the recompute does not see); deterministic:
+    # batch 11 scaled x10 (finite in float16 at this loss scale: the scaler itself lets it through)
+    module = TinyModule(spike_at=12 if incident == "transient" else None)
+    if incident == "deterministic":
+        module.x[16 * 11:16 * 12] *= 10
+        module.y[16 * 11:16 * 12] *= 10
+    sink = InMemorySink()
+    callback = GuardtowerGuard(log_dir=tmp_path / "logs", verbose=False, sinks=[sink], triage=True)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+    trainer = lightning_trainer(tmp_path, max_steps=16, callbacks=[callback], plugins=[plugin])
+    trainer.fit(module)
+    callback.guards[0].flush()
+    event, = [e for e in sink.events if isinstance(e, SpikeEvent)]
+    assert (event.step, event.batch["index"], event.triage) == (12, 11, incident)
+    assert "optimizer_step" not in vars(plugin)  # the plugin is given back at the end of fit
+    callback.close()
+
+
+def test_lightning_triage_without_a_manual_closure_is_a_clear_error_at_the_first_step(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _lightning_helpers import TinyModule, lightning_trainer, snapshot, same
+
+    from guardtower.integrations.lightning import GuardtowerGuard
+
+    module = TinyModule(manual=True)  # its training_step calls opt.step() with no closure
+    before = snapshot(module)
+    callback = GuardtowerGuard(log_dir=tmp_path / "logs", verbose=False, triage=True)
+    with pytest.raises(ConfigError, match="triage: manual optimization called optimizer.step\(\) without a closure"):
+        lightning_trainer(tmp_path, max_steps=3, callbacks=[callback]).fit(module)
+    assert same(before, snapshot(module)) and callback.guards[0].step_count == 0
+    callback.close()
+
+
 def test_a_replayed_step_is_skipped_unjudged_and_accumulated_batches_are_quarantined_together(tmp_path: Path) -> None:
     net, guard, sink = make(tmp_path, warmup_steps=0)
     x, y = batch(1)

@@ -142,7 +142,8 @@ class GuardtowerGuard(Callback):
     guard per optimizer of the strategy. The counters are logged every training batch as
     ``guardtower/spikes``, ``guardtower/skipped_steps`` and ``guardtower/rollbacks`` (``log_counters=False``
     turns that off). Each batch's epoch and index reach the guard (``observe_batch``), so a rejected step's
-    batch is named and quarantined; Lightning's closure lets ``triage=True`` recompute a rejected step.
+    batch is named and quarantined; Lightning's closure lets ``triage=True`` recompute a rejected step, at every
+    precision (under ``16-mixed`` at the GradScaler's scale).
     ``clip_in_guard=False`` leaves Lightning's gradient clipping before the guard. A halt
     (``nan_action="raise"``) sets the MLflow runs FAILED unless ``fail_mlflow_run=False``.
 
@@ -199,6 +200,7 @@ class GuardtowerGuard(Callback):
         self._batches: list[Any] = []  # the batches of the optimizer step under way
         self._replaying = False  # that step is quarantined
         self._module: pl.LightningModule | None = None  # whose training_step is wrapped
+        self._plugin: Any = None  # the precision plugin whose optimizer_step is wrapped
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from guardtower.guard import GuardedOptimizer
@@ -216,6 +218,8 @@ class GuardtowerGuard(Callback):
         # a TensorBoardBridge on the logger's own writer writes these tags at the guard's steps: not twice
         self._counters_bridged = _bridged_writer(self._bus, trainer)
         self._wrap_training_step(pl_module)
+        if any(guard.triage for guard in self.guards):
+            self._hand_over_recomputes(trainer.precision_plugin)
         clip_val = trainer.gradient_clip_val
         if self.clip_in_guard and clip_val:
             algorithm = getattr(trainer.gradient_clip_algorithm, "value", None) or "norm"
@@ -277,6 +281,34 @@ class GuardtowerGuard(Callback):
         pl_module.training_step = training_step  # type: ignore[method-assign]
         self._module = pl_module
 
+    def _hand_over_recomputes(self, plugin: Any) -> None:
+        """Wrap the precision plugin's ``optimizer_step`` (undone at the end of fit) so triage gets the step's
+        closure whatever the precision. Under a GradScaler (``16-mixed``) the plugin runs the closure itself and
+        calls ``scaler.step(guard)`` with none: the guard is handed the closure and the scaler beforehand
+        (``observe_recompute``), so a rejected step is recomputed at the loss scale it was computed at. A manual
+        ``optimizer.step()`` without a closure cannot be recomputed: a ``ConfigError`` at that first step, before
+        anything ran, instead of a recompute that does nothing and labels every incident transient."""
+        from lightning.pytorch.core.optimizer import do_nothing_closure
+
+        step = plugin.optimizer_step
+        scaler = getattr(plugin, "scaler", None)
+
+        @functools.wraps(step)
+        def optimizer_step(optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+            guard = next((g for g in self.guards if g is optimizer and g.triage), None)
+            if guard is not None:
+                if closure is do_nothing_closure:
+                    raise ConfigError("triage", "manual optimization called optimizer.step() without a closure, "
+                                      "so a rejected step cannot be recomputed",
+                                      "pass the step's forward and backward as opt.step(closure=...), or "
+                                      "construct GuardtowerGuard(triage=False)")
+                if scaler is not None:
+                    guard.observe_recompute(closure, scaler=scaler)
+            return step(optimizer, model=model, closure=closure, **kwargs)
+
+        plugin.optimizer_step = optimizer_step
+        self._plugin = plugin
+
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """Every rank's guard states into the checkpoint that rank 0 writes (this runs on every rank: one
@@ -323,6 +355,9 @@ class GuardtowerGuard(Callback):
         if self._module is not None:
             vars(self._module).pop("training_step", None)
             self._module = None
+        if self._plugin is not None:
+            vars(self._plugin).pop("optimizer_step", None)
+            self._plugin = None
         self._batches, self._replaying = [], False
         for handle in self._clip_handles:
             handle.remove()
