@@ -1541,6 +1541,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("optimizer", "state"),
     ),
     FailureMode(
+        "OPT-022", "The step unfreezes what was frozen", Severity.WARN,
+        "Tensors with requires_grad=False when the training step starts require grad when it ends, get a gradient "
+        "and sit in the optimizer.",
+        "Freezing is a flag, and anything the step calls can set it back: a context manager that re-enables "
+        "gradients on exit (peft's disable_adapter() turns an adapter loaded with inference_mode=True trainable), "
+        "a helper that calls model.requires_grad_(True), a toggle left undone. The optimizer was built over all the "
+        "parameters, so the frozen part trains from the first step while the loss looks normal.",
+        "Freeze the part again after the call that unfreezes it (peft: set_adapter(name, inference_mode=True)), or "
+        "build the optimizer only over the tensors meant to train.",
+        "https://github.com/huggingface/peft/issues/3447",
+        ("optimizer", "freezing"),
+    ),
+    FailureMode(
         "MODE-009", "A momentum copy's statistics never follow its weights", Severity.WARN,
         "The step updates a frozen part's weights in place (an EMA or mean teacher, a target encoder), or those "
         "of a copy it holds beside the model, but the running statistics of its normalisation layers, in eval "
@@ -1704,7 +1717,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
      "(MODE-001..007)"),
     ("inputs and labels against the model", "padding side, masks, special-token ids, EOS in the labels "
      "(INPUT-003..007, DATA-001..004, DATA-010/011)"),
-    ("the setup's own flags", "freeze flags, param groups, optimizer hyper-parameters (OPT-001..018)"),
+    ("the setup's own flags", "freeze flags and what the step does to them, param groups, optimizer hyper-parameters (OPT-001..018, OPT-022)"),
 )
 
 

@@ -1774,6 +1774,104 @@ def test_adamw_weight_decay_on_a_lora_model_is_not_moving_without_gradient() -> 
     assert not audit(model, step, optimizer=opt).by_id("OPT-008")
 
 
+@case("OPT-022/helper-unfreezes-the-encoder")
+def _encoder_unfrozen_by_a_helper(bug: bool) -> Case:
+    """A frozen pretrained encoder under a trained head; the step's helper that readies the model for training
+    unfreezes every parameter (the fix: only the head), and the optimizer was built over all of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 3
+
+    def ready() -> None:
+        model.train()
+        (model if bug else model[2]).requires_grad_(True)
+
+    def step() -> torch.Tensor:
+        ready()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, step, {"optimizer": opt, "inputs": x}
+
+
+@case("OPT-022/peft-disable-adapter")
+def _adapter_unfrozen_by_disable_adapter(bug: bool) -> Case:
+    """A LoRA policy loaded frozen (inference_mode=True) under a trained value head, with a reference pass of the
+    base model inside ``disable_adapter()``: leaving it makes the adapter trainable (peft issue 3447); the fix
+    restores the adapter frozen after the context."""
+    from peft import LoraConfig, get_peft_model
+
+    class ValueModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            base = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # a frozen part without dropout
+            self.policy = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], lora_dropout=0.0,
+                                                          inference_mode=True, init_lora_weights=False))
+            self.head = nn.Linear(self.policy.config.n_embd, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.policy(input_ids=ids, output_hidden_states=True).hidden_states[-1]).squeeze(-1)
+
+    model = ValueModel()
+    ids = token_batch(seq=12)["input_ids"]
+    returns = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss() -> torch.Tensor:
+        with model.policy.disable_adapter(), torch.no_grad():
+            reference = model.head(model.policy(input_ids=ids, output_hidden_states=True).hidden_states[-1])
+        if not bug:
+            model.policy.set_adapter("default", inference_mode=True)
+        value = model(ids)
+        return F.mse_loss(value, returns) + 0.1 * F.mse_loss(value, reference.squeeze(-1))
+
+    return model, sgd_step(model, opt, loss), {"optimizer": opt, "inputs": {"input_ids": ids}}
+
+
+def test_opt_022_leaves_a_step_that_freezes_a_part_for_one_phase_and_unfreezes_it_alone() -> None:
+    """A GAN's generator step freezes the discriminator and unfreezes it afterwards: the step ends as it began."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = nn.ModuleDict({"gen": gen, "disc": disc})
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=1e-3), torch.optim.Adam(disc.parameters(), lr=1e-3)
+    z, real = torch.randn(8, 4), torch.randn(8, 8)
+
+    def step() -> torch.Tensor:
+        disc.requires_grad_(False)  # the generator's phase
+        opt_g.zero_grad()
+        g_loss = F.softplus(-disc(gen(z))).mean()
+        g_loss.backward()
+        opt_g.step()
+        disc.requires_grad_(True)  # the discriminator's phase
+        opt_d.zero_grad()
+        d_loss = F.softplus(-disc(real)).mean() + F.softplus(disc(gen(z).detach())).mean()
+        d_loss.backward()
+        opt_d.step()
+        return g_loss + d_loss
+
+    report = audit(model, step, optimizer=opt_g)
+    assert not report.by_id("OPT-022"), str(report)
+    assert all(p.requires_grad for p in model.parameters())  # the audit hands every flag back as it found it
+
+
+def test_lora_002_is_info_for_a_peft_model_kept_frozen_under_a_trained_head() -> None:
+    """The peft model is a component, frozen whole, and something outside it trains: a fixed backbone, not a
+    forgotten is_trainable; the same peft model audited on its own, frozen, is still a FAIL."""
+    model, step, kwargs = CASES["OPT-022/peft-disable-adapter"](False)
+    found = audit(model, step, **kwargs).by_id("LORA-002")
+    assert [f.severity for f in found] == [Severity.INFO] and "fixed backbone" in found[0].message
+    policy = model.policy
+    ids = kwargs["inputs"]["input_ids"]
+    alone = audit(policy, lambda: policy(input_ids=ids, labels=ids).loss, inputs={"input_ids": ids})
+    assert [f.severity for f in alone.by_id("LORA-002")] == [Severity.ERROR]
+
+
 # --- severity from consequence --------------------------------------------------------------------------------
 def test_grad_001_is_info_for_an_architectures_part_that_never_ran() -> None:
     from transformers import BertConfig, BertModel
@@ -2315,6 +2413,36 @@ def _padding_predicted_inside_forward(bug: bool) -> Case:
     ids, mask = _padded_ids()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, sgd_step(model, opt, lambda: model(ids, mask.bool())), {"optimizer": opt, "inputs": (ids, mask)}
+
+
+class _NextToken(nn.Module):
+    """A small decoder returning next-token logits (no loss of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.out = nn.Embedding(30, 16), nn.GRU(16, 16, batch_first=True), nn.Linear(16, 30)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.emb(ids))[0])
+
+
+@case("DATA-005/per-token-mask-of-the-inputs")
+def _padding_weighted_by_the_inputs_mask(bug: bool) -> Case:
+    """A per-token loss weighted by a mask: the inputs' mask where the shifted targets need theirs (``mask[:, :-1]``)
+    weights each row's last real position, whose target is padding; the twin (``mask[:, 1:]``) has the same
+    padded targets and ignore_index, and weights them 0."""
+    model = _NextToken()
+    ids, mask = _padded_ids()
+
+    def loss() -> torch.Tensor:
+        logits = model(ids, mask)[:, :-1]
+        per_token = F.cross_entropy(logits.reshape(-1, 30), ids[:, 1:].reshape(-1), reduction="none")
+        weight = (mask[:, :-1] if bug else mask[:, 1:]).reshape(-1).float()
+        return (per_token * weight).sum() / weight.sum()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, sgd_step(model, opt, loss), {"optimizer": opt, "inputs": {"input_ids": ids, "attention_mask": mask}}
 
 
 def test_input_011_leaves_a_causal_model_and_a_unidirectional_rnn_on_right_padding_alone() -> None:

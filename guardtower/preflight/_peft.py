@@ -81,6 +81,20 @@ def is_peft_model(model: nn.Module) -> bool:
     return any(is_adapter_param(name) for name, _ in inner.named_parameters())
 
 
+def peft_components(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The peft models held inside a model that is not one itself (a frozen LoRA policy under a value head), by
+    their qualified names; empty when the model is the peft model."""
+    inner = unwrap_parallel(model)
+    if isinstance(getattr(inner, "peft_config", None), dict):
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in inner.named_modules():  # parents come first: a PeftModel's own LoraModel is left out
+        if (name and isinstance(getattr(module, "peft_config", None), dict) and module.peft_config
+                and not any(name.startswith(f"{outer}.") for outer, _ in found)):
+            found.append((name, module))
+    return found
+
+
 def peft_config(model: nn.Module) -> Any:
     """The active adapter's config object (a peft ``LoraConfig``), or None."""
     inner = unwrap_parallel(model)

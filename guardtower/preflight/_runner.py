@@ -198,6 +198,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         # a training step runs with autograd on, whatever context audit() was called from
         with torch.enable_grad(), state.isolated_optimizers():
             trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs)
+        trace.unfrozen = _unfrozen(ctx, state)
         state.restore_values()
         if trace.phase == "step_fn" and trace.marked_inputs:
             # the model refuses inputs that require grad (wav2vec2 sets requires_grad on a view of its input):
@@ -209,6 +210,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
             state.clear_grads()
             with torch.enable_grad(), state.isolated_optimizers():
                 trace = run_step(ctx, counted_step, state.inputs, leak_analysis="leak" in needs, mark_inputs=False)
+            trace.unfrozen = _unfrozen(ctx, state)
             state.restore_values()
         if optimizer is not None and trace.backward and "update" in needs:
             for name, p in ctx.params.items():  # the trial step uses the audit's gradients
@@ -340,6 +342,12 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         state.restore()
         schedule.restore()
     return report
+
+
+def _unfrozen(ctx: AuditContext, state: TrainingState) -> set[str]:
+    """The names of the parameters ``step_fn`` unfroze (read before the flags are put back)."""
+    unfrozen = {id(p) for p in state.unfrozen()}
+    return {name for name, p in ctx.params.items() if id(p) in unfrozen}
 
 
 def _run_check(spec: CheckSpec, ctx: AuditContext) -> list[Finding]:

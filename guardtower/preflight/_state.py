@@ -151,6 +151,7 @@ class TrainingState:
         # only tensors an optimizer step can touch are cloned: a LoRA audit does not copy the frozen base
         self.params = [(p, p.detach().clone()) for p in all_params if p.requires_grad or id(p) in in_optimizer]
         cloned = {id(p) for p, _ in self.params}
+        self.flags = [(p, p.requires_grad) for p in all_params]  # a step may unfreeze (or freeze) tensors itself
         self.frozen_versions = [(p, p._version) for p in all_params if id(p) not in cloned]
         self.grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in all_params]
         self.buffers = [(b, b.detach().clone()) for b in _unique(model.buffers())]
@@ -184,9 +185,16 @@ class TrainingState:
         for p, _, _ in self.grads:
             p.grad = None
 
+    def unfrozen(self) -> list[torch.Tensor]:
+        """The parameters that were frozen when the audit began and require grad now (the step unfroze them)."""
+        return [p for p, requires_grad in self.flags if not requires_grad and p.requires_grad]
+
     def restore_values(self) -> None:
-        """Put back parameter and buffer values, optimizer state, the scaler and Accelerate's accumulation
-        phase (idempotent)."""
+        """Put back ``requires_grad`` flags, parameter and buffer values, optimizer state, the scaler and
+        Accelerate's accumulation phase (idempotent)."""
+        for p, requires_grad in self.flags:
+            if p.requires_grad != requires_grad:
+                p.requires_grad_(requires_grad)
         with torch.no_grad():
             for p, saved in self.params:
                 _copy_into(p, saved)

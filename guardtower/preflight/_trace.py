@@ -233,6 +233,8 @@ class StepTrace:
     """param name -> which rows of its gradient were non-zero when ``step_fn``'s first optimizer step ran"""
     user_update: dict[str, "Moved"] = field(default_factory=dict)
     """param name -> how ``step_fn``'s own optimizer step moved it, for tensors it moved without a gradient"""
+    unfrozen: set[str] = field(default_factory=set)
+    """params frozen (requires_grad=False) when the audit began that ``step_fn`` left requiring grad"""
     updated_by_step: set[str] = field(default_factory=set)
     """trainable params that ran only under no_grad, got no gradient, and that ``step_fn`` moves itself when their
     values are changed (a momentum or EMA copy of the encoder that learns)"""

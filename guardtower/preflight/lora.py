@@ -28,12 +28,14 @@ from guardtower.preflight._peft import (
     is_peft_model,
     is_saved_param,
     lora_layers,
+    peft_components,
     peft_config,
     saved_wrappers,
     storage_key,
     unwrap_parallel,
 )
 from guardtower.preflight._registry import AuditContext, check, probe
+from guardtower.preflight._util import fmt_names
 from guardtower.errors import ConfigError
 from guardtower.report import Finding, Report
 from guardtower.severity import Severity
@@ -196,6 +198,25 @@ def check_base_frozen(ctx: AuditContext) -> Iterator[Finding]:
         )
 
 
+def _frozen_backbone(ctx: AuditContext) -> Finding | None:
+    """LORA-002 at INFO for a peft model held, whole and frozen, inside a model whose own parts train (a LoRA
+    policy under a value head, a reference model): a frozen component kept on purpose, not a frozen adapter."""
+    parts = peft_components(ctx.model)
+    prefixes = tuple(f"{name}." for name, _ in parts)
+    outside = [n for n, p in ctx.params.items() if p.requires_grad and not n.startswith(prefixes)]
+    if not parts or not outside:
+        return None
+    modes = {name: bool(getattr(peft_config(part), "inference_mode", False)) for name, part in parts}
+    return Finding(
+        "lora_adapter", Severity.INFO,
+        f"the peft model(s) {', '.join(modes)} are frozen whole, adapters included"
+        f"{' (loaded with inference_mode=True)' if all(modes.values()) else ''}, while {len(outside)} tensor(s) "
+        f"outside them train ({fmt_names(outside, 3)}): a fixed backbone; if its adapter should train, load it with "
+        "is_trainable=True",
+        "LORA-002", {"components": list(modes), "trains": outside[:50]},
+    )
+
+
 @check("lora_adapter", emits=("LORA-002", "LORA-007", "LORA-011", "LORA-013"), static=True)
 def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
     """LORA-002 frozen adapters, LORA-007 adapters merged/disabled, LORA-011 alpha/r scaling out of range,
@@ -207,17 +228,21 @@ def check_adapter(ctx: AuditContext) -> Iterator[Finding]:
     factors = [(pair.a_name, pair.a) for pair in pairs] + [(pair.b_name, pair.b) for pair in pairs]
     frozen = [name for name, p in factors if not p.requires_grad]
     if frozen:
-        inference = bool(getattr(peft_config(ctx.model), "inference_mode", False))
-        hint = " (the adapter was loaded with inference_mode=True)" if inference else ""
         every = len(frozen) == len(factors)
-        count = f"the adapters are ALL frozen: all {len(frozen)}" if every else f"{len(frozen)} of {len(factors)}"
-        yield Finding(
-            "lora_adapter",
-            Severity.ERROR,
-            f"{count} active LoRA factor(s) have requires_grad=False{hint}: the adapter will not train",
-            "LORA-002",
-            {"params": _names(frozen), "count": len(frozen)},
-        )
+        backbone = _frozen_backbone(ctx) if every else None
+        if backbone is not None:
+            yield backbone
+        else:
+            inference = bool(getattr(peft_config(ctx.model), "inference_mode", False))
+            hint = " (the adapter was loaded with inference_mode=True)" if inference else ""
+            count = f"the adapters are ALL frozen: all {len(frozen)}" if every else f"{len(frozen)} of {len(factors)}"
+            yield Finding(
+                "lora_adapter",
+                Severity.ERROR,
+                f"{count} active LoRA factor(s) have requires_grad=False{hint}: the adapter will not train",
+                "LORA-002",
+                {"params": _names(frozen), "count": len(frozen)},
+            )
     trainable = {n: p for n, p in ctx.params.items() if p.requires_grad and is_adapter_param(n)}
     if trainable:
         numel = sum(p.numel() for p in trainable.values())

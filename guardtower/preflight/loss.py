@@ -119,6 +119,9 @@ class LossCall:
     ascended: bool = False
     """the gradient backward brought to the result was nowhere positive and somewhere negative: the loss that was
     backpropagated grows as this term grows (the term is maximised)"""
+    pulled: torch.Tensor | None = None
+    """of a per-element (``reduction='none'``) class-id loss: which targets the step's backward brought a non-zero
+    gradient to (a CPU bool tensor of the targets' shape); a mask multiplied in afterwards shows here"""
 
 
 #: raw logits all inside [0, 1] without a sigmoid behind them: a few (a small head at init) can, this many cannot
@@ -868,12 +871,16 @@ def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
 
 
 def _note_pull(call: LossCall, running: list[bool], grad: torch.Tensor | None) -> None:
-    """Backward hook on a loss result: keep whether the loss ``step_fn`` backpropagated decreases as the term grows
-    (the audit's own later passes, which may run through the result, are not the step's)."""
+    """Backward hook on a loss result: keep whether the loss ``step_fn`` backpropagated decreases as the term grows,
+    and which of a per-element loss's targets it pulls on (the audit's own later passes, which may run through the
+    result, are not the step's)."""
     try:
-        if running[0] and not call.ascended and isinstance(grad, torch.Tensor):
+        if running[0] and isinstance(grad, torch.Tensor):
             g = grad.detach()
-            call.ascended = bool((g <= 0).all()) and bool((g < 0).any())
+            if not call.ascended:
+                call.ascended = bool((g <= 0).all()) and bool((g < 0).any())
+            if call.pulled is None and call.targets is not None and g.shape == call.targets[0].shape:
+                call.pulled = (g != 0).cpu()
     except Exception:  # observing must never change what the step does
         pass
 

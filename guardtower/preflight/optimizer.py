@@ -181,6 +181,32 @@ def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
+@check("unfrozen_by_step", emits=("OPT-022",))
+def check_unfrozen_by_step(ctx: AuditContext) -> Iterable[Finding]:
+    """OPT-022: tensors frozen when the step began that the step itself left requiring grad, with a gradient,
+    held by an optimizer: whatever froze them is undone every step (a context manager that re-enables them on
+    exit, a helper's ``requires_grad_(True)``), so the part meant to stay fixed trains. A step that freezes a
+    part for one phase and unfreezes it again (a GAN's discriminator) ends as it began: not a finding."""
+    trained = trained_ids(ctx)
+    if ctx.trace is None or not ctx.trace.unfrozen or trained is None:
+        return []
+    grads = ctx.trace.grads
+    unfrozen = [n for n in ctx.params if n in ctx.trace.unfrozen and id(ctx.params[n]) in trained
+                and grads.get(n) is not None and bool(grads[n].any())]
+    if not unfrozen:
+        return []
+    return [Finding(
+        "unfrozen_by_step", Severity.WARN,
+        f"{len(unfrozen)} tensor(s) had requires_grad=False when the step began and require grad when it ends, got "
+        f"a gradient and sit in the optimizer: {fmt_names(unfrozen)}; something the step calls unfreezes them "
+        "(a context manager that re-enables gradients on exit, such as peft's disable_adapter() on an adapter "
+        "loaded with inference_mode=True; a helper calling requires_grad_(True) on the whole model), so the part "
+        "meant to stay frozen trains from the first step; freeze them again after that call, or keep them out of "
+        "the optimizer",
+        "OPT-022", {"params": unfrozen[:50], "count": len(unfrozen)},
+    )]
+
+
 @check("optimizer_hparams", emits=("OPT-004", "OPT-005", "OPT-007", "OPT-015", "OPT-017", "OPT-018"), static=True)
 def check_optimizer_hparams(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-004 learning rate zero, OPT-005/OPT-007 weight decay on biases and normalisation weights, OPT-015 a

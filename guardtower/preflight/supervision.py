@@ -329,7 +329,8 @@ def _padding_targets(ctx: AuditContext) -> Finding | None:
     """DATA-005 from the loss calls themselves (a loss computed inside ``forward``, on a shifted slice, leaves the
     model's output without a gradient to measure): a ``cross_entropy``/``nll_loss`` whose targets are the batch's
     tokens (as they are, or shifted by one) asks for the pad id at positions the batch marks as padding, and
-    neither ``ignore_index`` nor a zero class weight drops them."""
+    neither ``ignore_index``, a zero class weight nor (for ``reduction='none'``) a mask multiplied into the
+    per-token loss drops them: only the padded targets the step's backward pulls on count."""
     trace = ctx.trace
     if trace is None or not trace.calls:
         return None
@@ -356,13 +357,18 @@ def _padding_targets(ctx: AuditContext) -> Finding | None:
             if not bool(real.any()) or not bool((asked[real] == tokens[real]).all()):
                 continue  # not the batch's own tokens
             hit = padded & (asked == pad)
+            if call.pulled is not None:  # a per-element loss weighted afterwards: only targets that get gradient
+                hit &= call.pulled.reshape(tokens.shape)
             count = int(hit.sum())
             if count >= 2:
                 return Finding(
                     "supervision", Severity.WARN,
                     f"{count} target(s) of {call.fn} are the pad id {pad} at positions the batch marks as padding "
                     f"({marked_by}), and its ignore_index is {ignore}: the loss trains the model to predict padding; "
-                    f"pass ignore_index={pad} (or set the padded targets to {ignore})",
+                    + (f"the per-token loss is weighted by a mask that keeps them (a mask of the inputs where the "
+                       f"shifted targets need theirs, mask[:, 1:]): give the padded targets weight 0, or set them "
+                       f"to {ignore}" if call.pulled is not None else
+                       f"pass ignore_index={pad} (or set the padded targets to {ignore})"),
                     "DATA-005", {"positions": count, "pad_id": pad, "ignore_index": ignore, "fn": call.fn,
                                  "shift": shift},
                 )
