@@ -1111,6 +1111,17 @@ _STEP: tuple[FailureMode, ...] = (
         ("schedule", "optimizer"),
     ),
     FailureMode(
+        "SCHED-007", "One max_lr overwrites the param groups' lrs", Severity.WARN,
+        "A OneCycleLR or CyclicLR was given a single max_lr (base_lr) for an optimizer with several param groups, "
+        "and every group now holds the same settings.",
+        "These schedulers set each group's lr from their own argument, not from the lr the group was built with: a "
+        "backbone meant to train at lr/10 trains at the head's rate for the whole run. The schedule itself looks "
+        "right in every log, and the groups still exist.",
+        "Pass one value per group: OneCycleLR(optimizer, max_lr=[lr / 10, lr], ...).",
+        "https://github.com/shariqfarooq123/AdaBins/issues/44",
+        ("schedule", "optimizer"),
+    ),
+    FailureMode(
         "SCHED-006", "The schedule is sized for a longer run", Severity.WARN,
         "Walked over the planned run, the learning rate never falls below half its peak once there, and walked on it "
         "decays to ~0 "
@@ -1712,7 +1723,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("what the update does", "each tensor before and after an optimizer step against its gradient and the "
      "optimizer's state (OPT-008, GRAD-005, AMP-002/004, INIT-001)"),
     ("what the loop calls", "the order of zero_grad, backward, clip, step and scheduler calls (LOOP-001..013)"),
-    ("the whole schedule", "the scheduler walked over the planned run at the real cadence (SCHED-001..005)"),
+    ("the whole schedule", "the scheduler walked over the planned run at the real cadence, and what it writes into each param group (SCHED-001..007)"),
     ("modes and randomness", "which parts are stochastic, frozen, in eval mode, updating statistics "
      "(MODE-001..007)"),
     ("inputs and labels against the model", "padding side, masks, special-token ids, EOS in the labels "

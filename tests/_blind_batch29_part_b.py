@@ -441,8 +441,7 @@ CASES: list[BlindCase] = [
               "construction-time values while the trained model's move.", _c02_build, _c02_proof),
     BlindCase("b29b-03", "https://github.com/shariqfarooq123/AdaBins/issues/44", "scheduler overrides param-group lr",
               "OneCycleLR with a scalar max_lr overwrites both parameter groups' learning rates, so the encoder meant "
-              "to train at a tenth of the decoder's rate trains at the same rate.", _c03_build, _c03_proof,
-              known_miss="a OneCycleLR built with one max_lr overwrites the param groups' lrs at construction: the audit sees the groups already equal"),
+              "to train at a tenth of the decoder's rate trains at the same rate.", _c03_build, _c03_proof),
     BlindCase("b29b-04", "https://github.com/open-mmlab/mmpretrain/issues/983", "loss weight ignored",
               "LabelSmoothLoss stores loss_weight but its inner cross-entropy is built without it, so the auxiliary "
               "head's loss trains at full weight instead of the configured 0.4.", _c04_build, _c04_proof,

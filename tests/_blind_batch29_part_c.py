@@ -492,8 +492,7 @@ CASES: list[BlindCase] = [
     BlindCase("b29c-02", "https://github.com/vwxyzjn/cleanrl/pull/337", "PPO value target is the old value",
               "PPO value targets are built from the storage's zero-filled advantages plus the old values, so the "
               "critic is regressed onto its own predictions and never learns while the policy trains.",
-              _c02_build, _c02_proof,
-              known_miss="value targets built from zero-filled advantages plus the old values: the target equals the critic's own detached prediction"),
+              _c02_build, _c02_proof),
     BlindCase("b29c-03", "https://github.com/kan-bayashi/ParallelWaveGAN/issues/177",
               "sampler never reshuffled",
               "A DistributedSampler with shuffle=True is never given set_epoch, so every epoch replays the same "
@@ -502,11 +501,9 @@ CASES: list[BlindCase] = [
     BlindCase("b29c-04", "https://github.com/ApolloResearch/e2e_sae/pull/70", "gradient accumulation scaling",
               "SAE training back-propagates each micro-batch's mean loss undivided, so the accumulated gradient is "
               "n times the effective batch's and gradient clipping acts on an inflated norm.",
-              _c04_build, _c04_proof,
-              known_miss="accumulated micro-batch losses not divided: the step_fn the case hands over backpropagates one micro-batch"),
+              _c04_build, _c04_proof),
     BlindCase("b29c-05", "https://github.com/huggingface/transformers/pull/46784", "seq2seq labels shifted twice",
               "The speech encoder-decoder right-shifts the labels into decoder inputs and then uses a causal-LM loss "
               "that shifts them again, so each position is trained on the token after its own.",
-              _c05_build, _c05_proof,
-              known_miss="labels shifted twice by a loss applied outside forward on a seq2seq decoder: the shift is arithmetic outside the model call"),
+              _c05_build, _c05_proof),
 ]

@@ -893,6 +893,47 @@ def _preference_losses_accumulated_undivided(bug: bool) -> Case:
     return m, step, {"optimizer": opt, "inputs": x}
 
 
+@case("LOOP-004/graphs")
+def _micro_batch_means_backpropagated_undivided(bug: bool) -> Case:
+    """Four micro-batches of a reconstruction + sparsity objective, each mean loss backpropagated as it is, then
+    clipping and one step; the step returns the detached loss of a fresh forward, which says nothing about the
+    backpropagated sum. The twin divides each micro-batch's loss by 4."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(5))
+
+    def objective(batch: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(m(batch), batch) + 1e-2 * m[0](batch).abs().sum(-1).mean()
+
+    def step() -> torch.Tensor:
+        for batch in x:
+            loss = objective(batch)
+            (loss if bug else loss / len(x)).backward()
+        nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return objective(x[-1]).detach()
+
+    return m, step, {"optimizer": opt, "inputs": x[0]}
+
+
+def test_loop_004_is_quiet_for_two_objectives_of_one_batch_backpropagated_one_after_the_other() -> None:
+    """Two tasks of one batch, each with its own forward and backward before one step: the gradients are meant
+    to add up (not micro-batches: both forwards read the same tensors)."""
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = _data(n=12)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+    assert not audit(m, step, optimizer=opt, inputs=x).by_id("LOOP-004")
+
+
 def test_loop_004_is_quiet_for_loss_terms_of_one_forward_backpropagated_one_by_one() -> None:
     # two terms of one forward, each backpropagated (retain_graph) and the mean reported: not micro-batches
     m = _classifier()
@@ -2445,6 +2486,24 @@ def _padding_weighted_by_the_inputs_mask(bug: bool) -> Case:
     return model, sgd_step(model, opt, loss), {"optimizer": opt, "inputs": {"input_ids": ids, "attention_mask": mask}}
 
 
+@case("DATA-004/measured")
+def _labels_shifted_before_a_loss_that_shifts(bug: bool) -> Case:
+    """The collator shifts the labels (labels = ids[:, 1:]) and the loss helper shifts again (logits[:, :-1]
+    against labels[:, 1:]): position t learns the token at t+2. The batch holds no labels tensor for the static
+    DATA-004 to read; the twin passes labels = ids and lets the helper shift."""
+    model = _NextToken()
+    ids, _ = _padded_ids()
+    ids = torch.randint(1, 30, ids.shape, generator=torch.Generator().manual_seed(6))  # no padding
+    labels = ids[:, 1:] if bug else ids
+
+    def loss() -> torch.Tensor:
+        logits = model(ids, torch.ones_like(ids))[:, : labels.shape[1]]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 30), labels[:, 1:].reshape(-1))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, sgd_step(model, opt, loss), {"optimizer": opt, "inputs": {"input_ids": ids}}
+
+
 def test_input_011_leaves_a_causal_model_and_a_unidirectional_rnn_on_right_padding_alone() -> None:
     class Tagger(nn.Module):  # real positions come before the padding: nothing reads it
         def __init__(self) -> None:
@@ -2587,6 +2646,76 @@ def test_mode_003_leaves_a_discriminator_its_own_optimizer_trains_alone() -> Non
 
     assert not [f for f in audit(m, step, optimizer=opt_g) if f.catalog_id.startswith("MODE-")
                 and f.severity >= Severity.WARN]
+
+
+class _PolicyValueAgent(nn.Module):
+    """A shared trunk with a policy head and a value head (returns both, as PPO agents do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.actor, self.critic = nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Linear(16, 3), \
+            nn.Linear(16, 1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(obs)
+        return self.actor(h), self.critic(h).squeeze(-1)
+
+
+@case("GRAD-004/target-is-the-prediction")
+def _value_target_is_the_old_value(bug: bool) -> Case:
+    """PPO value targets built as (zero-filled) advantages plus the rollout's values: the critic regresses onto its
+    own prediction, its loss and gradient are exactly 0; the twin's returns are the computed advantages plus the
+    values."""
+    agent = _PolicyValueAgent()
+    gen = torch.Generator().manual_seed(4)
+    obs, actions = torch.randn(32, 6, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    advantages = torch.randn(32, generator=gen)
+    with torch.no_grad():
+        old_logits, old_values = agent(obs)
+    old_logprob = torch.distributions.Categorical(logits=old_logits).log_prob(actions)
+    returns = (torch.zeros(32) if bug else advantages) + old_values
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+
+    def loss() -> torch.Tensor:
+        logits, values = agent(obs)
+        ratio = (torch.distributions.Categorical(logits=logits).log_prob(actions) - old_logprob).exp()
+        policy = -torch.min(advantages * ratio, advantages * ratio.clamp(0.8, 1.2)).mean()
+        return policy + 0.5 * ((values - returns) ** 2).mean()
+
+    return agent, sgd_step(agent, opt, loss), {"optimizer": opt, "inputs": obs}
+
+
+def _two_group_one_cycle(max_lr: float | list[float], decay: tuple[float, float] = (0.1, 0.1)) -> Case:
+    """A pretrained encoder at lr/10 and a new head at lr, under OneCycleLR."""
+    torch.manual_seed(0)
+    m = _classifier()
+    lr = 1e-3
+    opt = torch.optim.AdamW([{"params": m[0].parameters(), "lr": lr / 10, "weight_decay": decay[0]},
+                             {"params": m[2].parameters(), "lr": lr, "weight_decay": decay[1]}], lr=lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr, total_steps=100)
+    x, y = _data()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        scheduler.step()
+        return loss
+
+    return m, step, {"optimizer": opt, "inputs": x, "lr_scheduler": scheduler, "total_steps": 100}
+
+
+@case("SCHED-007")
+def _one_max_lr_for_two_groups(bug: bool) -> Case:
+    return _two_group_one_cycle(1e-3 if bug else [1e-4, 1e-3])
+
+
+def test_sched_007_leaves_one_max_lr_for_groups_split_by_weight_decay_alone() -> None:
+    """Groups that differ in weight decay (a no-decay group) share one max_lr by design."""
+    model, step, kwargs = _two_group_one_cycle(1e-3, decay=(0.1, 0.0))
+    assert not audit(model, step, **kwargs).by_id("SCHED-007")
 
 
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------

@@ -80,6 +80,19 @@ def _nothing_to_follow(trace: StepTrace, name: str) -> bool:
     return trace.grad_rows_at_step.get(name) is None or (zeroed is not None and bool(zeroed.any()))
 
 
+def _unscaled_mean(node: Any, means: set[int], depth: int = 0) -> bool:
+    """The autograd node is a mean-reduced loss's (a loss call with ``reduction='mean'``, a ``.mean()``), or a sum
+    or difference with one such term unscaled in it: what a backward of an undivided micro-batch loss starts from."""
+    if node is None or depth > 8:
+        return False
+    name = type(node).__name__
+    if id(node) in means or name.startswith("MeanBackward"):
+        return True
+    if name.startswith(("AddBackward", "SubBackward")):
+        return any(_unscaled_mean(child, means, depth + 1) for child, _ in node.next_functions)
+    return False
+
+
 def extract_loss(output: Any) -> Any:
     """The loss inside what ``step_fn`` returned: the tensor itself or ``.loss`` / ``["loss"]``."""
     if isinstance(output, torch.Tensor):
@@ -124,6 +137,8 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
                 if measured is not None and torch.is_grad_enabled():
                     measured.register_hook(supervision_hook(index, measured, supervised,
                                                             _token_shape(calls[index])))
+                if index == 0 and torch.is_grad_enabled():
+                    _watch_output_grads(calls[0], output)
                 break
 
     def embedding_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], Any]:
@@ -164,6 +179,23 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
     finally:
         for h in handles:
             h.remove()
+
+
+#: output tensors of the first model call whose gradient is watched (a tuple of heads, an HF output's fields)
+_WATCHED_OUTPUTS = 8
+
+
+def _watch_output_grads(call: RootCall, output: Any) -> None:
+    """Record, per output tensor of the call, whether the step's backward brought it a non-zero gradient: an
+    output the loss reads whose gradient is exactly zero is one the loss is flat in (its target is the output)."""
+    def note(path: str, grad: torch.Tensor) -> None:
+        with contextlib.suppress(Exception):  # observing must never change what the step does
+            call.output_grads[path] = call.output_grads.get(path, False) or bool(grad.detach().ne(0).any())
+
+    watched = [(path, t) for path, t in iter_tensors(output, depth=2)
+               if t.is_floating_point() and t.requires_grad and t.numel() > 0][:_WATCHED_OUTPUTS]
+    for path, t in watched:
+        t.register_hook(functools.partial(note, path))
 
 
 #: contrastive outputs (CLIP, SigLIP): ``logits_per_*`` is batch x batch by design; the embeddings are per sample
@@ -326,6 +358,10 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             if len(trace.backward_values) < _MAX_BACKWARDS:
                 value = float(tensors.detach()) if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
                 trace.backward_values.append((value, bool(retained)))
+                means = {id(c.node) for c in ctx.probes.get("loss_calls", ()) if c.node is not None
+                         and c.reduction == "mean"}
+                trace.backward_unscaled.append(isinstance(tensors, torch.Tensor)
+                                               and _unscaled_mean(tensors.grad_fn, means))
             return original(*args, **kwargs)
 
         return wrapper

@@ -50,6 +50,9 @@ class RootCall:
     """autograd was on: a training forward, not a validation or target forward under ``no_grad``"""
     named: dict[str, Any] = field(default_factory=dict)
     """the call's arguments by the forward's parameter names, positional ones included (``model(ids, mask)``)"""
+    output_grads: dict[str, bool] = field(default_factory=dict)
+    """of the first call: each floating output tensor the step's backward reached (by its path in the output)
+    -> whether the gradient it brought was anywhere non-zero"""
 
     def argument(self, key: str) -> Any:
         """The argument the forward's parameter ``key`` received, passed by name or by position."""
@@ -194,6 +197,9 @@ class StepTrace:
     backward_values: list[tuple[float | None, bool]] = field(default_factory=list)
     """for each of those passes (the first few): the value it backpropagated (None unless one scalar) and whether
     it kept its graph (``retain_graph=True``: terms of one forward, not micro-batches)"""
+    backward_unscaled: list[bool] = field(default_factory=list)
+    """for each of those passes: it backpropagated a mean-reduced loss as it is, not divided or scaled (a mean loss
+    call's result, a ``.mean()``, or a sum with such a term unscaled in it)"""
     held_at_step: list[set[int]] = field(default_factory=list)
     """for each optimizer step inside ``step_fn`` (any optimizer, in order): the ids of the tensors it holds"""
     backward_steps: list[int] = field(default_factory=list)

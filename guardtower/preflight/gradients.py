@@ -95,15 +95,30 @@ def check_grad_connectivity(ctx: AuditContext) -> Iterable[Finding]:
     zero = [n for n in zero_gradients(grads) if ctx.params[n].requires_grad and not is_lora_factor(n)]
     flows = ctx.trace.flows_after_update or set()
     late = [n for n in zero if n in flows]
+    flat = [path or "the output" for call in ctx.trace.calls[:1] for path, pulled in call.output_grads.items()
+            if not pulled]
     if late:
-        # consequence: a zero-initialised layer downstream (a gate, a zero-init projection) moved in the first
-        # update, and from the second step on these learn: the design of a gated or zero-init branch
+        extra: dict[str, object]
+        if flat:
+            # an output of the model that the loss reads got an exactly zero gradient, so no gate inside the model
+            # holds these back: the loss is at its minimum in that output for the weights as they are, its target
+            # is that very prediction (value targets built from the old values)
+            severity, extra = Severity.WARN, {"flat_outputs": flat}
+            why = (f"the model output {', '.join(flat)} that the loss reads got an exactly zero gradient, so the loss "
+                   "is at its minimum in that output for the weights as they are: its target equals the prediction "
+                   "(a target computed from the model's own output at these weights, such as returns built from zero "
+                   "advantages plus the old values), and they learn only as far as other terms move the prediction "
+                   "away from it; build the target from what the output should predict")
+        else:
+            # a zero-initialised layer downstream (a gate, a zero-init projection) moved in the first update, and
+            # from the second step on these learn: the design of a gated or zero-init branch
+            severity, extra = Severity.INFO, {"first_step_only": True}
+            why = ("after one update they get one (a zero-initialised layer after them, such as a gate or a zero-init "
+                   "projection, passes no gradient until it has moved)")
         findings.append(Finding(
-            "grad_connectivity", Severity.INFO,
+            "grad_connectivity", severity,
             f"{len(late)} trainable parameter(s) got an all-zero gradient in the first step only: {fmt_names(late)}; "
-            "after one update they get one (a zero-initialised layer after them, such as a gate or a zero-init "
-            "projection, passes no gradient until it has moved)",
-            "GRAD-004", {"params": late, "first_step_only": True},
+            f"{why}", "GRAD-004", {"params": late, **extra},
         ))
         zero = [n for n in zero if n not in flows]
     if zero:

@@ -10,7 +10,7 @@ import torch
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._schedule import MAX_WALK, Walk, walk_schedule
-from guardtower.preflight._util import base_optimizer
+from guardtower.preflight._util import base_optimizer, base_scheduler
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -186,6 +186,35 @@ def check_lr_schedule(ctx: AuditContext) -> Iterable[Finding]:
             findings.append(Finding("lr_schedule", Severity.WARN, message, cid, details))
             break  # one group tells; the others share the schedule
     return findings
+
+
+#: schedulers that set every group's lr from their own arguments (``max_lr``, ``base_lr``), not from the group's
+_OWN_LRS = ("OneCycleLR", "CyclicLR")
+
+
+@check("schedule_groups", emits=("SCHED-007",), static=True)
+def check_schedule_groups(ctx: AuditContext) -> Iterable[Finding]:
+    """SCHED-007: a scheduler that writes each group's lr from its own argument, given one value for several param
+    groups, which now hold the very same settings: a split into groups is made for settings that differ, and the
+    scheduler's single value overwrote them."""
+    opt = base_optimizer(ctx.optimizer)
+    scheduler = base_scheduler(ctx.lr_scheduler) if ctx.lr_scheduler is not None else None
+    name = type(scheduler).__name__
+    if opt is None or name not in _OWN_LRS or len(opt.param_groups) < 2:
+        return []
+    settings = [{k: v for k, v in group.items() if k not in ("params", "name")} for group in opt.param_groups]
+    if any(not group.get("params") for group in opt.param_groups) or any(s != settings[0] for s in settings[1:]):
+        return []
+    arg = "max_lr" if name == "OneCycleLR" else "base_lr and max_lr"
+    return [Finding(
+        "lr_schedule", Severity.WARN,
+        f"{name} was given one {arg} for the optimizer's {len(opt.param_groups)} param groups, and every group now "
+        f"holds the same settings (lr {float(settings[0].get('lr', 0.0)):.3g}, weight decay "
+        f"{settings[0].get('weight_decay', 0.0)!r}): "
+        f"{name} sets each group's lr from its own argument, so groups built with different lrs (a pretrained "
+        f"backbone at lr/10) all train at one rate; pass one value per group ({arg.split()[0]}=[lr / 10, lr])",
+        "SCHED-007", {"scheduler": name, "groups": len(opt.param_groups)},
+    )]
 
 
 def _restarted(scheduler: Any, optimizer: torch.optim.Optimizer, planned: int | None) -> Finding | None:

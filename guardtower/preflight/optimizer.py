@@ -181,6 +181,10 @@ def check_frozen(ctx: AuditContext) -> Iterable[Finding]:
     return findings
 
 
+def _nonzero(grad: torch.Tensor | None) -> bool:
+    return grad is not None and bool(grad.any())
+
+
 @check("unfrozen_by_step", emits=("OPT-022",))
 def check_unfrozen_by_step(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-022: tensors frozen when the step began that the step itself left requiring grad, with a gradient,
@@ -192,7 +196,7 @@ def check_unfrozen_by_step(ctx: AuditContext) -> Iterable[Finding]:
         return []
     grads = ctx.trace.grads
     unfrozen = [n for n in ctx.params if n in ctx.trace.unfrozen and id(ctx.params[n]) in trained
-                and grads.get(n) is not None and bool(grads[n].any())]
+                and _nonzero(grads.get(n))]
     if not unfrozen:
         return []
     return [Finding(

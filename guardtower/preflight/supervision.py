@@ -16,8 +16,8 @@ from guardtower.preflight._packing_reads import packing_boundaries
 from guardtower.preflight._padding_reads import inferred_padding, marked_padding, top_level, token_ids
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._step import extract_loss
-from guardtower.preflight._trace import RootCall, Supervision
-from guardtower.preflight._util import is_causal_lm
+from guardtower.preflight._trace import RootCall, StepTrace, Supervision
+from guardtower.preflight._util import is_causal_lm, iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -189,16 +189,24 @@ def _crosses_packing(call: RootCall, rec: Supervision) -> Finding | None:
     )
 
 
+def _token_vocab(ctx: AuditContext, rec: Supervision) -> tuple[int | None, bool]:
+    """(the vocabulary size, hand-written): the config's; a hand-written model has none, and its vocabulary is an
+    embedding table the size of the output."""
+    vocab = _vocab(ctx.model)
+    if vocab is None and any(isinstance(m, nn.Embedding) and m.num_embeddings == rec.classes
+                             for m in ctx.model.modules()):
+        return rec.classes, True
+    return vocab, False
+
+
 def _copies_input(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
     """DATA-006: the loss asks for the token the model is given at the same position (nothing to predict)."""
     if rec.target is None or rec.magnitude.dim() != 2:
         return None
-    vocab, share = _vocab(ctx.model), COPY_SHARE
-    if vocab is None and any(isinstance(m, nn.Embedding) and m.num_embeddings == rec.classes
-                             for m in ctx.model.modules()):
-        # a hand-written model has no config: its vocabulary is an embedding table the size of the output; a
-        # denoiser that reconstructs every position copies most of them on purpose, so only near-all counts
-        vocab, share = rec.classes, HAND_WRITTEN_COPY_SHARE
+    vocab, hand_written = _token_vocab(ctx, rec)
+    # a denoiser that reconstructs every position copies most of them on purpose, so in a hand-written model only
+    # near-all counts
+    share = HAND_WRITTEN_COPY_SHARE if hand_written else COPY_SHARE
     if rec.classes != vocab:
         return None
     ids, _ = _aligned(call, rec, ctx.model)
@@ -215,6 +223,34 @@ def _copies_input(ctx: AuditContext, call: RootCall, rec: Supervision) -> Findin
         "model receives at that position: the loss rewards copying the input (labels not shifted, or masked-LM "
         "labels kept at unmasked positions instead of -100)",
         "DATA-006", {"copying": same, "supervised": n},
+    )
+
+
+def _skips_a_token(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
+    """DATA-004 measured: the loss pulls position t towards the token the model receives at t+2, not t+1 (labels
+    shifted twice: already shifted, then shifted by a causal-LM loss, or a decoder's labels shifted right into its
+    inputs and shifted again by the loss)."""
+    if rec.target is None or rec.magnitude.dim() != 2 or rec.magnitude.shape[1] < 4:
+        return None
+    if rec.classes != _token_vocab(ctx, rec)[0]:
+        return None
+    ids, _ = _aligned(call, rec, ctx.model)
+    if ids is None:
+        return None
+    supervised = _supervised(rec)[:, :-2]
+    n = int(supervised.sum())
+    target = rec.target[:, :-2]
+    after_next = int((supervised & (target == ids[:, 2:])).sum())
+    next_token = int((supervised & (target == ids[:, 1:-1])).sum())
+    if n < 4 or after_next < 0.9 * n or next_token >= 0.5 * n:
+        return None
+    return Finding(
+        "supervision", Severity.WARN,
+        f"at {after_next} of {n} supervised positions the loss asks for the token the model receives two positions "
+        "later, not the next one: the labels are shifted twice (labels already shifted, then shifted again by a "
+        "causal-LM loss; or a decoder's labels shifted right into its inputs and shifted again by the loss), so "
+        "the model learns to predict the token after next; shift once",
+        "DATA-004", {"after_next": after_next, "supervised": n},
     )
 
 
@@ -375,6 +411,32 @@ def _padding_targets(ctx: AuditContext) -> Finding | None:
     return None
 
 
+def _inputs_seen(call: RootCall) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """Which tensors a model call read (storage, offset, shape): two forwards of one batch read the same ones,
+    micro-batches other ones (slices of one tensor included)."""
+    return tuple((t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
+                 for _, t in iter_tensors((call.args, call.kwargs), depth=3) if t.device.type != "meta")
+
+
+def _undivided_micro_batches(trace: StepTrace, k: int) -> Finding | None:
+    """LOOP-004 from the graphs, when the reported loss says nothing (a step that returns another value): each of
+    the step's backward passes starts from a mean-reduced loss as it is, over forwards of different micro-batches
+    (at least ``k`` forwards with autograd on, not all computing the same), and one optimizer step follows."""
+    forwards = [_inputs_seen(call) for call in trace.calls if call.grad_enabled]
+    if (len(trace.backward_unscaled) != k or not all(trace.backward_unscaled) or len(forwards) < k
+            or len(set(forwards)) < 2):
+        return None
+    return Finding(
+        "supervision", Severity.WARN,
+        f"the step runs {k} backward passes over {len(forwards)} forwards of different micro-batches before one "
+        f"optimizer step, and each backpropagates a mean-reduced loss as it is (not divided by {k}): the "
+        f"accumulated gradient is the sum of {k} mean gradients, {k}x the mean gradient of the accumulated batch "
+        f"(gradient clipping then clips a {k}x larger norm, SGD takes {k}x the lr); divide each micro-batch's loss "
+        f"by {k} before backward",
+        "LOOP-004", {"micro_batches": k, "from": "graphs"},
+    )
+
+
 def _backpropagated_multiple(ctx: AuditContext) -> Finding | None:
     """LOOP-004 from the values: the step's separate backward passes (none keeping its graph, so not terms of one
     forward) backpropagate, together, exactly k times the loss ``step_fn`` reports, while their own values
@@ -389,11 +451,11 @@ def _backpropagated_multiple(ctx: AuditContext) -> Finding | None:
     if isinstance(reported, torch.Tensor) and reported.numel() == 1:
         reported = float(reported.detach())
     if not isinstance(reported, float) or reported == 0.0 or not all(isinstance(v, float) for v in values):
-        return None
+        return _undivided_micro_batches(trace, k)
     measured = [v for v in values if v is not None]
     total, spread = sum(measured), max(measured) - min(measured)
     if not (math.isclose(total, k * reported, rel_tol=1e-4) and spread > 1e-3 * max(abs(v) for v in measured)):
-        return None
+        return _undivided_micro_batches(trace, k)
     return Finding(
         "supervision", Severity.WARN,
         f"the step's {k} backward passes together backpropagate {total:.4g}, exactly {k}x the loss step_fn reports "
@@ -499,7 +561,7 @@ def check_repeated_forward(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
-@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
+@check("supervision", emits=("DATA-004", "DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
                              "LOOP-005",
                              "LOOP-011"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
@@ -519,6 +581,7 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
             continue
         call = trace.calls[rec.call]
         candidates = [None if labelled else _padding_supervised(ctx, call, rec), _copies_input(ctx, call, rec),
+                      _skips_a_token(ctx, call, rec),
                       _crosses_packing(call, rec),
                       _one_class(rec), _weights_follow_frequency(rec), _weights_cancel(ctx, rec)]
         for f in candidates:
