@@ -2718,6 +2718,26 @@ def test_sched_007_leaves_one_max_lr_for_groups_split_by_weight_decay_alone() ->
     assert not audit(model, step, **kwargs).by_id("SCHED-007")
 
 
+@case("LOSS-016/derivative-without-create-graph")
+def _force_term_from_a_derivative_without_graph(bug: bool) -> Case:
+    """Energy and force training: the forces -dE/dpos taken with autograd.grad without create_graph=True are a
+    constant, so the force term changes the loss value and trains nothing (torchani PR 238); the twin passes
+    create_graph=True."""
+    m = _Energy()
+    g = torch.Generator().manual_seed(7)
+    pos, forces_true, energy_true = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g), torch.randn(())
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def loss() -> torch.Tensor:
+        p = pos.clone().requires_grad_(True)
+        energy = m(p)
+        forces = -torch.autograd.grad(energy, p, retain_graph=True, create_graph=not bug)[0]
+        force_loss = (F.mse_loss(forces, forces_true, reduction="none").sum(-1) / 3).mean()
+        return (energy - energy_true) ** 2 + force_loss
+
+    return m, sgd_step(m, opt, loss), {"optimizer": opt, "inputs": pos}
+
+
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_triggers(key: str) -> None:

@@ -283,6 +283,45 @@ def test_lightning_triage_without_a_manual_closure_is_a_clear_error_at_the_first
     callback.close()
 
 
+def test_lightning_resumed_mid_epoch_skips_the_quarantined_batch_where_the_restarted_loader_brings_it(
+        tmp_path: Path) -> None:
+    """A plain DataLoader cannot resume mid-epoch: Lightning starts the epoch's data over while batch_idx goes on
+    from the checkpoint's. The quarantine names loader positions, so the resumed run skips the bad batch where it
+    comes again (batch_idx 7 carries loader batch 2), judges nothing there, and names no other batch."""
+    pytest.importorskip("lightning")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _lightning_helpers import TinyModule, lightning_trainer
+
+    from guardtower.integrations.lightning import GuardtowerGuard
+
+    def module() -> TinyModule:
+        m = TinyModule()
+        m.x[16 * 2 + 1, 0] = float("inf")  # loader batch 2 of every epoch holds an Inf sample
+        return m
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    logs, first_sink, resumed_sink = tmp_path / "logs", InMemorySink(), InMemorySink()
+    first = GuardtowerGuard(log_dir=logs, verbose=False, sinks=[first_sink])
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    lightning_trainer(tmp_path, max_steps=6, callbacks=[first, saved], enable_checkpointing=True).fit(module())
+    first.close()  # the run "killed" after step 6; its checkpoint of step 5 is 5 batches into the 16 of epoch 0
+    (rejected,) = [e for e in first_sink.events if isinstance(e, SpikeEvent)]
+    assert (rejected.step, rejected.batch["epoch"], rejected.batch["index"]) == (3, 0, 2)
+
+    resumed = GuardtowerGuard(log_dir=logs, verbose=False, sinks=[resumed_sink])
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=5*.ckpt")
+    with pytest.warns(UserWarning, match="not resumable"):  # Lightning's own warning: the loader starts over
+        lightning_trainer(tmp_path, max_steps=9, callbacks=[resumed]).fit(module(), ckpt_path=checkpoint)
+    resumed.guards[0].flush()
+    assert not [e for e in resumed_sink.events if isinstance(e, SpikeEvent)]  # the bad batch was never computed
+    (skip,) = [e for e in resumed_sink.events if isinstance(e, SkipEvent)]
+    assert (skip.reason, skip.step, skip.batch["epoch"], skip.batch["index"]) == ("quarantined", 8, 0, 2)
+    resumed.close()
+
+
 def test_a_replayed_step_is_skipped_unjudged_and_accumulated_batches_are_quarantined_together(tmp_path: Path) -> None:
     net, guard, sink = make(tmp_path, warmup_steps=0)
     x, y = batch(1)

@@ -127,6 +127,15 @@ def _schedule(trainer: pl.Trainer) -> dict[str, Any]:
     return {"lr_scheduler": configs[0].scheduler, "total_steps": total}
 
 
+def _resumable_loader(trainer: pl.Trainer) -> bool:
+    """Lightning resumes the train loader mid-epoch itself (every loader has ``state_dict``/``load_state_dict``), as
+    its training loop judges it; otherwise a resumed epoch restarts the loader from its first batch."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return combined is not None and all(isinstance(loader, _Stateful) for loader in combined.flattened)
+
+
 def _loader_batch_size(trainer: pl.Trainer) -> int | None:
     """The train loader's per-rank batch size, what a replayed position is checked against (None: several
     loaders, or one batched by its own batch sampler)."""
@@ -152,9 +161,11 @@ class GuardtowerGuard(Callback):
     ``quarantine-rank*.jsonl``, agreed by every rank): each batch of a quarantined step is not computed (the
     module's ``training_step`` returns a zero loss over its parameters, so Lightning's backward, DDP and its
     step counting see an ordinary step) and the guards skip the step unjudged; with manual optimization the
-    step runs and the guards skip it. The positions are Lightning's ``(current_epoch, batch_idx)``: exact when
-    it resumes from an end-of-epoch checkpoint or a resumable loader (it warns otherwise), and only at the world size
-    and train loader batch size they were recorded at (else they are kept, not replayed, with a warning).
+    step runs and the guards skip it. The positions are the loader's ``(current_epoch, batch index)``, replayed
+    only at the world size and train loader batch size they were recorded at (else they are kept, not replayed,
+    with a warning). A loader Lightning cannot resume (a plain ``DataLoader``) starts a mid-epoch resume's data
+    over from its first batch while ``batch_idx`` goes on from the checkpoint's (Lightning warns): the callback
+    counts positions from that restart, so a quarantined batch is skipped where the loader brings it again.
 
     Checkpoints: Lightning saves rank 0's optimizer states, so ``on_save_checkpoint`` (which runs on every
     rank) gathers every rank's guard state into the checkpoint, and a resumed rank restores its own (rank 0's
@@ -201,6 +212,8 @@ class GuardtowerGuard(Callback):
         self._replaying = False  # that step is quarantined
         self._module: pl.LightningModule | None = None  # whose training_step is wrapped
         self._plugin: Any = None  # the precision plugin whose optimizer_step is wrapped
+        self._restart = False  # resumed with a loader that starts over: measure the offset at the next batch
+        self._offset = (0, 0)  # (epoch, batch_idx of the loader's first batch in that epoch)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from guardtower.guard import GuardedOptimizer
@@ -241,6 +254,10 @@ class GuardtowerGuard(Callback):
                 guard.load_state_dict({"guardtower": section})
             self._own_state = None
         self._replay = Quarantine()
+        # a loader Lightning cannot resume starts the resumed epoch over from its first batch while batch_idx goes
+        # on from the checkpoint's: the offset is measured at the first batch (on_train_batch_start)
+        self._restart = trainer.ckpt_path is not None and not _resumable_loader(trainer)
+        self._offset = (trainer.current_epoch, 0)
         if trainer.ckpt_path is not None and self.guards:  # resumed: every rank calls this, so agreeing is safe
             found = Quarantine()
             for guard in self.guards:
@@ -249,18 +266,21 @@ class GuardtowerGuard(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        # the step's identity, by reference: read only if it is rejected (its epoch and first batch's index,
-        # else a fingerprint), and into the quarantine then
+        # the step's identity, by reference: read only if it is rejected (its epoch and first batch's position in
+        # the loader, else a fingerprint), and into the quarantine then
         accumulation = max(1, int(trainer.accumulate_grad_batches))
+        epoch = trainer.current_epoch
+        if self._restart:  # the first batch after a resume that restarted the loader is its batch 0
+            self._restart, self._offset = False, (epoch, batch_idx)
+        position = batch_idx - self._offset[1] if epoch == self._offset[0] else batch_idx
         if batch_idx % accumulation == 0 or not self._batches:  # the first batch of an optimizer step
-            epoch = trainer.current_epoch
             left = trainer.num_training_batches - batch_idx
             count = int(min(accumulation, left)) if left >= 1 else accumulation
             self._batches = []
-            self._replaying = self._replay.contains(batch_idx, epoch, micro_batches=count,
+            self._replaying = self._replay.contains(position, epoch, micro_batches=count,
                                                     batch_size=leading_size(batch))
             for guard in self.guards:
-                guard.observe_batch(self._batches, index=batch_idx, epoch=epoch, micro_batches=count)
+                guard.observe_batch(self._batches, index=position, epoch=epoch, micro_batches=count)
                 if self._replaying:
                     guard.skip_quarantined()
         self._batches.append(batch)

@@ -82,7 +82,7 @@ def mark_moving(terms: list[CutTerm], trained: list[torch.Tensor], step_fn: Call
                 rng: Callable[[], None]) -> None:
     """Re-run ``step_fn`` (same RNG stream) with every trained weight nudged, record the cut reductions again in
     order, and set ``moves`` on the added terms whose value changed. The caller puts every value back; a run
-    that fails, or that reduces a different number of times, tells nothing."""
+    that fails tells nothing, and a term with no reduction of its kind in the run again stays unjudged."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in trained:
@@ -95,8 +95,15 @@ def mark_moving(terms: list[CutTerm], trained: list[torch.Tensor], step_fn: Call
             step_fn()
     except Exception:
         return
-    if len(again) < len(terms):
-        return
-    for first, second in zip(terms, again):
-        if first.dead_added and first.fn == second.fn and first.input_shape == second.input_shape:
-            first.moves = first.dead != second.dead
+    # the k-th reduction of a kind (function, input shape) pairs with the k-th of that kind in the run again: a
+    # reduction only the first run made (the audit's own instrumentation) leaves the others paired
+    rerun: dict[tuple[str, tuple[int, ...]], list[CutTerm]] = {}
+    for term in again:
+        rerun.setdefault((term.fn, term.input_shape), []).append(term)
+    seen: dict[tuple[str, tuple[int, ...]], int] = {}
+    for first in terms:
+        key = (first.fn, first.input_shape)
+        k = seen[key] = seen.get(key, -1) + 1
+        twins = rerun.get(key, [])
+        if first.dead_added and k < len(twins):
+            first.moves = first.dead != twins[k].dead

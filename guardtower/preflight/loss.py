@@ -23,7 +23,7 @@ from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight._util import graph_holds, is_causal_lm, patched, reached_params
 from guardtower.preflight._trace import StepTrace
-from guardtower.preflight.supervision import stops_unsupervised
+from guardtower.preflight.supervision import skips_a_token, stops_unsupervised
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -854,8 +854,10 @@ def check_loss_terms(ctx: AuditContext) -> Iterable[Finding]:
             "loss_terms", Severity.WARN,
             f"a term added to the trained loss ({term.fn} over {list(term.input_shape)}, value {term.dead:.4g}) has no "
             "gradient, yet its value changes with the trained weights: it is computed from the model's outputs "
-            "through a cut (.numpy(), .item(), torch.tensor(...), .data or .detach()), so it changes the loss and "
-            "trains nothing; compute it from the outputs themselves (index them with a tensor, not through numpy)",
+            "through a cut (.numpy(), .item(), torch.tensor(...), .data, .detach(), or a derivative taken with "
+            "torch.autograd.grad without create_graph=True), so it changes the loss and trains nothing; compute it "
+            "from the outputs themselves (index them with a tensor, not through numpy; create_graph=True for a "
+            "derivative the loss trains)",
             "LOSS-016", {"fn": term.fn, "value": term.dead, "cut_terms": len(moving), "input_shape": list(term.input_shape)},
         )]
     first = added[0]
@@ -1072,8 +1074,10 @@ def check_data(ctx: AuditContext) -> Iterable[Finding]:
     DATA-011 examples with no label among labelled ones, DATA-013 decoder inputs that never start from the
     decoder start token, DATA-016 a prompt mask applied by column to left-padded rows."""
     findings = _causal_lm_labels(ctx)
-    unsupervised = None if any(f.catalog_id == "DATA-003" for f in findings) else stops_unsupervised(ctx)
-    findings += [unsupervised] if unsupervised is not None else []
+    # measured from the gradient where the batch's labels say nothing: each id once
+    for cid, measure in (("DATA-003", stops_unsupervised), ("DATA-004", skips_a_token)):
+        measured = None if any(f.catalog_id == cid for f in findings) else measure(ctx)
+        findings += [measured] if measured is not None else []
     batch = batch_mapping(ctx.inputs, ctx.trace.calls if ctx.trace is not None else [])
     labels = batch.get("labels") if batch is not None else None
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])

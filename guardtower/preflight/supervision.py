@@ -6,7 +6,7 @@ with class frequency, and how the micro-batches of one accumulated step are weig
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from guardtower.preflight._util import is_causal_lm, iter_tensors
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
-__all__ = ["stops_unsupervised"]
+__all__ = ["skips_a_token", "stops_unsupervised"]
 
 #: a position counts as supervised when its gradient is above this share of the largest one
 _SUPERVISED = 1e-6
@@ -132,11 +132,22 @@ def stops_unsupervised(ctx: AuditContext) -> Finding | None:
     """DATA-003, measured: in a causal LM's step whose loss is computed outside the model, none of the real
     end-of-sequence tokens (attention mask 1) is a supervised target, while other positions are: the loss mask was
     built by token value (``labels == pad_id`` with pad_token = eos_token) and the model never learns to stop."""
+    return _first_measured(ctx, _stops_unsupervised)
+
+
+def skips_a_token(ctx: AuditContext) -> Finding | None:
+    """DATA-004, measured: the loss pulls position t towards the token the model receives at t+2 (``_skips_a_token``)."""
+    return _first_measured(ctx, _skips_a_token)
+
+
+def _first_measured(ctx: AuditContext, judge: Callable[[AuditContext, RootCall, Supervision], Finding | None]
+                    ) -> Finding | None:
+    """The first finding ``judge`` makes of the step's supervision records."""
     trace = ctx.trace
     if trace is None or trace.error is not None:
         return None
     return next((f for rec in trace.supervision if rec.call < len(trace.calls)
-                 for f in [_stops_unsupervised(ctx, trace.calls[rec.call], rec)] if f is not None), None)
+                 for f in [judge(ctx, trace.calls[rec.call], rec)] if f is not None), None)
 
 
 def _stops_unsupervised(ctx: AuditContext, call: RootCall, rec: Supervision) -> Finding | None:
@@ -561,7 +572,7 @@ def check_repeated_forward(ctx: AuditContext) -> Iterable[Finding]:
     return []
 
 
-@check("supervision", emits=("DATA-004", "DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
+@check("supervision", emits=("DATA-005", "DATA-006", "DATA-007", "DATA-008", "DATA-009", "DATA-019", "LOOP-004",
                              "LOOP-005",
                              "LOOP-011"))
 def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
@@ -581,7 +592,6 @@ def check_supervision(ctx: AuditContext) -> Iterable[Finding]:
             continue
         call = trace.calls[rec.call]
         candidates = [None if labelled else _padding_supervised(ctx, call, rec), _copies_input(ctx, call, rec),
-                      _skips_a_token(ctx, call, rec),
                       _crosses_packing(call, rec),
                       _one_class(rec), _weights_follow_frequency(rec), _weights_cancel(ctx, rec)]
         for f in candidates:
