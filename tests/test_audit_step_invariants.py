@@ -33,9 +33,11 @@ def _classifier(classes: int = 3) -> nn.Module:
 
 
 # --- the schedule over the planned run ------------------------------------------------------------------------
-def _scheduled(build: Callable[[torch.optim.Optimizer], Any], total: int, per_step: int = 1) -> Case:
+def _scheduled(build: Callable[[torch.optim.Optimizer], Any], total: int, per_step: int = 1,
+               groups: Callable[[nn.Module], Any] | None = None) -> Case:
+    """A classifier step under the scheduler ``build`` makes (over ``groups(model)``'s param groups, when given)."""
     m = _classifier()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(m.parameters() if groups is None else groups(m), lr=1e-3)
     sched = build(opt)
     x, y = _data()
 
@@ -2689,22 +2691,9 @@ def _value_target_is_the_old_value(bug: bool) -> Case:
 def _two_group_one_cycle(max_lr: float | list[float], decay: tuple[float, float] = (0.1, 0.1)) -> Case:
     """A pretrained encoder at lr/10 and a new head at lr, under OneCycleLR."""
     torch.manual_seed(0)
-    m = _classifier()
-    lr = 1e-3
-    opt = torch.optim.AdamW([{"params": m[0].parameters(), "lr": lr / 10, "weight_decay": decay[0]},
-                             {"params": m[2].parameters(), "lr": lr, "weight_decay": decay[1]}], lr=lr)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr, total_steps=100)
-    x, y = _data()
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        scheduler.step()
-        return loss
-
-    return m, step, {"optimizer": opt, "inputs": x, "lr_scheduler": scheduler, "total_steps": 100}
+    return _scheduled(lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr, total_steps=100), 100,
+                      groups=lambda m: [{"params": m[0].parameters(), "lr": 1e-4, "weight_decay": decay[0]},
+                                        {"params": m[2].parameters(), "lr": 1e-3, "weight_decay": decay[1]}])
 
 
 @case("SCHED-007")
