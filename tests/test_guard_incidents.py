@@ -234,10 +234,13 @@ def test_lightning_names_the_rejected_batch_and_triage_recomputes_it(tmp_path: P
     callback.close()
 
 
-@pytest.mark.parametrize("incident", ["transient", "deterministic"])
-def test_lightning_16_mixed_triage_recomputes_at_the_grad_scalers_scale(tmp_path: Path, incident: str) -> None:
+@pytest.mark.parametrize(("incident", "fused"), [("transient", False), ("deterministic", False),
+                                                 ("transient", True), ("deterministic", True)])
+def test_lightning_16_mixed_triage_recomputes_at_the_grad_scalers_scale(tmp_path: Path, incident: str,
+                                                                      fused: bool) -> None:
     """Under a GradScaler Lightning runs the closure itself and calls ``scaler.step(guard)`` with none; the
-    recompute is scaled again, so judged without the scale a one-off spike would read as deterministic."""
+    recompute is scaled again, so judged without the scale a one-off spike would read as deterministic. A fused
+    optimizer unscales inside its step (the plugin leaves the gradients scaled and the scaler hands the scale)."""
     pytest.importorskip("lightning")
     import sys
 
@@ -249,7 +252,11 @@ def test_lightning_16_mixed_triage_recomputes_at_the_grad_scalers_scale(tmp_path
 
     # transient: the gradients x1e4 after the closure (a fault the recompute does not see); deterministic:
     # batch 11 scaled x10 (finite in float16 at this loss scale: the scaler itself lets it through)
-    module = TinyModule(spike_at=12 if incident == "transient" else None)
+    class Module(TinyModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.lr, fused=fused)
+
+    module = Module(spike_at=12 if incident == "transient" else None)
     if incident == "deterministic":
         module.x[16 * 11:16 * 12] *= 10
         module.y[16 * 11:16 * 12] *= 10
