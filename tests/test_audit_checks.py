@@ -792,6 +792,33 @@ def _model_zero_grad_set_to_none(bug: bool) -> Case:
     return _full_step(("backward", "step") if bug else ("model_zero_grad", "backward", "step"))
 
 
+@case("LOOP-003/one-optimizer-of-two")
+def _discriminator_never_zeroed(bug: bool) -> Case:
+    """A GAN step: the discriminator's update, then the generator's; the generator is zeroed every step and the
+    discriminator (the bug) never, so its gradients add up across steps, the generator's backward included."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"gen": nn.Sequential(nn.Linear(4, 8), nn.Tanh()),
+                           "disc": nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1))})
+    gen, disc = model["gen"], model["disc"]
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=1e-3), torch.optim.Adam(disc.parameters(), lr=1e-3)
+    z, real = torch.randn(8, 4), torch.randn(8, 8)
+
+    def step() -> torch.Tensor:
+        if not bug:
+            disc.zero_grad()
+        fake = gen(z)
+        d_loss = F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()
+        d_loss.backward()
+        opt_d.step()
+        gen.zero_grad()
+        g_loss = F.softplus(-disc(fake)).mean()
+        g_loss.backward()
+        opt_g.step()
+        return d_loss.detach() + g_loss.detach()
+
+    return model, step, {"optimizer": opt_d, "inputs": real}
+
+
 @pytest.mark.parametrize("key", sorted(k for k in CASES if k.startswith("LOOP-")))
 def test_loop_correct_orders_raise_no_loop_finding_at_all(key: str) -> None:
     model, step, kwargs = CASES[key](False)

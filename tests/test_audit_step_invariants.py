@@ -920,6 +920,27 @@ def _micro_batch_means_backpropagated_undivided(bug: bool) -> Case:
     return m, step, {"optimizer": opt, "inputs": x[0]}
 
 
+@case("LOOP-004/weighted-terms-under-a-wrapper")
+def _weighted_micro_batch_losses_through_a_backward_wrapper(bug: bool) -> Case:
+    """A trainer-style step: three micro-batches, each a weighted sum of two mean terms, backpropagated through a
+    wrapper that divides by its own accumulation count (1 here, as Accelerate's is under a Trainer that divides
+    itself); the trainer steps the optimizer outside step_fn. The bug skips the trainer's division by 3."""
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = _data(n=12)
+
+    def wrapper_backward(loss: torch.Tensor, accumulation: int = 1) -> None:
+        (loss / accumulation).backward()
+
+    def step() -> None:
+        for xb, yb in zip(x.split(4), y.split(4)):
+            out = m(xb)
+            loss = 0.5 * F.cross_entropy(out, yb) + 0.5 * out.pow(2).mean()
+            wrapper_backward(loss if bug else loss / 3)
+
+    return m, step, {"optimizer": opt, "inputs": x}
+
+
 def test_loop_004_is_quiet_for_two_objectives_of_one_batch_backpropagated_one_after_the_other() -> None:
     """Two tasks of one batch, each with its own forward and backward before one step: the gradients are meant
     to add up (not micro-batches: both forwards read the same tensors)."""

@@ -82,15 +82,28 @@ def _nothing_to_follow(trace: StepTrace, name: str) -> bool:
 
 def _unscaled_mean(node: Any, means: set[int], depth: int = 0) -> bool:
     """The autograd node is a mean-reduced loss's (a loss call with ``reduction='mean'``, a ``.mean()``), or a sum
-    or difference with one such term unscaled in it: what a backward of an undivided micro-batch loss starts from."""
+    or difference of terms with one such term in it, weighted or not (``0.5 * ce + 0.5 * kd``): what a backward of
+    an undivided micro-batch loss starts from. A division anywhere on the way, or a scaling of the whole loss (its
+    root a multiplication: ``loss * (1 / k)``, ``scaler.scale(loss)``), is a normalisation."""
     if node is None or depth > 8:
         return False
     name = type(node).__name__
     if id(node) in means or name.startswith("MeanBackward"):
         return True
-    if name.startswith(("AddBackward", "SubBackward")):
+    if name.startswith(("AddBackward", "SubBackward")) or (depth > 0 and name.startswith("MulBackward")):
         return any(_unscaled_mean(child, means, depth + 1) for child, _ in node.next_functions)
+    if name.startswith(("DivBackward", "MulBackward")) and _by_one(node):  # a wrapper's ``loss / 1``
+        return _unscaled_mean(node.next_functions[0][0], means, depth)
     return False
+
+
+def _by_one(node: Any) -> bool:
+    """A division or multiplication whose other operand is exactly 1 (an accumulation count of 1)."""
+    try:
+        other = node._saved_other
+    except Exception:  # a node that saved no operand
+        return False
+    return isinstance(other, torch.Tensor) and other.numel() == 1 and float(other) == 1.0
 
 
 def extract_loss(output: Any) -> Any:
@@ -259,6 +272,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             trace.loop_events.append("zero_grad")
         for t in tensors if tensors is not None else ():
             spans.pop(id(t), None)
+            trace.cleared.add(id(t))
 
     def get_grad(tensor: torch.Tensor) -> Any:
         return _GRAD.__get__(tensor)

@@ -102,7 +102,29 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
             "optimizer.zero_grad() every step (gradient accumulation clears them right after its step)",
             "LOOP-003", details,
         )]
-    return []
+    return _optimizer_never_cleared(ctx, details)
+
+
+def _optimizer_never_cleared(ctx: AuditContext, details: dict[str, object]) -> list[Finding]:
+    """LOOP-003 for one optimizer of several: the step clears some gradients, but none of the tensors one stepped
+    optimizer holds (a GAN that zeroes the generator and not the discriminator)."""
+    trace = ctx.trace
+    assert trace is not None
+    if "backward" not in trace.loop_events:
+        return []
+    names = {id(p): n for n, p in ctx.params.items()}
+    stale = [held for held in trace.step_params if held and not held & trace.cleared]
+    if not stale:
+        return []
+    tensors = sorted(names[i] for i in stale[0] if i in names)
+    return [Finding(
+        "loop_order", Severity.WARN,
+        f"the step clears gradients, but never those of an optimizer it steps ({len(stale[0])} tensors: "
+        f"{fmt_names(tensors)}): that optimizer's gradients add up across steps (and collect what the other "
+        "objectives' backward passes leave on its tensors), so each of its updates is the running sum of all past "
+        "gradients; call its zero_grad() every step",
+        "LOOP-003", {**details, "never_cleared": tensors[:50]},
+    )]
 
 
 def _clip_reach(events: list[str], clips: list[set[int]], steps: list[set[int]],

@@ -432,15 +432,16 @@ def _inputs_seen(call: RootCall) -> tuple[tuple[int, int, tuple[int, ...]], ...]
 def _undivided_micro_batches(trace: StepTrace, k: int) -> Finding | None:
     """LOOP-004 from the graphs, when the reported loss says nothing (a step that returns another value): each of
     the step's backward passes starts from a mean-reduced loss as it is, over forwards of different micro-batches
-    (at least ``k`` forwards with autograd on, not all computing the same), and one optimizer step follows."""
+    (at least ``k`` forwards with autograd on, not all reading the same tensors), and at most one optimizer step
+    follows."""
     forwards = [_inputs_seen(call) for call in trace.calls if call.grad_enabled]
     if (len(trace.backward_unscaled) != k or not all(trace.backward_unscaled) or len(forwards) < k
             or len(set(forwards)) < 2):
         return None
     return Finding(
         "supervision", Severity.WARN,
-        f"the step runs {k} backward passes over {len(forwards)} forwards of different micro-batches before one "
-        f"optimizer step, and each backpropagates a mean-reduced loss as it is (not divided by {k}): the "
+        f"the step runs {k} backward passes over {len(forwards)} forwards of different micro-batches for one "
+        f"optimizer update, and each backpropagates a mean-reduced loss as it is (not divided by {k}): the "
         f"accumulated gradient is the sum of {k} mean gradients, {k}x the mean gradient of the accumulated batch "
         f"(gradient clipping then clips a {k}x larger norm, SGD takes {k}x the lr); divide each micro-batch's loss "
         f"by {k} before backward",
@@ -455,7 +456,8 @@ def _backpropagated_multiple(ctx: AuditContext) -> Finding | None:
     trace = ctx.trace
     assert trace is not None
     k, values = trace.backward_calls, [v for v, _ in trace.backward_values]
-    if (k < 2 or trace.loop_events.count("step") != 1 or len(values) != k or trace.scaled_backward
+    # one update's backward passes: step_fn steps once, or leaves the step to the loop that calls it (a trainer)
+    if (k < 2 or trace.loop_events.count("step") > 1 or len(values) != k or trace.scaled_backward
             or any(retained for _, retained in trace.backward_values)):
         return None
     reported = extract_loss(trace.raw_output)
