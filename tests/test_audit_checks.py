@@ -1089,6 +1089,38 @@ def _frozen_encoder_dropout(bug: bool) -> Case:
     return m, lambda: F.cross_entropy(m(batch["input_ids"], batch["attention_mask"]), y), {}
 
 
+class _SoftPromptedEncoder(nn.Module):
+    """Prompt tuning: trainable soft-prompt vectors prepended to the token embeddings of a frozen encoder, whose
+    dropout stays on as in any fine-tune; the loss gradient runs through the encoder to the prompt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = _bert_encoder()
+        self.encoder.requires_grad_(False)
+        self.prompt = nn.Parameter(torch.randn(4, 32) * 0.02)
+        self.head = nn.Linear(32, 3)
+        self.head.requires_grad_(False)  # the task head is frozen too: only the prompt trains
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        embeds = self.encoder.embeddings.word_embeddings(input_ids)
+        embeds = torch.cat([self.prompt.expand(len(input_ids), -1, -1), embeds], dim=1)
+        mask = torch.cat([torch.ones(len(input_ids), 4, dtype=attention_mask.dtype), attention_mask], dim=1)
+        return self.head(self.encoder(inputs_embeds=embeds, attention_mask=mask).last_hidden_state[:, 0])
+
+
+def test_mode_002_leaves_a_frozen_encoder_that_a_soft_prompt_trains_through_alone() -> None:
+    """The frozen encoder's input is computed from the trained prompt: the gradient runs through it to what
+    trains, so its dropout is the fine-tune's own (as in a LoRA base), while the frozen feature extractor of
+    MODE-002's own case, whose input trains nothing, is still a finding."""
+    m = _SoftPromptedEncoder()
+    m.train()
+    batch = token_batch(pad_last=3)
+    y = torch.arange(4) % 3
+    opt = torch.optim.AdamW([m.prompt], lr=1e-3)
+    report = audit(m, lambda: F.cross_entropy(m(batch["input_ids"], batch["attention_mask"]), y), optimizer=opt)
+    assert not report.by_id("MODE-002") and not [f for f in report if f.severity >= Severity.WARN], str(report)
+
+
 @case("MODE-002/teacher")
 def _teacher_left_in_train_mode(bug: bool) -> Case:
     m = _Distill()

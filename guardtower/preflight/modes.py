@@ -22,7 +22,7 @@ from torch import nn
 from guardtower.preflight._registry import AuditContext, check, probe
 from guardtower.preflight.positions import hf_config
 from guardtower.preflight._step import MODE_SENSITIVE
-from guardtower.preflight._util import fmt_names, optimizer_tensors, stepped_elsewhere
+from guardtower.preflight._util import fmt_names, iter_tensors, optimizer_tensors, reached_params, stepped_elsewhere
 from guardtower.preflight.shadows import written_storage
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -119,6 +119,9 @@ class FrozenPartsRecord:
 
     stochastic: list[str] = field(default_factory=list)
     """frozen components whose forward drew random numbers"""
+    conducting: list[str] = field(default_factory=list)
+    """frozen components whose input is computed from trainable tensors (soft prompts, an input projector): the
+    loss gradient runs through them to what trains, so they are part of the fine-tune, as a LoRA base is"""
     moved: dict[str, list[str]] = field(default_factory=dict)
     """frozen part -> its submodules whose buffers changed (running statistics)"""
     updated: list[str] = field(default_factory=list)
@@ -168,10 +171,16 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
     components = frozen_components(ctx)
     before: dict[str, list[torch.Tensor]] = {}
 
+    trainable = {id(p) for p in ctx.params.values() if p.requires_grad}
+
     def pre(name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             try:
                 before[name] = _rng_states(module)
+                if name not in record.conducting and any(
+                        t.is_floating_point() and reached_params(t, trainable, first=True)
+                        for _, t in iter_tensors((args, kwargs), depth=2)):
+                    record.conducting.append(name)
             except Exception:  # observing must never change what the step does
                 pass
         return hook
@@ -194,7 +203,7 @@ def _frozen_parts_probe(ctx: AuditContext) -> Iterator[FrozenPartsRecord]:
     companion_stats = {(c, n): (m, _running_mean(m).detach().clone()) for c, root in ctx.companions.items()
                        for n, m in _stat_layers(root)}
     handles = [h for n, m in components.items()
-               for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
+               for h in (m.register_forward_pre_hook(pre(n), with_kwargs=True), m.register_forward_hook(post(n)))]
     versions = {part: [p._version for p in m.parameters()] for part, m in parts.items()}  # in-place writes count up
     training = {f"{part}.{n}" if n else part: m.training for part, root in parts.items()
                 for n, m in root.named_modules()}
@@ -330,8 +339,8 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
     trains = {n for n in (*record.stochastic, *record.moved)
               if n in modules and any(id(p) in elsewhere for p in modules[n].parameters())
               or any(n == u or n.startswith(u + ".") for u in record.updated)}
-    if [p for p in record.stochastic if p not in trains]:
-        parts = [p for p in record.stochastic if p not in trains]
+    parts = [p for p in record.stochastic if p not in trains and p not in record.conducting]
+    if parts:
         findings.append(Finding(
             "frozen_parts", Severity.WARN,
             f"frozen part(s) {fmt_names(parts)} (requires_grad=False) are stochastic in this step: their forward "
@@ -340,7 +349,9 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
             "torch.no_grad() in eval mode)",
             "MODE-002", {"modules": parts},
         ))
-    components = frozen_components(ctx)
+    # a frozen component the gradient runs through to what trains (prompt tuning) is the fine-tune's own, as a
+    # fragment is: its dropout regularises the trained part, its statistics are the fine-tune's
+    components = {n: m for n, m in frozen_components(ctx).items() if n not in record.conducting}
     for own in (True, False):
         parts = [p for p in record.moved if (p in components) == own and p not in trains]
         if not parts:
