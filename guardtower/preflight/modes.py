@@ -121,7 +121,7 @@ class FrozenPartsRecord:
     """frozen components whose forward drew random numbers"""
     conducting: list[str] = field(default_factory=list)
     """frozen components whose input is computed from trainable tensors (soft prompts, an input projector): the
-    loss gradient runs through them to what trains, so they are part of the fine-tune, as a LoRA base is"""
+    loss gradient runs through them to what trains, so their dropout is the fine-tune's, as a LoRA base's is"""
     moved: dict[str, list[str]] = field(default_factory=dict)
     """frozen part -> its submodules whose buffers changed (running statistics)"""
     updated: list[str] = field(default_factory=list)
@@ -339,6 +339,8 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
     trains = {n for n in (*record.stochastic, *record.moved)
               if n in modules and any(id(p) in elsewhere for p in modules[n].parameters())
               or any(n == u or n.startswith(u + ".") for u in record.updated)}
+    # a frozen component the gradient runs through to what trains (prompt tuning) is the fine-tune's own, as a LoRA
+    # base is: its dropout regularises what trains (its running statistics are still judged below)
     parts = [p for p in record.stochastic if p not in trains and p not in record.conducting]
     if parts:
         findings.append(Finding(
@@ -349,9 +351,7 @@ def check_frozen_parts(ctx: AuditContext) -> Iterable[Finding]:
             "torch.no_grad() in eval mode)",
             "MODE-002", {"modules": parts},
         ))
-    # a frozen component the gradient runs through to what trains (prompt tuning) is the fine-tune's own, as a
-    # fragment is: its dropout regularises the trained part, its statistics are the fine-tune's
-    components = {n: m for n, m in frozen_components(ctx).items() if n not in record.conducting}
+    components = frozen_components(ctx)
     for own in (True, False):
         parts = [p for p in record.moved if (p in components) == own and p not in trains]
         if not parts:
