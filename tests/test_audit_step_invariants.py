@@ -2748,6 +2748,28 @@ def _force_term_from_a_derivative_without_graph(bug: bool) -> Case:
     return m, sgd_step(m, opt, loss), {"optimizer": opt, "inputs": pos}
 
 
+@case("LOSS-004/double-activation")
+def _dice_on_an_activated_output(bug: bool) -> Case:
+    """A segmentation net whose loss takes a softmax over the classes, then a per-class soft Dice that applies a
+    sigmoid again (Loss_ToolBox issue 11); the twin's Dice takes the probabilities as they are."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 1))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 1, 8, 8, generator=g)
+    y = F.one_hot(torch.randint(0, 3, (4, 8, 8), generator=g), 3).permute(0, 3, 1, 2).float()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def loss() -> torch.Tensor:
+        probs = F.softmax(m(x), dim=1)
+        total = torch.zeros(())
+        for c in range(3):
+            p = torch.sigmoid(probs[:, c]) if bug else probs[:, c]
+            total = total + 1 - (2 * (p * y[:, c]).sum() + 1) / ((p * p).sum() + (y[:, c] * y[:, c]).sum() + 1)
+        return total / 3
+
+    return m, sgd_step(m, opt, loss), {"optimizer": opt, "inputs": x}
+
+
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_triggers(key: str) -> None:

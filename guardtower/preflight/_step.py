@@ -376,6 +376,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                          and c.reduction == "mean"}
                 trace.backward_unscaled.append(isinstance(tensors, torch.Tensor)
                                                and _unscaled_mean(tensors.grad_fn, means))
+                if isinstance(tensors, torch.Tensor) and tensors.grad_fn is not None and len(trace.backward_roots) < 4:
+                    trace.backward_roots.append(tensors.grad_fn)
             return original(*args, **kwargs)
 
         return wrapper

@@ -197,6 +197,8 @@ class StepTrace:
     backward_values: list[tuple[float | None, bool]] = field(default_factory=list)
     """for each of those passes (the first few): the value it backpropagated (None unless one scalar) and whether
     it kept its graph (``retain_graph=True``: terms of one forward, not micro-batches)"""
+    backward_roots: list[Any] = field(default_factory=list)
+    """the autograd nodes the first of those passes started from (the graph's structure outlives the backward)"""
     backward_unscaled: list[bool] = field(default_factory=list)
     """for each of those passes: it backpropagated a mean-reduced loss as it is, not divided or scaled (a mean loss
     call's result, a ``.mean()``, or a sum with such a term unscaled in it)"""

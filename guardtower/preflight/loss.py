@@ -21,7 +21,7 @@ from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._cut_terms import CutTerm, recorder, reduction_patches
 from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
-from guardtower.preflight._util import graph_holds, is_causal_lm, patched, reached_params
+from guardtower.preflight._util import graph_holds, graph_nodes, is_causal_lm, patched, reached_params
 from guardtower.preflight._trace import StepTrace
 from guardtower.preflight.supervision import skips_a_token, stops_unsupervised
 from guardtower.report import Finding
@@ -135,6 +135,41 @@ _BOUNDED: dict[str, tuple[str, float, float]] = {
 #: nodes that only reshape: the activation behind them still bounds the values
 _RESHAPES = ("View", "Squeeze", "Unsqueeze", "Reshape", "Permute", "Transpose", "TBackward", "Clone",
              "Select", "Slice", "Expand")
+
+
+#: activations that make probabilities, and those a double activation applies to them
+_PROBABILITIES = {"SigmoidBackward0": "sigmoid", "SoftmaxBackward0": "softmax"}
+_SQUASHES = {**_PROBABILITIES, "LogSoftmaxBackward0": "log_softmax"}
+#: graph nodes the double-activation walk visits at most
+_MAX_NODES = 20000
+
+
+def _double_activation(ctx: AuditContext) -> tuple[str, str] | None:
+    """(outer, inner): an activation applied, through reshapes and selections only, to a sigmoid's or softmax's
+    output, in the graph of what the step backpropagated (its first backward passes, or the loss it returned)."""
+    trace = ctx.trace
+    if trace is None:
+        return None
+    roots = list(trace.backward_roots)
+    if not roots and isinstance(trace.loss, torch.Tensor) and trace.loss.grad_fn is not None:
+        roots = [trace.loss.grad_fn]
+    seen = 0
+    for root in roots:
+        for node in graph_nodes(root):
+            seen += 1
+            if seen > _MAX_NODES:
+                return None
+            outer = _SQUASHES.get(type(node).__name__)
+            if outer is None:
+                continue
+            inner = node.next_functions[0][0] if node.next_functions else None
+            for _ in range(8):
+                if inner is None or not type(inner).__name__.startswith(_RESHAPES):
+                    break
+                inner = inner.next_functions[0][0] if inner.next_functions else None
+            if inner is not None and type(inner).__name__ in _PROBABILITIES:
+                return outer, _PROBABILITIES[type(inner).__name__]
+    return None
 
 
 def _bounding_activation(t: torch.Tensor) -> tuple[str, float, float] | None:
@@ -468,6 +503,17 @@ def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
     prediction whose activation cannot reach the targets, AMP-005 a softmax-family loss computed in 16 bits."""
     calls: list[LossCall] = ctx.probes.get("loss_calls", [])
     findings = []
+    doubled = _double_activation(ctx)
+    if doubled is not None:
+        outer, inner = doubled
+        findings.append(Finding(
+            "loss_inputs", Severity.ERROR,
+            f"the loss applies {outer} to what a {inner} just produced (a double activation, in a hand-written loss "
+            f"or after a head that already ends in {inner}): the prediction is squashed twice ({outer} of values in "
+            "[0, 1] spans [0.5, 0.73] for a sigmoid, a near-uniform distribution for a softmax), so it cannot reach "
+            "its targets and its gradient shrinks; apply the activation once",
+            "LOSS-004", {"outer": outer, "inner": inner},
+        ))
     for call in calls:
         findings += _contract(call)
         if call.fn == "kl_div" and call.reduction == "mean" and len(call.input_shape) >= 2 and call.input_shape[-1] > 1:
