@@ -941,6 +941,35 @@ def _weighted_micro_batch_losses_through_a_backward_wrapper(bug: bool) -> Case:
     return m, step, {"optimizer": opt, "inputs": x}
 
 
+def test_loop_004_is_quiet_for_two_tasks_on_their_own_batches_each_through_its_own_head() -> None:
+    """Multi-task learning: each task's batch goes through the shared trunk and its own head, and its mean loss is
+    backpropagated as it is before one step; the gradients of different objectives are meant to add up (the
+    passes reach different heads: not micro-batches of one objective)."""
+    class TwoTasks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+            self.heads = nn.ModuleDict({"a": nn.Linear(16, 3), "b": nn.Linear(16, 3)})
+
+        def forward(self, x: torch.Tensor, task: str) -> torch.Tensor:
+            return self.heads[task](self.trunk(x))
+
+    model = TwoTasks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(9)
+    tasks = [("a", torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)),
+             ("b", torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g))]
+
+    def step() -> None:
+        opt.zero_grad()
+        for head, x, y in tasks:
+            F.cross_entropy(model(x, head), y).backward()
+        opt.step()
+
+    assert not audit(model, step, optimizer=opt, inputs=tasks[0][1]).by_id("LOOP-004")
+
+
 def test_loop_004_is_quiet_for_two_objectives_of_one_batch_backpropagated_one_after_the_other() -> None:
     """Two tasks of one batch, each with its own forward and backward before one step: the gradients are meant
     to add up (not micro-batches: both forwards read the same tensors)."""

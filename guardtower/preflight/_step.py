@@ -24,7 +24,7 @@ from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows, moved_without_grad
 from guardtower.preflight._supervision import first_call_output, supervision_hook
 from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace, Supervision
-from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors, patched
+from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors, patched, reached_params
 
 __all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
@@ -288,6 +288,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             cleared([tensor])
 
     trainable = [p for p in ctx.params.values() if p.requires_grad]
+    trainable_ids = {id(p) for p in trainable}
 
     def on_grad(p: torch.Tensor) -> None:
         spans.setdefault(id(p), set()).add(len(step_log))
@@ -376,6 +377,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                          and c.reduction == "mean"}
                 trace.backward_unscaled.append(isinstance(tensors, torch.Tensor)
                                                and _unscaled_mean(tensors.grad_fn, means))
+                trace.backward_leaves.append(reached_params(tensors, trainable_ids)
+                                             if isinstance(tensors, torch.Tensor) else frozenset())
                 if isinstance(tensors, torch.Tensor) and tensors.grad_fn is not None and len(trace.backward_roots) < 4:
                     trace.backward_roots.append(tensors.grad_fn)
             return original(*args, **kwargs)

@@ -199,6 +199,9 @@ class StepTrace:
     it kept its graph (``retain_graph=True``: terms of one forward, not micro-batches)"""
     backward_roots: list[Any] = field(default_factory=list)
     """the autograd nodes the first of those passes started from (the graph's structure outlives the backward)"""
+    backward_leaves: list[frozenset[int]] = field(default_factory=list)
+    """for each of those passes: the ids of the trainable tensors its graph reaches (micro-batches of one update
+    reach the same ones; the objectives of several tasks, each through its own head, do not)"""
     backward_unscaled: list[bool] = field(default_factory=list)
     """for each of those passes: it backpropagated a mean-reduced loss as it is, not divided or scaled (a mean loss
     call's result, a ``.mean()``, or a sum with such a term unscaled in it)"""

@@ -432,12 +432,12 @@ def _inputs_seen(call: RootCall) -> tuple[tuple[int, int, tuple[int, ...]], ...]
 def _undivided_micro_batches(trace: StepTrace, k: int) -> Finding | None:
     """LOOP-004 from the graphs, when the reported loss says nothing (a step that returns another value): each of
     the step's backward passes starts from a mean-reduced loss as it is, over forwards of different micro-batches
-    (at least ``k`` forwards with autograd on, not all reading the same tensors), and at most one optimizer step
-    follows."""
+    (at least ``k`` forwards with autograd on, not all reading the same tensors), every pass reaches the same trainable
+    tensors (one objective, not several tasks), and at most one optimizer step follows."""
     forwards = [_inputs_seen(call) for call in trace.calls if call.grad_enabled]
     if (len(trace.backward_unscaled) != k or not all(trace.backward_unscaled) or len(forwards) < k
-            or len(set(forwards)) < 2):
-        return None
+            or len(set(forwards)) < 2 or len(set(trace.backward_leaves)) != 1):
+        return None  # not one objective over micro-batches: tasks that each train their own head add up by design
     return Finding(
         "supervision", Severity.WARN,
         f"the step runs {k} backward passes over {len(forwards)} forwards of different micro-batches for one "
@@ -488,6 +488,8 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
     k = trace.backward_calls
     if k < 2 or trace.loop_events.count("step") != 1 or len(records) != k:
         return
+    if len(set(trace.backward_leaves)) > 1:
+        return  # the passes train different tensors: several objectives (tasks, each with its own head) add up
     totals = [float(r.weight.sum()) for r in records if r.weight is not None]
     positions = sum(int(_supervised(r).sum()) for r in records)
     if all(math.isclose(t, 1.0, rel_tol=0.05) for t in totals) and positions > k:
