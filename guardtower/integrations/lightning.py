@@ -210,10 +210,10 @@ class GuardtowerGuard(Callback):
         self._replay = Quarantine()  # the quarantined steps a resumed run leaves out
         self._batches: list[Any] = []  # the batches of the optimizer step under way
         self._replaying = False  # that step is quarantined
-        self._module: pl.LightningModule | None = None  # whose training_step is wrapped
-        self._plugin: Any = None  # the precision plugin whose optimizer_step is wrapped
-        self._restart = False  # resumed with a loader that starts over: measure the offset at the next batch
-        self._offset = (0, 0)  # (epoch, batch_idx of the loader's first batch in that epoch)
+        self._patched: list[tuple[Any, str]] = []  # (object, method) replaced for the fit: training_step, ...
+        # (epoch, batch_idx of the loader's first batch in that epoch); None: a resume restarted the loader, and the
+        # next batch is its first
+        self._offset: tuple[int, int] | None = (0, 0)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from guardtower.guard import GuardedOptimizer
@@ -256,8 +256,8 @@ class GuardtowerGuard(Callback):
         self._replay = Quarantine()
         # a loader Lightning cannot resume starts the resumed epoch over from its first batch while batch_idx goes
         # on from the checkpoint's: the offset is measured at the first batch (on_train_batch_start)
-        self._restart = trainer.ckpt_path is not None and not _resumable_loader(trainer)
-        self._offset = (trainer.current_epoch, 0)
+        restarted = trainer.ckpt_path is not None and not _resumable_loader(trainer)
+        self._offset = None if restarted else (trainer.current_epoch, 0)
         if trainer.ckpt_path is not None and self.guards:  # resumed: every rank calls this, so agreeing is safe
             found = Quarantine()
             for guard in self.guards:
@@ -270,8 +270,8 @@ class GuardtowerGuard(Callback):
         # the loader, else a fingerprint), and into the quarantine then
         accumulation = max(1, int(trainer.accumulate_grad_batches))
         epoch = trainer.current_epoch
-        if self._restart:  # the first batch after a resume that restarted the loader is its batch 0
-            self._restart, self._offset = False, (epoch, batch_idx)
+        if self._offset is None:  # the first batch after a resume that restarted the loader is its batch 0
+            self._offset = (epoch, batch_idx)
         position = batch_idx - self._offset[1] if epoch == self._offset[0] else batch_idx
         if batch_idx % accumulation == 0 or not self._batches:  # the first batch of an optimizer step
             left = trainer.num_training_batches - batch_idx
@@ -288,7 +288,7 @@ class GuardtowerGuard(Callback):
     def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
         """Wrap the module's ``training_step`` (undone at the end of fit): a quarantined step's batches are not
         computed under automatic optimization; a zero loss over the trainable parameters takes their place."""
-        if self._module is not None:
+        if any(name == "training_step" for _, name in self._patched):
             return
         step = pl_module.training_step
 
@@ -298,8 +298,12 @@ class GuardtowerGuard(Callback):
                 return _zero_loss(pl_module)
             return step(*args, **kwargs)
 
-        pl_module.training_step = training_step  # type: ignore[method-assign]
-        self._module = pl_module
+        self._patch(pl_module, "training_step", training_step)
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        """Replace ``owner.name`` by an instance attribute for the fit (``_finish`` removes it again)."""
+        setattr(owner, name, replacement)
+        self._patched.append((owner, name))
 
     def _hand_over_recomputes(self, plugin: Any) -> None:
         """Wrap the precision plugin's ``optimizer_step`` (undone at the end of fit) so triage gets the step's
@@ -326,8 +330,7 @@ class GuardtowerGuard(Callback):
                     guard.observe_recompute(closure, scaler=scaler)
             return step(optimizer, model=model, closure=closure, **kwargs)
 
-        plugin.optimizer_step = optimizer_step
-        self._plugin = plugin
+        self._patch(plugin, "optimizer_step", optimizer_step)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -370,14 +373,11 @@ class GuardtowerGuard(Callback):
             fail_mlflow_runs(exception, _mlflow_logger_runs(trainer))
 
     def _finish(self, trainer: pl.Trainer) -> None:
-        """Publish what is pending, stop the guards' watchdogs, give the Trainer its clipping and the module its
-        ``training_step`` back."""
-        if self._module is not None:
-            vars(self._module).pop("training_step", None)
-            self._module = None
-        if self._plugin is not None:
-            vars(self._plugin).pop("optimizer_step", None)
-            self._plugin = None
+        """Publish what is pending, stop the guards' watchdogs, give the Trainer its clipping, and the module and the
+        precision plugin the methods replaced for the fit, back."""
+        for owner, name in self._patched:
+            vars(owner).pop(name, None)
+        self._patched = []
         self._batches, self._replaying = [], False
         for handle in self._clip_handles:
             handle.remove()

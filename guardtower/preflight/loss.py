@@ -138,7 +138,7 @@ _RESHAPES = ("View", "Squeeze", "Unsqueeze", "Reshape", "Permute", "Transpose", 
 
 
 #: activations that make probabilities, and those a double activation applies to them
-_PROBABILITIES = {"SigmoidBackward0": "sigmoid", "SoftmaxBackward0": "softmax"}
+_PROBABILITIES = {node: bound[0] for node, bound in _BOUNDED.items() if bound[0] in ("sigmoid", "softmax")}
 _SQUASHES = {**_PROBABILITIES, "LogSoftmaxBackward0": "log_softmax"}
 #: graph nodes the double-activation walk visits at most
 _MAX_NODES = 20000
@@ -162,28 +162,24 @@ def _double_activation(ctx: AuditContext) -> tuple[str, str] | None:
             outer = _SQUASHES.get(type(node).__name__)
             if outer is None:
                 continue
-            inner = node.next_functions[0][0] if node.next_functions else None
-            for _ in range(8):
-                if inner is None or not type(inner).__name__.startswith(_RESHAPES):
-                    break
-                inner = inner.next_functions[0][0] if inner.next_functions else None
+            inner = _below_reshapes(node.next_functions[0][0] if node.next_functions else None)
             if inner is not None and type(inner).__name__ in _PROBABILITIES:
                 return outer, _PROBABILITIES[type(inner).__name__]
     return None
 
 
-def _bounding_activation(t: torch.Tensor) -> tuple[str, float, float] | None:
-    node = t.grad_fn
+def _below_reshapes(node: Any) -> Any:
+    """The first autograd node at or below ``node`` that is not a reshape or selection (8 hops at most)."""
     for _ in range(8):
-        if node is None:
-            return None
-        name = type(node).__name__
-        if name in _BOUNDED:
-            return _BOUNDED[name]
-        if not name.startswith(_RESHAPES):
-            return None
+        if node is None or not type(node).__name__.startswith(_RESHAPES):
+            return node
         node = node.next_functions[0][0] if node.next_functions else None
-    return None
+    return node
+
+
+def _bounding_activation(t: torch.Tensor) -> tuple[str, float, float] | None:
+    node = _below_reshapes(t.grad_fn)
+    return None if node is None else _BOUNDED.get(type(node).__name__)
 
 
 def _values(x: torch.Tensor, class_dim: int | None) -> Values:

@@ -422,6 +422,13 @@ def _padding_targets(ctx: AuditContext) -> Finding | None:
     return None
 
 
+def _one_objective(trace: StepTrace) -> bool:
+    """The step's backward passes all reach the same trainable tensors: micro-batches of one objective. Passes that
+    train different tensors are several objectives (tasks on their own batches, each with its own head), whose
+    gradients add up by design."""
+    return len(set(trace.backward_leaves)) <= 1
+
+
 def _inputs_seen(call: RootCall) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
     """Which tensors a model call read (storage, offset, shape): two forwards of one batch read the same ones,
     micro-batches other ones (slices of one tensor included)."""
@@ -436,8 +443,8 @@ def _undivided_micro_batches(trace: StepTrace, k: int) -> Finding | None:
     tensors (one objective, not several tasks), and at most one optimizer step follows."""
     forwards = [_inputs_seen(call) for call in trace.calls if call.grad_enabled]
     if (len(trace.backward_unscaled) != k or not all(trace.backward_unscaled) or len(forwards) < k
-            or len(set(forwards)) < 2 or len(set(trace.backward_leaves)) != 1):
-        return None  # not one objective over micro-batches: tasks that each train their own head add up by design
+            or len(set(forwards)) < 2 or not _one_objective(trace)):
+        return None
     return Finding(
         "supervision", Severity.WARN,
         f"the step runs {k} backward passes over {len(forwards)} forwards of different micro-batches for one "
@@ -488,8 +495,8 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
     k = trace.backward_calls
     if k < 2 or trace.loop_events.count("step") != 1 or len(records) != k:
         return
-    if len(set(trace.backward_leaves)) > 1:
-        return  # the passes train different tensors: several objectives (tasks, each with its own head) add up
+    if not _one_objective(trace):
+        return
     totals = [float(r.weight.sum()) for r in records if r.weight is not None]
     positions = sum(int(_supervised(r).sum()) for r in records)
     if all(math.isclose(t, 1.0, rel_tol=0.05) for t in totals) and positions > k:
