@@ -819,6 +819,27 @@ def _discriminator_never_zeroed(bug: bool) -> Case:
     return model, step, {"optimizer": opt_d, "inputs": real}
 
 
+def test_parts_zeroed_and_clipped_each_before_its_own_backward_then_stepped_together_raise_no_loop_finding() -> None:
+    """Dreamer's loop: world model, actor and value each have their optimizer; each is zeroed right before its own
+    backward and clipped after it, and the three steps come at the end. Each zero_grad clears another part's
+    tensors (no gradient is thrown away) and each clip still stands for its part at that part's step."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"world": nn.Linear(4, 4), "actor": nn.Linear(4, 2), "value": nn.Linear(4, 1)})
+    opts = {name: torch.optim.Adam(part.parameters(), lr=1e-3) for name, part in model.items()}
+    x = torch.randn(8, 4)
+
+    def step() -> None:
+        for name in ("world", "actor", "value"):
+            opts[name].zero_grad()
+            model[name](x).pow(2).mean().backward()
+            nn.utils.clip_grad_norm_(model[name].parameters(), 1.0)
+        for opt in opts.values():
+            opt.step()
+
+    report = audit(model, step, optimizer=opts["world"], inputs=x)
+    assert not [f for f in report if f.catalog_id.startswith("LOOP-")], str(report)
+
+
 @pytest.mark.parametrize("key", sorted(k for k in CASES if k.startswith("LOOP-")))
 def test_loop_correct_orders_raise_no_loop_finding_at_all(key: str) -> None:
     model, step, kwargs = CASES[key](False)

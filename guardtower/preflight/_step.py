@@ -23,7 +23,7 @@ from guardtower.preflight._sample_leak import sample_leaks
 from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows, moved_without_grad
 from guardtower.preflight._supervision import first_call_output, supervision_hook
-from guardtower.preflight._trace import LeakEntry, RootCall, StepTrace, Supervision
+from guardtower.preflight._trace import LeakEntry, Moved, RootCall, StepTrace, Supervision
 from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors, patched, reached_params
 
 __all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
@@ -78,6 +78,13 @@ def _nothing_to_follow(trace: StepTrace, name: str) -> bool:
     """Whether the step's gradient leaves some of tensor ``name`` alone: none at all, or zeroed rows."""
     zeroed = _zeroed_rows(trace, name)
     return trace.grad_rows_at_step.get(name) is None or (zeroed is not None and bool(zeroed.any()))
+
+
+def _moved(trace: StepTrace, name: str, p: torch.Tensor, before: torch.Tensor) -> Moved | None:
+    """How ``p`` moved since ``before`` where the step's gradient gave it nothing to follow (``moved_without_grad``)."""
+    if before.shape != p.shape:
+        return None
+    return moved_without_grad(p, before, trace.grad_rows_at_step.get(name), _zeroed_rows(trace, name))
 
 
 def _unscaled_mean(node: Any, means: set[int], depth: int = 0) -> bool:
@@ -270,9 +277,11 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     def cleared(tensors: Iterable[torch.Tensor] | None = None) -> None:
         if not trace.loop_events or trace.loop_events[-1] != "zero_grad":
             trace.loop_events.append("zero_grad")
+            trace.cleared_at.append(set())
         for t in tensors if tensors is not None else ():
             spans.pop(id(t), None)
             trace.cleared.add(id(t))
+            trace.cleared_at[-1].add(id(t))
 
     def get_grad(tensor: torch.Tensor) -> Any:
         return _GRAD.__get__(tensor)
@@ -307,6 +316,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     #: the first step's tensors that had nothing to follow, with their values just before it: what that step
     #: alone did to them (a momentum copy the forward moves, an EMA after the step, are the user's own updates)
     before_step: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    moved_from: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # what that step moved, judged again at the end
 
     def post_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         depth[0] -= 1
@@ -316,10 +326,10 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             closure[0] = False
             record_step(opt)
         for name, p, before in before_step:
-            moved = (moved_without_grad(p, before, trace.grad_rows_at_step.get(name), _zeroed_rows(trace, name))
-                     if before.shape == p.shape else None)
+            moved = _moved(trace, name, p, before)
             if moved is not None:
                 trace.user_update[name] = moved
+                moved_from.append((name, p, before))
         before_step.clear()
 
     def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -479,6 +489,12 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
             torch.Tensor.grad = own_grad
         for h in handles:
             h.remove()
+        for name, p, before in moved_from:  # what step_fn put back after its optimizer step (frozen rows rewritten)
+            moved = _moved(trace, name, p, before)
+            if moved is None:
+                trace.user_update.pop(name, None)
+            else:
+                trace.user_update[name] = moved
 
 
 def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, *, leak_analysis: bool = True,

@@ -220,6 +220,8 @@ class StepTrace:
     """for each ``"step"`` of ``loop_events``: the ids of the trainable tensors that optimizer holds"""
     cleared: set[int] = field(default_factory=set)
     """the ids of the tensors some ``zero_grad()`` (or ``.grad = None``) inside ``step_fn`` cleared"""
+    cleared_at: list[set[int]] = field(default_factory=list)
+    """for each ``"zero_grad"`` of ``loop_events``: the ids of the tensors it cleared"""
     clip_params: list[set[int]] = field(default_factory=list)
     """for each ``"clip"`` of ``loop_events``: the ids of the tensors that clip was given"""
     loss_requires_grad: bool = False

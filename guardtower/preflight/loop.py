@@ -3,7 +3,7 @@ itself), are ``zero_grad``, ``backward`` and ``step`` in an order that trains?""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._util import fmt_names
@@ -25,7 +25,7 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
         return []
     if "step" not in trace.loop_events:
         return _never_stepped(ctx)
-    dropped = _cleared_before_use(trace.loop_events, trace.backward_versions)
+    dropped = _cleared_before_use(trace.loop_events, trace.backward_versions, trace.backward_leaves, trace.cleared_at)
     if dropped:
         return [Finding(
             "loop_order", Severity.WARN,
@@ -46,7 +46,8 @@ def check_loop_order(ctx: AuditContext) -> Iterable[Finding]:
             "LOOP-009", {"order": trace.loop_events},
         )]
     others = [{id(p) for g in o.param_groups for p in g["params"]} for o in trace.stepped_optimizers]
-    reach = _clip_reach(trace.loop_events, trace.clip_params, trace.step_params, others)
+    reach = _clip_reach(trace.loop_events, trace.clip_params, trace.step_params, others, trace.backward_leaves,
+                        trace.cleared_at)
     if reach == "elsewhere":
         return [Finding(
             "loop_order", Severity.WARN,
@@ -127,8 +128,8 @@ def _optimizer_never_cleared(ctx: AuditContext, details: dict[str, object]) -> l
     )]
 
 
-def _clip_reach(events: list[str], clips: list[set[int]], steps: list[set[int]],
-                optimizers: list[set[int]]) -> str | None:
+def _clip_reach(events: list[str], clips: list[set[int]], steps: list[set[int]], optimizers: list[set[int]],
+                leaves: Sequence[frozenset[int]] = (), cleared_at: Sequence[set[int]] = ()) -> str | None:
     """None when some ``step`` has a ``clip`` of some of its own tensors between it and the last ``backward``
     (or no clip ran); ``"elsewhere"`` when clips precede steps but only of tensors another of the stepped
     ``optimizers`` holds (tensors no optimizer holds may be the model's half-precision copies of an optimizer's
@@ -138,10 +139,15 @@ def _clip_reach(events: list[str], clips: list[set[int]], steps: list[set[int]],
         return None
     clipped: set[int] | None = None
     outcome = "never"
-    clip_i = step_i = 0
+    clip_i = step_i = back_i = zero_i = 0
     for event in events:
         if event in ("backward", "zero_grad"):
-            clipped = None
+            # a clip stands for the tensors this pass leaves alone (another part's backward, another optimizer's
+            # zero_grad), not for those it writes or clears
+            touched = (leaves[back_i] if event == "backward" and back_i < len(leaves) else
+                       cleared_at[zero_i] if event == "zero_grad" and zero_i < len(cleared_at) else None)
+            back_i, zero_i = back_i + (event == "backward"), zero_i + (event == "zero_grad")
+            clipped = None if clipped is None or not touched else (clipped - touched) or None
         elif event == "clip":
             clipped = (clipped or set()) | (clips[clip_i] if clip_i < len(clips) else set())
             clip_i += 1
@@ -204,22 +210,28 @@ def _never_stepped(ctx: AuditContext) -> list[Finding]:
     )]
 
 
-def _cleared_before_use(events: list[str], versions: list[int]) -> int:
+def _cleared_before_use(events: list[str], versions: list[int], leaves: list[frozenset[int]],
+                        cleared_at: list[set[int]]) -> int:
     """How many backward passes had their gradients cleared by a zero_grad before a later backward, with no
     optimizer step in between and no weight changed in place (SAM-style two-pass steps perturb the weights
-    between their backwards: those are not counted)."""
+    between their backwards: those are not counted). A zero_grad that clears none of the tensors that backward
+    reached (another optimizer's, each part zeroed before its own backward) throws nothing of it away."""
     dropped = 0
     unused: int | None = None  # the last backward whose gradients no step has used yet
     cleared: int | None = None  # ... and that a zero_grad then threw away
-    k = -1
+    k = z = -1
     for event in events:
         if event == "backward":
             k += 1
             if cleared is not None and k < len(versions) and versions[k] == versions[cleared]:
                 dropped += 1
             unused, cleared = k, None
-        elif event == "zero_grad" and unused is not None:
-            cleared, unused = unused, None
+        elif event == "zero_grad":
+            z += 1
+            reached = leaves[unused] if unused is not None and unused < len(leaves) else None
+            if unused is not None and (reached is None or z >= len(cleared_at) or cleared_at[z] & reached
+                                       or not reached):
+                cleared, unused = unused, None
         elif event == "step":
             unused = cleared = None
     return dropped
