@@ -48,6 +48,19 @@ def _fresh_accelerate() -> None:
         GradientState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group() -> Iterator[None]:
+    """A test that initialises a single-process group (a DDP reproduction on gloo) and leaves it would make every
+    later test in that worker see rank 0 of a real group instead of the ``RANK`` it sets: destroyed after the test
+    that made it."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Tiny models on a shared CPU run faster on one thread than fighting over two."""
