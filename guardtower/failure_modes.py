@@ -262,6 +262,17 @@ _CORE: tuple[FailureMode, ...] = (
         ("gradients", "checkpointing"),
     ),
     FailureMode(
+        "GRAD-007", "Every position reads one row of the position table", Severity.WARN,
+        "The gradient of a learned position table (a parameter named like pos_emb, positional_encodings, "
+        "position_embeddings or wpe) reaches exactly one position, and not the first one.",
+        "Indexing a row (pe[n]) where a slice was meant (pe[:n]), or position ids that are all equal, adds the "
+        "same vector at every position: shapes broadcast, the loss falls on what the content alone gives, and the "
+        "model never learns word or patch order.",
+        "Slice the table's first n positions (pe[:n] or pe[:, :n]) or pass position ids 0..n-1.",
+        "https://github.com/labmlai/annotated_deep_learning_paper_implementations/issues/133",
+        ("gradients", "positions"),
+    ),
+    FailureMode(
         "OPT-001", "Trainable parameter missing from the optimizer", Severity.ERROR,
         "A parameter with requires_grad=True is in no optimizer param group.",
         "It receives gradients (so gradient checks pass) but is never updated.",

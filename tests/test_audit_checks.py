@@ -819,6 +819,81 @@ def _discriminator_never_zeroed(bug: bool) -> Case:
     return model, step, {"optimizer": opt_d, "inputs": real}
 
 
+class _PatchEncoder(nn.Module):
+    """Patches plus a learned position table, then a small transformer layer and a mean-pooled head."""
+
+    def __init__(self, sliced: bool) -> None:
+        super().__init__()
+        self.sliced = sliced
+        self.pos_embedding = nn.Parameter(torch.randn(1, 32, 8) * 0.02)
+        self.embed = nn.Linear(6, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        n = patches.shape[1]
+        pe = self.pos_embedding[:, :n] if self.sliced else self.pos_embedding[:, n]
+        return self.head(self.layer(self.embed(patches) + pe).mean(1))
+
+
+@case("GRAD-007")
+def _position_table_indexed_not_sliced(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = _PatchEncoder(sliced=not bug)
+    patches, y = torch.randn(4, 9, 6), torch.tensor([0, 1, 2, 1])
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(patches), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return m, step, {"optimizer": opt, "inputs": patches}
+
+
+def test_grad_007_a_batch_of_one_position_reads_row_0_and_is_left_alone() -> None:
+    torch.manual_seed(0)
+    m = _PatchEncoder(sliced=True)
+    patches, y = torch.randn(4, 1, 6), torch.tensor([0, 1, 2, 1])
+    F.cross_entropy(m(patches), y).backward()
+    assert m.pos_embedding.grad is not None
+    assert m.pos_embedding.grad[0].ne(0).any(-1).nonzero().flatten().tolist() == [0]  # one row: the first
+    m.zero_grad()
+    report = audit(m, lambda: F.cross_entropy(m(patches), y), inputs=patches)
+    assert not report.by_id("GRAD-007"), str(report)
+
+
+@case("LOOP-003/stepped-again-in-one-call")
+def _critic_steps_share_one_zero_grad(bug: bool) -> Case:
+    """A WGAN-style step: three critic updates per generator update. The bug zeroes the critic once before the
+    loop, so its second and third updates apply the earlier batches' gradients again; the clean loop zeroes
+    before each critic backward."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"gen": nn.Sequential(nn.Linear(4, 8), nn.Tanh()),
+                           "critic": nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1))})
+    gen, critic = model["gen"], model["critic"]
+    opt_g, opt_c = torch.optim.Adam(gen.parameters(), lr=1e-3), torch.optim.Adam(critic.parameters(), lr=1e-3)
+    z, real = torch.randn(3, 8, 4), torch.randn(3, 8, 8)
+
+    def step() -> torch.Tensor:
+        opt_c.zero_grad()
+        for k in range(3):
+            if not bug:
+                opt_c.zero_grad()
+            c_loss = critic(gen(z[k]).detach()).mean() - critic(real[k]).mean()
+            c_loss.backward()
+            opt_c.step()
+        opt_g.zero_grad()
+        g_loss = -critic(gen(z[0])).mean()
+        g_loss.backward()
+        opt_g.step()
+        return g_loss
+
+    return model, step, {"optimizer": opt_c, "inputs": real[0]}
+
+
 def test_parts_zeroed_and_clipped_each_before_its_own_backward_then_stepped_together_raise_no_loop_finding() -> None:
     """Dreamer's loop: world model, actor and value each have their optimizer; each is zeroed right before its own
     backward and clipped after it, and the three steps come at the end. Each zero_grad clears another part's

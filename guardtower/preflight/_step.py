@@ -410,10 +410,15 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         held = {id(p) for g in opt.param_groups for p in g["params"]}
         # a gradient accumulated both before and after another optimizer's step of other tensors: this update
         # applies what an earlier phase's backward (another objective) left on these tensors
-        stale = [names[i] for i in held if i in names and len(spans.get(i, ())) > 1
-                 and any(i not in step_log[k] for k in range(min(spans[i]), max(spans[i])))]
+        # and one accumulated both before and after an earlier step of these same tensors: that step's gradient
+        # is applied again
+        spanned = [i for i in held if i in names and len(spans.get(i, ())) > 1]
+        stale = [names[i] for i in spanned if any(i not in step_log[k] for k in range(min(spans[i]), max(spans[i])))]
         if stale and len(trace.cross_phase) < 8:
             trace.cross_phase.append((len(step_log), sorted(stale)))
+        again = [names[i] for i in spanned if any(i in step_log[k] for k in range(min(spans[i]), max(spans[i])))]
+        if again and len(trace.restepped) < 8:
+            trace.restepped.append((len(step_log), sorted(again)))
         step_log.append(held)
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook

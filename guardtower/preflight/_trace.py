@@ -214,6 +214,9 @@ class StepTrace:
     cross_phase: list[tuple[int, list[str]]] = field(default_factory=list)
     """``(step, tensors)`` for each optimizer step (numbered over all optimizers from 0) whose tensors' gradients
     were accumulated both before and after another optimizer's earlier step: a phase's leftover gradient"""
+    restepped: list[tuple[int, list[str]]] = field(default_factory=list)
+    """``(step, tensors)`` for each optimizer step whose tensors' gradients still hold what the same tensors'
+    earlier step in ``step_fn`` applied (accumulated before and after it, never cleared): an update applied twice"""
     step_grads: list[int] = field(default_factory=list)
     """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
     step_params: list[set[int]] = field(default_factory=list)

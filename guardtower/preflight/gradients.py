@@ -4,6 +4,7 @@ optimizer update relative to the weights (``update_ratio``)."""
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from typing import Callable, Iterable
 
@@ -287,6 +288,38 @@ def _finite_grad(ctx: AuditContext, name: str) -> bool:
     assert ctx.trace is not None
     g = ctx.trace.grads.get(name)
     return g is not None and bool(torch.isfinite(g).all())
+
+
+#: names of learned position tables: ``pos_emb``, ``positional_encodings``, ``position_embeddings``, ``wpe``
+_POSITION_TABLE = re.compile(r"pos(ition)?(al)?_?(emb|enc)|positional|(^|\.)wpe(\.|$)", re.IGNORECASE)
+
+
+@check("position_rows", emits=("GRAD-007",))
+def check_position_rows(ctx: AuditContext) -> Iterable[Finding]:
+    """GRAD-007: a learned position table whose gradient reached one position only, and not the first: every
+    position of the batch read the same row (``pe[n]`` where ``pe[:n]`` was meant, position ids all equal), so
+    the model is told nothing about order. A batch of one position reads row 0 and is left alone."""
+    if ctx.trace is None:
+        return []
+    found: list[tuple[str, int, int]] = []
+    for name in ctx.params:
+        grad = ctx.trace.grads.get(name)
+        if not _POSITION_TABLE.search(name) or grad is None or grad.is_sparse or grad.dim() < 2:
+            continue
+        axis = next((d for d in range(grad.dim() - 1) if grad.shape[d] > 1), None)  # the positions' axis
+        if axis is None:
+            continue
+        with torch.no_grad():
+            reached = grad.movedim(axis, 0).reshape(grad.shape[axis], -1).ne(0).any(1).nonzero().flatten().tolist()
+        if len(reached) == 1 and reached[0] > 0:
+            found.append((name, reached[0], grad.shape[axis]))
+    return [Finding(
+        "position_rows", Severity.WARN,
+        f"the gradient reached one row of the position table {name} only (row {row} of {rows}): every position "
+        "the step ran read that same row, so the model gets one vector added everywhere and learns nothing about "
+        "order; index the first positions (pe[:n], not pe[n]) or pass position ids that count up",
+        "GRAD-007", {"param": name, "row": row, "rows": rows},
+    ) for name, row, rows in found[:4]]
 
 
 @check("update_ratio", emits=("GRAD-005", "NAN-004"), needs=("update",))

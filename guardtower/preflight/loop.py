@@ -116,7 +116,7 @@ def _optimizer_never_cleared(ctx: AuditContext, details: dict[str, object]) -> l
     names = {id(p): n for n, p in ctx.params.items()}
     stale = [held for held in trace.step_params if held and not held & trace.cleared]
     if not stale:
-        return []
+        return _applied_twice(trace.restepped, details)
     tensors = sorted(names[i] for i in stale[0] if i in names)
     return [Finding(
         "loop_order", Severity.WARN,
@@ -125,6 +125,22 @@ def _optimizer_never_cleared(ctx: AuditContext, details: dict[str, object]) -> l
         "objectives' backward passes leave on its tensors), so each of its updates is the running sum of all past "
         "gradients; call its zero_grad() every step",
         "LOOP-003", {**details, "never_cleared": tensors[:50]},
+    )]
+
+
+def _applied_twice(restepped: list[tuple[int, list[str]]], details: dict[str, object]) -> list[Finding]:
+    """LOOP-003 inside one step: an optimizer steps again on gradients its earlier step already applied (several
+    discriminator steps per generator step with one zero_grad before the loop)."""
+    if not restepped:
+        return []
+    step, tensors = restepped[0]
+    return [Finding(
+        "loop_order", Severity.WARN,
+        f"optimizer step {step + 1} of the step applies gradients of {fmt_names(tensors)} that still hold what an "
+        "earlier step of the same tensors applied: nothing cleared them between the two steps, so the later update "
+        "applies the earlier batches' gradients again (the first batch once per step); call zero_grad() at the top "
+        "of each of these steps",
+        "LOOP-003", {**details, "step": step, "applied_again": tensors[:50], "count": len(tensors)},
     )]
 
 
