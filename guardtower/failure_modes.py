@@ -1397,6 +1397,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("inputs", "masks", "llm"),
     ),
     FailureMode(
+        "INPUT-013", "The loss reads one position of a token sequence", Severity.WARN,
+        "Of a (batch, positions) token input with three or more positions that the model embeds, the loss "
+        "gradient reaches the embedding output at one position only, the same in every row, while the other "
+        "positions hold tokens.",
+        "A sequence length built as ones, a mask that keeps the first item, or an index where a pooling was "
+        "meant drops the rest of each sequence from the forward; shapes still fit, the loss falls on what one "
+        "item predicts, and the history or context the model was built for never trains.",
+        "Pass each row's real length (or mask) to the pooling or attention, and pool over the positions instead "
+        "of indexing one.",
+        "https://github.com/shenweichen/DeepCTR-Torch/issues/128",
+        ("inputs", "masks"),
+    ),
+    FailureMode(
         "DATA-016", "The prompt is masked by column on left-padded rows", Severity.WARN,
         "A causal LM's batch is left-padded; every row whose padding ends before some column has its labels "
         "masked up to exactly that column, and a row padded past it has its first real token supervised.",

@@ -290,8 +290,7 @@ CASES: list[BlindCase] = [
               "padding tokens left in seq2seq labels",
               "Target padding (id 0) is not replaced by -100 in the labels, so the loss is mostly padding and the "
               "encoder-decoder learns to emit padding.",
-              _c02_build, _c02_proof,
-              known_alarm=('TIE-002',)),
+              _c02_build, _c02_proof),
     BlindCase("b18-case-03", "https://github.com/ace-step/ACE-Step/pull/198",
               "per-step warmup scheduler stepped per epoch",
               "The warmup LambdaLR is returned without interval='step', so Lightning steps it once per epoch and the "

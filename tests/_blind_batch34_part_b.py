@@ -510,18 +510,21 @@ def _c05_proof(bug: bool) -> bool:
 CASES: list[BlindCase] = [
     BlindCase("b34b-01", "https://github.com/kuangliu/pytorch-retinanet/pull/19", "augmentation mutates ground truth",
               "The dataset hands its stored annotation tensor to in-place flip/crop transforms, so the ground-truth "
-              "boxes drift every epoch and collapse while training runs.", _c01_build, _c01_proof),
+              "boxes drift every epoch and collapse while training runs.", _c01_build, _c01_proof,
+              known_miss="the dataset's stored boxes edited in place by its transforms: the data pipeline's copy semantics are outside one step's tensors"),
     BlindCase("b34b-02", "https://github.com/ajbrock/BigGAN-PyTorch/issues/25", "discriminator gradients not zeroed",
               "With several D steps per iteration and no zero_grad between them, every D step after the first also "
               "applies the previous steps' gradients.", _c02_build, _c02_proof),
     BlindCase("b34b-03", "https://github.com/huggingface/diffusers/issues/5783", "EMA weights never updated",
               "The SDXL script never calls ema_unet.step(), so the EMA weights saved as the final model stay the "
-              "initial UNet while the trained UNet moves.", _c03_build, _c03_proof),
+              "initial UNet while the trained UNet moves.", _c03_build, _c03_proof,
+              known_miss="an EMA object whose step() is never called: a copy the audit is not given cannot be seen not to follow"),
     BlindCase("b34b-04", "https://github.com/labmlai/annotated_deep_learning_paper_implementations/issues/133",
               "one position embedding for all patches",
               "The ViT indexes a single row of the learned position table instead of slicing it, so every patch gets "
               "the same position vector and the model has no positional information.", _c04_build, _c04_proof),
     BlindCase("b34b-05", "https://github.com/tensorflow/docs/pull/2159", "segmentation mask resized bilinearly",
               "The trimap is resized with bilinear interpolation, so boundary pixels get in-between values that are "
-              "cast to a class absent there and trained as such.", _c05_build, _c05_proof),
+              "cast to a class absent there and trained as such.", _c05_build, _c05_proof,
+              known_miss="a mask resized bilinearly and cast to classes: which values a target may hold is data semantics"),
 ]

@@ -1108,6 +1108,24 @@ def _untied_by_head_swap(bug: bool) -> Case:
     return m, lambda: m(**batch), {}
 
 
+@case("TIE-002/encoder-decoder")
+def _bert2bert_decoder_head_replaced(bug: bool) -> Case:
+    """Two BERTs in an EncoderDecoderModel: the decoder ties its head to its own embeddings (not the encoder's);
+    the bug replaces the decoder's head after construction."""
+    from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderModel
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 48, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 32, "max_position_embeddings": 32}
+    decoder = BertLMHeadModel(BertConfig(**small, is_decoder=True, add_cross_attention=True))
+    m = EncoderDecoderModel(encoder=BertModel(BertConfig(**small), add_pooling_layer=False), decoder=decoder)
+    if bug:  # "re-initialise the head" after construction
+        m.decoder.cls.predictions.decoder = nn.Linear(16, 48)
+    m.config.decoder_start_token_id, m.config.pad_token_id = 2, 0
+    src, tgt = torch.randint(3, 48, (2, 7)), torch.randint(3, 48, (2, 5))
+    return m, lambda: m(input_ids=src, labels=tgt).loss, {"inputs": src}
+
+
 @case("MODE-001")
 def _eval_mode(bug: bool) -> Case:
     m = mlp()

@@ -2834,6 +2834,31 @@ def test_clean_counterparts(key: str) -> None:
     assert not loud, "\n".join(loud)
 
 
+class _HistoryPooling(nn.Module):
+    """A click model: the user's history items, pooled by a length mask, against a candidate item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = nn.Embedding(20, 8, padding_idx=0)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, history: torch.Tensor, lengths: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
+        keep = (torch.arange(history.shape[1])[None, :] < lengths[:, None]).unsqueeze(-1)
+        pooled = (self.items(history) * keep).sum(1) / lengths[:, None]
+        return self.head(torch.cat([pooled, self.items(item)], -1)).squeeze(-1)
+
+
+@case("INPUT-013")
+def _history_lengths_of_ones(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = _HistoryPooling()
+    lengths = torch.tensor([3, 5, 2, 4])
+    history = torch.randint(1, 20, (4, 5)).masked_fill(torch.arange(5)[None, :] >= lengths[:, None], 0)
+    item, clicked = torch.randint(1, 20, (4,)), torch.tensor([1.0, 0.0, 1.0, 0.0])
+    used = torch.ones_like(lengths) if bug else lengths  # the bug: a length of one for every user
+    return m, lambda: F.binary_cross_entropy_with_logits(m(history, used, item), clicked), {"inputs": history}
+
+
 def test_every_step_entry_has_a_trigger_case() -> None:
     assert {m.id for m in _STEP} <= {key.split("/")[0] for key in CASES}
 

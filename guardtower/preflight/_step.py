@@ -23,7 +23,7 @@ from guardtower.preflight._sample_leak import sample_leaks
 from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows, moved_without_grad
 from guardtower.preflight._supervision import first_call_output, supervision_hook
-from guardtower.preflight._trace import LeakEntry, Moved, RootCall, StepTrace, Supervision
+from guardtower.preflight._trace import LeakEntry, Moved, RootCall, SequenceReads, StepTrace, Supervision
 from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors, patched, reached_params
 
 __all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
@@ -43,8 +43,25 @@ class _Watch:
 
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     token_ptrs: set[int] = field(default_factory=set)
+    positions: dict[str, SequenceReads] = field(default_factory=dict)
+    """embedding name -> what the loss gradient reached of its (batch, positions) token input"""
     marked: bool = False
     """the audit made a float input require grad"""
+
+
+def _watch_positions(positions: dict[str, SequenceReads], name: str, module: nn.Module, ids: torch.Tensor,
+                     output: torch.Tensor) -> None:
+    """Record which (row, position) entries of ``output`` the loss gradient reaches (first call per embedding)."""
+    if name in positions or len(positions) >= 8:
+        return
+    padding = getattr(module, "padding_idx", None)
+    reads = positions[name] = SequenceReads(ids.detach().clone(), torch.zeros(ids.shape, dtype=torch.bool,
+                                                                               device=ids.device), padding)
+
+    def hook(grad: torch.Tensor) -> None:
+        reads.reached |= grad.detach().ne(0).any(-1)
+
+    output.register_hook(hook)
 
 
 def _by_name(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -168,12 +185,13 @@ def _instrument(model: nn.Module, flags: TensorFlags, calls: list[RootCall], wat
                 return None
             if ids.untyped_storage().data_ptr() not in watch.token_ptrs:
                 return None
-            if not output.requires_grad and output.is_floating_point():
+            replaced = not output.requires_grad and output.is_floating_point()
+            if replaced:
                 output = output.detach().requires_grad_(True)
-                watch.tensors.append((f"embedding {name}", output))
-                return output
             watch.tensors.append((f"embedding {name}", output))
-            return None
+            if torch.is_grad_enabled() and ids.dim() == 2 and output.dim() == 3 and ids.shape[1] >= 3:
+                _watch_positions(watch.positions, name, module, ids, output)
+            return output if replaced else None
 
         return hook
 
@@ -523,6 +541,7 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
             trace.phase = "step_fn"
     trace.raw_output = output
     trace.marked_inputs = watch.marked
+    trace.position_reads = watch.positions
     loss = extract_loss(output)
     # step_fn ran backward itself; its gradients are the ones to judge (never a second backward on its graph)
     ran_backward = "backward" in trace.loop_events or any(p.grad is not None for p in ctx.params.values())
@@ -545,6 +564,8 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
                 # torch.autograd.grad is refused by reentrant checkpointing; the real backward below is not
                 trace.leak = []
         trace.supervision.clear()  # the leak analysis' own gradient passed the output hooks: not the loss's
+        for reads in watch.positions.values():
+            reads.reached.zero_()
         try:
             captured: dict[str, torch.Tensor] = {}
             handles = [

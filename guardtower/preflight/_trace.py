@@ -157,6 +157,16 @@ class PaddingRead:
 
 
 @dataclass
+class SequenceReads:
+    """One embedding's (batch, positions) token input and which of its entries the loss gradient reached."""
+
+    ids: torch.Tensor
+    reached: torch.Tensor
+    """bool (batch, positions): the gradient reaching the embedding's output there is non-zero"""
+    padding_idx: int | None
+
+
+@dataclass
 class StepTrace:
     """What the instrumented step produced. Tensors here are detached copies owned by the audit."""
 
@@ -231,6 +241,8 @@ class StepTrace:
     loss_is_leaf: bool = False
     """the loss has no ``grad_fn``: a tensor built anew (``torch.tensor(loss.item(), requires_grad=True)``), not
     the result of the step's computation"""
+    position_reads: dict[str, SequenceReads] = field(default_factory=dict)
+    """embedding name -> the positions of its token sequence (3 or more per row) the loss gradient reached"""
     input_grads: dict[str, float | None] | None = None
     """watched input (float input or embedding output) -> norm of the gradient the loss sent it, or None"""
     leak: list[LeakEntry] = field(default_factory=list)

@@ -121,3 +121,31 @@ def check_future_tokens(ctx: AuditContext) -> Iterable[Finding]:
         "nn.Transformer.generate_square_subsequent_mask) or use a unidirectional layer",
         "INPUT-010", {"position": leak.position, "future_grad": leak.future, "past_grad": leak.past},
     )]
+
+
+@check("sequence_reads", emits=("INPUT-013",))
+def check_sequence_reads(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-013: of a token sequence the model embeds (three or more positions per row), the loss gradient reaches
+    one position only, in every row, though other positions hold tokens: a length, mask or index that keeps one
+    item (lengths of ones, ``x[:, 0]`` where a pooling was meant), so the rest of the sequence never trains."""
+    trace = ctx.trace
+    if trace is None or not trace.backward:
+        return []
+    findings = []
+    for name, reads in trace.position_reads.items():
+        columns = reads.reached.any(0).nonzero().flatten().tolist()
+        if len(columns) != 1:
+            continue
+        others = torch.cat([reads.ids[:, :columns[0]], reads.ids[:, columns[0] + 1:]], dim=1)
+        tokens = others[others != reads.padding_idx] if reads.padding_idx is not None else others
+        if tokens.numel() == 0 or bool((tokens == tokens.flatten()[0]).all()):  # the rest is one (padding) id
+            continue
+        findings.append(Finding(
+            "sequence_reads", Severity.WARN,
+            f"the loss reads position {columns[0]} only of the {reads.ids.shape[1]}-token sequences embedded by "
+            f"{name}: in every row the gradient reaching the other positions' embeddings is zero, though they hold "
+            "tokens, so the rest of each sequence never reaches the prediction (a length or mask that keeps one "
+            "item, an index where a pooling or a range was meant); pass the real lengths or pool over the sequence",
+            "INPUT-013", {"embedding": name, "position": columns[0], "positions": int(reads.ids.shape[1])},
+        ))
+    return findings[:4]

@@ -21,6 +21,17 @@ def _config_ties(model: Any) -> bool:
     return bool(getattr(text, "tie_word_embeddings", False))
 
 
+def _tying_model(model: Any) -> Any:
+    """The model whose embeddings ``tie_word_embeddings`` is about: the decoder of a composite encoder-decoder
+    (``EncoderDecoderModel``, ``VisionEncoderDecoderModel``: two models, the decoder tied within itself, its
+    input embeddings not the encoder's), else the model itself."""
+    config = getattr(model, "config", None)
+    decoder = getattr(model, "decoder", None)
+    if hasattr(getattr(config, "decoder", None), "to_dict") and callable(getattr(decoder, "get_output_embeddings", None)):
+        return decoder
+    return model
+
+
 @check("weight_tying", emits=("TIE-001", "TIE-002"), static=True)
 def check_weight_tying(ctx: AuditContext) -> Iterable[Finding]:
     """TIE-001 tied (shared) parameters, TIE-002 config says tied but the embeddings are separate tensors."""
@@ -36,9 +47,10 @@ def check_weight_tying(ctx: AuditContext) -> Iterable[Finding]:
             + " (they get one gradient and one optimizer entry)",
             "TIE-001", {"groups": shared},
         ))
-    get_in = getattr(ctx.model, "get_input_embeddings", None)
-    get_out = getattr(ctx.model, "get_output_embeddings", None)
-    if _config_ties(ctx.model) and callable(get_in) and callable(get_out):
+    tying = _tying_model(ctx.model)
+    get_in = getattr(tying, "get_input_embeddings", None)
+    get_out = getattr(tying, "get_output_embeddings", None)
+    if _config_ties(tying) and callable(get_in) and callable(get_out):
         try:
             inp, out = get_in(), get_out()
         except (NotImplementedError, AttributeError):
