@@ -1148,7 +1148,9 @@ _STEP: tuple[FailureMode, ...] = (
     FailureMode(
         "SCHED-004", "The schedule starts over on a resumed optimizer", Severity.WARN,
         "The LR scheduler is at its first step (last_epoch=0) while the optimizer it drives already holds state "
-        "from earlier steps (Adam's step count, momentum buffers), and the schedule is not constant.",
+        "from earlier steps (Adam's step count, momentum buffers), and the schedule is not constant; or the "
+        "scheduler has stepped, but a param group's lr is not the one it last set (a scheduler built after "
+        "optimizer.load_state_dict wrote its first lr back, and loading its own state does not undo that).",
         "Resuming from a checkpoint that restores the model and optimizer but builds the scheduler afresh "
         "replays the warmup and the decay from the top on trained weights; the run goes on with the wrong "
         "learning rates and never reaches the planned end of the schedule.",
@@ -1457,6 +1459,18 @@ _STEP: tuple[FailureMode, ...] = (
         "labels[position_ids == 0] = -100.",
         "https://github.com/NVIDIA-BioNeMo/bionemo-recipes/pull/1449",
         ("data", "labels", "llm"),
+    ),
+    FailureMode(
+        "DATA-020", "Contrastive positives are the anchors themselves", Severity.WARN,
+        "In a cross_entropy over candidates, every row's target logit is one and the same non-zero value and the "
+        "largest of its row: the positive pair is each embedding with itself (cosine 1 over the temperature).",
+        "Both views sliced from the same half of the batch (z[:n] twice), or a key computed from the query's own "
+        "view, make the positive term constant; the loss still falls by pushing the anchors apart, and the "
+        "invariance between views the method is about is never learned.",
+        "Take the positive from the other view (z[:n] against z[n:]) and check the two views are different "
+        "augmentations.",
+        "https://github.com/microsoft/A-CLIP/pull/4",
+        ("loss", "contrastive"),
     ),
     FailureMode(
         "INPUT-010", "The prediction sees the token it must predict", Severity.WARN,

@@ -142,8 +142,11 @@ def _lambda_returns_the_lr(bug: bool) -> Case:
     return _scheduled(lambda o: torch.optim.lr_scheduler.LambdaLR(o, warmup), total=500)
 
 
-@case("SCHED-004")
-def _resumed_optimizer_with_a_fresh_schedule(bug: bool) -> Case:
+def _resumed(restore: str) -> Case:
+    """A run checkpointed after 30 steps of a warmup-cosine schedule, resumed: ``"all"`` builds the scheduler,
+    loads its state, then loads the optimizer's (the order that keeps the lr); ``"optimizer"`` restores the
+    optimizer only; ``"optimizer_first"`` loads the optimizer's state, then builds the scheduler (which writes its
+    first lr into the groups) and loads the scheduler's state (which does not write the restored lr back)."""
     from transformers import get_cosine_schedule_with_warmup
 
     m = _classifier()
@@ -157,10 +160,15 @@ def _resumed_optimizer_with_a_fresh_schedule(bug: bool) -> Case:
         sched.step()
     saved = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    opt.load_state_dict(saved["optimizer"])
-    sched = get_cosine_schedule_with_warmup(opt, 20, 600)
-    if not bug:
+    if restore == "all":
+        sched = get_cosine_schedule_with_warmup(opt, 20, 600)
         sched.load_state_dict(saved["scheduler"])
+        opt.load_state_dict(saved["optimizer"])
+    else:
+        opt.load_state_dict(saved["optimizer"])
+        sched = get_cosine_schedule_with_warmup(opt, 20, 600)
+        if restore == "optimizer_first":
+            sched.load_state_dict(saved["scheduler"])
 
     def step() -> torch.Tensor:
         opt.zero_grad()
@@ -171,6 +179,24 @@ def _resumed_optimizer_with_a_fresh_schedule(bug: bool) -> Case:
         return loss
 
     return m, step, {"optimizer": opt, "lr_scheduler": sched, "total_steps": 600}
+
+
+@case("SCHED-004")
+def _resumed_optimizer_with_a_fresh_schedule(bug: bool) -> Case:
+    return _resumed("optimizer" if bug else "all")
+
+
+@case("SCHED-004/lr-written-back")
+def _scheduler_built_after_the_optimizer_state(bug: bool) -> Case:
+    return _resumed("optimizer_first" if bug else "all")
+
+
+def test_sched_004_the_resume_order_really_changes_the_first_lr() -> None:
+    lrs = {}
+    for restore in ("all", "optimizer_first"):
+        _, _, kwargs = _resumed(restore)
+        lrs[restore] = kwargs["optimizer"].param_groups[0]["lr"]
+    assert lrs["optimizer_first"] == 0.0 < lrs["all"]  # the warmup's first lr written back over the restored one
 
 
 # --- the loop step_fn runs ------------------------------------------------------------------------------------
@@ -813,6 +839,39 @@ def test_data_014_is_quiet_on_ties_a_relu_or_a_mask_makes() -> None:
     head = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
     y = torch.arange(12) % 16
     assert not audit(head, lambda: F.cross_entropy(head(views), y), inputs=views).by_id("DATA-014")
+
+
+def test_data_014_is_quiet_when_a_mask_fill_of_minus_1e9_sits_among_the_candidates() -> None:
+    # SLIP's SimCLR masks each view's similarity to itself with -1e9 (not -inf): the fill must not widen the
+    # tolerance a tie is judged with, or every candidate ties the positive
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    views = _two_views()
+    report = audit(enc, lambda: _simclr(enc(views), other_half=True), inputs=views)
+    assert not report.by_id("DATA-014") and not report.by_id("DATA-020"), str(report)
+
+
+def _two_views() -> torch.Tensor:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    return torch.cat([x + 0.1 * torch.randn(6, 8, generator=torch.Generator().manual_seed(4)), x.flip(-1)])
+
+
+def _simclr(z: torch.Tensor, other_half: bool, tau: float = 0.1) -> torch.Tensor:
+    """SLIP's SIMCLRLoss: each anchor of the first view against the second view's and its own view's embeddings."""
+    n = z.shape[0] // 2
+    q_a = F.normalize(z[:n], dim=-1)
+    q_b = F.normalize(z[n:] if other_half else z[:n], dim=-1)
+    labels, masks = torch.arange(n), torch.eye(n) * 1e9
+    logits_ab, logits_aa = q_a @ q_b.t() / tau, q_a @ q_a.t() / tau - masks
+    return F.cross_entropy(torch.cat([logits_ab, logits_aa], dim=1), labels)
+
+
+@case("DATA-020")
+def _simclr_views_sliced_from_one_half(bug: bool) -> Case:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    views = _two_views()
+    return enc, lambda: _simclr(enc(views), other_half=not bug), {"inputs": views}
 
 
 class _TwoHeads(nn.Module):

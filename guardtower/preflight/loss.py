@@ -109,6 +109,9 @@ class LossCall:
     target_ties: tuple[int, int] | None = None
     """``(rows, judged)`` of a float32 ``cross_entropy`` over candidates (``(N, C)``, 3 to ``_MAX_CANDIDATES``):
     the rows whose target's logit equals another candidate's, out of the rows judged"""
+    anchor_positives: int = 0
+    """rows of that ``cross_entropy`` whose target logit is the same value in every row judged and above every other
+    candidate: each positive scores an anchor against itself (0 when that is not so)"""
     reaches: frozenset[int] = frozenset()
     """ids of the trainable parameters the result's gradient reaches"""
     node: Any = None
@@ -234,13 +237,37 @@ def _target_ties(x: torch.Tensor, target: torch.Tensor, ignore: int) -> tuple[in
     keep = (target != ignore) & (target >= 0) & (target < x.shape[1])
     x, target = x[keep], target[keep]
     picked = x.gather(1, target[:, None])
-    finite = torch.isfinite(x)
-    scale = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(1, keepdim=True)
+    real = torch.isfinite(x) & (x.abs() < _FILL)  # a mask's fill (-1e9 on the diagonal) sets no tolerance
+    scale = torch.where(real, x.abs(), torch.zeros_like(x)).amax(1, keepdim=True)
     close = (x - picked).abs() <= _TIE * scale
     close[torch.arange(x.shape[0]), target] = False
     value = picked.squeeze(1)
     tied = close.any(1) & (close.sum(1) < x.shape[1] - 1) & (value != 0) & (value.abs() < _FILL)
     return int(tied.sum()), int(x.shape[0])
+
+
+#: at least this many rows whose target logits are all one value, above every other candidate, to judge the positives
+_MIN_ANCHOR_ROWS = 4
+
+
+def _anchor_positives(x: torch.Tensor, target: torch.Tensor, ignore: int) -> int:
+    """The rows of ``x`` (N, C) when every row's target logit is one value (within float rounding), non-zero and
+    the row's largest real candidate: a similarity of each anchor with itself (cos = 1, over a temperature), the
+    positive view taken from the same half of the batch as the anchor; else 0."""
+    keep = (target != ignore) & (target >= 0) & (target < x.shape[1])
+    x, target = x[keep].detach(), target[keep]
+    if x.shape[0] < _MIN_ANCHOR_ROWS:
+        return 0
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    first = picked[0]
+    if not bool(torch.isfinite(first)) or float(first) == 0.0 or float(first.abs()) >= _FILL:
+        return 0
+    if not bool(((picked - first).abs() <= 1e-5 * first.abs()).all()):
+        return 0
+    others = x.clone()
+    others[torch.arange(x.shape[0]), target] = -math.inf
+    others = torch.where(torch.isfinite(others) & (others.abs() < _FILL), others, torch.full_like(others, -math.inf))
+    return int(x.shape[0]) if bool((others.amax(1) < picked - 1e-4 * first.abs()).all()) else 0
 
 
 def _calls_read(t: torch.Tensor, outputs: dict[int, int]) -> frozenset[int]:
@@ -290,6 +317,7 @@ def _describe(fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], trainable:
             if (fn == "cross_entropy" and x.dim() == 2 and 3 <= x.shape[1] <= _MAX_CANDIDATES and not call.autocast
                     and inp.dtype in (torch.float32, torch.float64) and target.dim() == 1):
                 call.target_ties = _target_ties(x, target.detach(), int(ignore))
+                call.anchor_positives = _anchor_positives(x, target.detach(), int(ignore))
             if target.numel() <= _MAX_TARGETS:
                 given = weight.detach().float().cpu() if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
                 call.targets = (target.detach().cpu().clone(), int(ignore), given)
@@ -1008,12 +1036,23 @@ _MIN_TIED_ROWS = 2
 _TIED_SHARE = 0.02
 
 
-@check("candidates", emits=("DATA-014",))
+@check("candidates", emits=("DATA-014", "DATA-020"))
 def check_candidates(ctx: AuditContext) -> Iterable[Finding]:
     """DATA-014: a ``cross_entropy`` over candidates (in-batch negatives, scores of a contrastive batch) whose
     target's logit equals another candidate's in some rows: the same item is both the positive and a negative, so
-    the loss pushes it away from itself and cannot fall below log 2 there."""
+    the loss pushes it away from itself and cannot fall below log 2 there. DATA-020: every row's positive is the
+    anchor scored against itself."""
     for call in ctx.probes.get("loss_calls", []):
+        if call.anchor_positives:
+            return [Finding(
+                "candidates", Severity.WARN,
+                f"in all {call.anchor_positives} rows of {call.fn} (input {list(call.input_shape)}) the target's "
+                "logit is one and the same value, above every other candidate: each positive is the anchor scored "
+                "against itself (both views sliced from the same half of the batch, a key computed from the query's "
+                "own view), so the positive term is constant and the loss only pushes the anchors apart; take the "
+                "positive from the other view",
+                "DATA-020", {"rows": call.anchor_positives, "fn": call.fn},
+            )]
         if call.target_ties is None:
             continue
         tied, judged = call.target_ties

@@ -217,12 +217,44 @@ def check_schedule_groups(ctx: AuditContext) -> Iterable[Finding]:
     )]
 
 
+#: a group's lr this far (relative) from the one its scheduler last set is not the schedule's
+_LR_AGREES = 1e-2
+
+
+def _behind_schedule(scheduler: Any, optimizer: torch.optim.Optimizer) -> Finding | None:
+    """SCHED-004 on a resume that restored the scheduler and then let something write the lr back: the optimizer
+    holds state (it has trained), the scheduler has stepped (``last_epoch > 0``), and a group's lr is not the one
+    the scheduler last set (a scheduler built after ``optimizer.load_state_dict`` writes its first lr into the
+    groups, and loading its own state afterwards does not write the restored one back)."""
+    last = getattr(scheduler, "_last_lr", None)
+    if not isinstance(last, list) or len(last) != len(optimizer.param_groups):
+        return None
+    if not any(isinstance(st, dict) and st for st in optimizer.state.values()):
+        return None
+    off = [(i, float(g["lr"]), float(want)) for i, (g, want) in enumerate(zip(optimizer.param_groups, last))
+           if isinstance(want, (int, float))
+           and abs(float(g["lr"]) - float(want)) > _LR_AGREES * max(abs(float(want)), 1e-30)]
+    if not off:
+        return None
+    group, lr, want = off[0]
+    return Finding(
+        "lr_schedule", Severity.WARN,
+        f"param group {group} trains at lr {lr:.3g}, but its {type(scheduler).__name__} (at step "
+        f"{scheduler.last_epoch}) last set {want:.3g}: the resumed run starts at another learning rate "
+        "than the schedule had reached (a scheduler built after optimizer.load_state_dict writes its first lr into "
+        "the optimizer, and loading the scheduler's state does not write the restored one back); build and load "
+        "the scheduler first and load the optimizer's state last",
+        "SCHED-004", {"scheduler": type(scheduler).__name__, "group": group, "lr": lr, "scheduled_lr": want,
+                      "last_epoch": scheduler.last_epoch},
+    )
+
+
 def _restarted(scheduler: Any, optimizer: torch.optim.Optimizer, planned: int | None) -> Finding | None:
     """SCHED-004: the scheduler has never stepped (``last_epoch == 0``) but the optimizer holds state from
     earlier steps (Adam's step count, momentum buffers), and the schedule moves: the run restarts its lr
     schedule (warmup again, decay from the top) while the weights and moments carry on."""
     if getattr(scheduler, "last_epoch", None) != 0:
-        return None
+        return _behind_schedule(scheduler, optimizer)
     states = [st for st in optimizer.state.values() if isinstance(st, dict) and st]
     if not states:
         return None
