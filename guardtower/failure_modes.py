@@ -659,7 +659,7 @@ _LORA: tuple[FailureMode, ...] = (
         title="Zero-initialised LoRA factor gets no gradient",
         severity=Severity.ERROR,
         summary="lora_B (lora_embedding_A for embeddings) got no gradient although its layer ran, so the adapter "
-        "stays exactly zero for the whole run.",
+        "stays exactly zero for the whole run; or both factors start at zero, so neither ever gets one.",
         why="The loss still falls through the parts that do train (a classification head, other layers); the usual "
         "cause is reentrant gradient checkpointing whose input does not require grad (inputs_embeds computed "
         "outside the model, custom checkpointing), which silently drops the gradient of everything inside.",

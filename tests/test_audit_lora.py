@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from _audit_lora_helpers import (
@@ -27,6 +28,7 @@ from _audit_lora_helpers import (
     tiny_llama_cls,
 )
 from guardtower.preflight.lora import is_peft_model, lora_summary
+from guardtower.report import Report
 from guardtower.failure_modes import CATALOG
 from guardtower.errors import ConfigError
 from guardtower.severity import Severity
@@ -512,6 +514,39 @@ def test_lora_001_clean_hand_rolled_with_head_biases_and_norms_trainable() -> No
             p.requires_grad_(True)
     report = lora_summary(model)
     assert not report.by_id("LORA-001") and report.ok, str(report)
+
+
+class HandRolledDoRA(nn.Module):
+    """A DoRA layer as repositories write it: a frozen weight, a trained magnitude vector ``m`` and two factors."""
+
+    def __init__(self, d: int = 8, r: int = 2, a_random: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d**0.5, requires_grad=False)
+        self.m = nn.Parameter(self.weight.norm(p=2, dim=0, keepdim=True))
+        self.lora_A = nn.Parameter(torch.randn(d, r) / r**0.5 if a_random else torch.zeros(d, r))
+        self.lora_B = nn.Parameter(torch.zeros(r, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adapted = self.weight + self.lora_A @ self.lora_B
+        return F.linear(x, self.m * adapted / adapted.norm(p=2, dim=0, keepdim=True))
+
+
+def _dora_audit(a_random: bool) -> Report:
+    torch.manual_seed(0)
+    model = nn.Sequential(HandRolledDoRA(a_random=a_random), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 0, 1, 2])
+    return run_audit(model, lambda: F.cross_entropy(model(x), y), optimizer=trainable_optimizer(model))
+
+
+def test_a_hand_rolled_dora_magnitude_vector_is_not_base_left_unfrozen() -> None:
+    report = _dora_audit(a_random=True)
+    assert not report.by_id("LORA-001") and not report.by_id("LORA-006"), str(report)
+
+
+def test_lora_006_both_factors_zero_initialised_neither_ever_gets_a_gradient() -> None:
+    (finding,) = _dora_audit(a_random=False).by_id("LORA-006")
+    assert finding.severity is Severity.ERROR and finding.details["both_zero"] == ["0"]
+    assert finding.details["params"] == ["0.lora_A", "0.lora_B"]
 
 
 def test_lora_002_hand_rolled_adapters_all_frozen() -> None:

@@ -94,6 +94,8 @@ def _lora_state_probe(ctx: AuditContext) -> Iterator[LoraStepState | None]:
         b_zero = not bool(pair.b.detach().count_nonzero())
         if a_zero != b_zero:
             state.zero_factors.add(pair.a_name if a_zero else pair.b_name)
+        elif a_zero:  # both zero: each factor's gradient is the other's value times the upstream, so both stay 0
+            state.zero_factors |= {pair.a_name, pair.b_name}
 
     def record(name: str, module: nn.Module, args: Any) -> None:
         calls = state.active_calls if _adapter_active(module) else state.inactive_calls
@@ -168,6 +170,7 @@ def _hand_rolled_base_unfrozen(ctx: AuditContext) -> dict[str, nn.Parameter]:
             p.requires_grad
             and in_scope
             and leaf != "bias"
+            and sum(size > 1 for size in p.shape) >= 2  # a matrix: a vector (DoRA's magnitude, a gate) is chosen
             and not is_adapter_param(name)
             and not isinstance(module, nn.Embedding)
             and "norm" not in type(module).__name__.lower()
@@ -392,6 +395,7 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
     starved = [p.b_name if p.b_name in state.zero_factors else p.a_name for p in blocked]
     blocked_layers = {p.layer for p in blocked}
     expected_zero: list[str] = []
+    both_zero: list[str] = []  # layers whose two factors both start at zero
     step_grads = trace.grads if trace is not None and trace.error is None else {}
     if not any(g is not None for g in step_grads.values()):
         step_grads = {}  # no backward reached any parameter: the loss checks explain why
@@ -402,7 +406,11 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
             continue  # frozen (LORA-002)
         grads = {pair.a_name: step_grads.get(pair.a_name), pair.b_name: step_grads.get(pair.b_name)}
         zero_grad = {n: g is None or not bool(g.count_nonzero()) for n, g in grads.items()}
-        if pair.a_name in state.zero_factors or pair.b_name in state.zero_factors:
+        if pair.a_name in state.zero_factors and pair.b_name in state.zero_factors:
+            if all(zero_grad.values()):
+                starved.extend(grads)
+                both_zero.append(pair.layer)
+        elif pair.a_name in state.zero_factors or pair.b_name in state.zero_factors:
             zero = pair.a_name if pair.a_name in state.zero_factors else pair.b_name
             rand = pair.b_name if zero == pair.a_name else pair.a_name
             if zero_grad[zero]:
@@ -418,6 +426,9 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
             "when the block's input does not require grad (call model.enable_input_require_grads() or use "
             "use_reentrant=False)"
             if reentrant
+            else f"; both factors of {len(both_zero)} layer(s) start at zero, so each one's gradient (the other "
+            "factor times the upstream gradient) is zero too: initialise lora_A randomly and keep lora_B at zero"
+            if both_zero
             else ""
         )
         yield Finding(
@@ -426,7 +437,8 @@ def check_gradient_flow(ctx: AuditContext) -> Iterator[Finding]:
             f"{len(starved)} zero-initialised LoRA factor(s) got no gradient although their layer ran: the adapter "
             f"stays a no-op for the whole run{hint}",
             "LORA-006",
-            {"params": _names(starved), "count": len(starved), "reentrant_checkpointing": _names(reentrant)},
+            {"params": _names(starved), "count": len(starved), "reentrant_checkpointing": _names(reentrant),
+             "both_zero": _names(both_zero)},
         )
     if expected_zero:
         yield Finding(
