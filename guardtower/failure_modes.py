@@ -1590,6 +1590,19 @@ _STEP: tuple[FailureMode, ...] = (
         ("optimizer", "state"),
     ),
     FailureMode(
+        "OPT-023", "A copy of the weights is updated once per micro-batch", Severity.WARN,
+        "A near copy of trainable tensors that step_fn updates in place (an EMA shadow, a mean teacher, a target "
+        "network) is written in more micro-batch windows (between backward passes) than the step runs optimizer "
+        "steps.",
+        "Under gradient accumulation an EMA updated on every micro-batch decays k times per real step, k - 1 of "
+        "them toward weights that have not changed: its effective decay depends on the accumulation setting, and "
+        "the averaged weights that get evaluated and saved follow the live ones far faster than configured.",
+        "Update the copy once per optimizer step: after optimizer.step(), or only when accelerator.sync_gradients "
+        "is True.",
+        "https://github.com/SWivid/F5-TTS/issues/631",
+        ("optimizer", "state"),
+    ),
+    FailureMode(
         "OPT-022", "The step unfreezes what was frozen", Severity.WARN,
         "Tensors with requires_grad=False when the training step starts require grad when it ends, get a gradient "
         "and sit in the optimizer.",

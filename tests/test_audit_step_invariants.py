@@ -1712,6 +1712,55 @@ def _ema_decayed_toward_zero(bug: bool) -> Case:
     return _ema_step(update)
 
 
+@case("OPT-023")
+def _ema_updated_on_every_micro_batch(bug: bool) -> Case:
+    """Four micro-batches per optimizer step; the bug updates the mean teacher after each of them, the clean step
+    once, after the optimizer step."""
+    m = _MeanTeacher()
+    opt = torch.optim.AdamW(m.student.parameters(), lr=1e-2)
+    x, y = _data()
+
+    def ema() -> None:
+        with torch.no_grad():
+            for t, s in zip(m.teacher.parameters(), m.student.parameters()):
+                t.lerp_(s, 0.01)
+
+    def step() -> torch.Tensor:
+        total = torch.zeros(())
+        for k in range(4):
+            loss = F.cross_entropy(m(x[k::4]), y[k::4]) / 4
+            loss.backward()
+            total = total + loss.detach()
+            if k == 3:
+                opt.step()
+                opt.zero_grad()
+            if bug or k == 3:
+                ema()
+        return total
+
+    return m, step, {"optimizer": opt, "inputs": x}
+
+
+def test_opt_023_is_quiet_when_each_of_several_optimizer_steps_updates_the_copy_once() -> None:
+    # a step_fn that is an epoch of four updates, an EMA after each: four windows, four optimizer steps
+    m = _MeanTeacher()
+    opt = torch.optim.AdamW(m.student.parameters(), lr=1e-2)
+    x, y = _data()
+
+    def epoch() -> torch.Tensor:
+        for k in range(4):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x[k::4]), y[k::4])
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for t, s in zip(m.teacher.parameters(), m.student.parameters()):
+                    t.lerp_(s, 0.01)
+        return loss
+
+    assert not audit(m, epoch, optimizer=opt, inputs=x).by_id("OPT-023")
+
+
 @case("MODE-009")
 def _ema_teacher_in_eval_mode_skips_its_buffers(bug: bool) -> Case:
     def update(m: _MeanTeacher) -> None:

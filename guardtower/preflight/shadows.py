@@ -4,7 +4,9 @@ Each update of such a copy moves it toward the live weights (``s -= (1 - decay) 
 ``copy_``), whatever the decay. A flipped sign or a missing term pushes it away instead: the loss curve is that of
 the live model and looks normal, while the copy that gets evaluated and saved drifts off. The probe sees the
 in-place writes ``step_fn`` makes outside any optimizer step once an optimizer has stepped, keeps the value each
-written tensor had before, and at the end of ``step_fn`` compares both with the trainable tensor it copies.
+written tensor had before, and at the end of ``step_fn`` compares both with the trainable tensor it copies. It also
+counts the micro-batch windows (backward passes run so far) each copy is written in, before the optimizer step as
+well: an average is updated once per optimizer step, not once per micro-batch.
 """
 
 from __future__ import annotations
@@ -54,9 +56,16 @@ class ShadowRecord:
     """(storage address, shape) of each tensor written -> (the tensor, its value before the first write)"""
     storage: set[int] = field(default_factory=set)
     """storage addresses of every tensor written (kept after ``saved`` is released)"""
+    early: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """the same for tensors first written before any optimizer step ran (judged for their cadence only)"""
+    windows: dict[tuple[int, tuple[int, ...]], set[int]] = field(default_factory=dict)
+    """each tensor written -> the backward passes that had run at each of its writes (its micro-batch windows)"""
+    optimizer_steps: int = 0
     written: int = 0
     """copies judged (written tensors that were near a trainable tensor of their shape)"""
     drifts: list[Drift] = field(default_factory=list)
+    too_often: list[tuple[str, int]] = field(default_factory=list)
+    """copies written in more micro-batch windows than the step ran optimizer steps: (tensor copied, windows)"""
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,16 +73,33 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a * b).sum()) / (na * nb) if na > 0 and nb > 0 else 0.0
 
 
+def _nearest(before: torch.Tensor, candidates: dict[torch.Size, list[tuple[str, torch.Tensor]]]
+             ) -> tuple[float, str, torch.Tensor] | None:
+    """(distance, name, value) of the trainable tensor of ``before``'s shape it is a near copy of, if any."""
+    before = before.float()
+    dist, name, live = min(((float((before - p.detach().float()).norm()), n, p.detach().float())
+                            for n, p in candidates[before.shape]), key=lambda c: c[0])
+    return (dist, name, live) if dist <= _COPY_DISTANCE * float(live.norm()) else None
+
+
 def _judge(record: ShadowRecord, candidates: dict[torch.Size, list[tuple[str, torch.Tensor]]]) -> None:
     """Pair each written tensor with the trainable tensor of its shape it was nearest to, and keep those that
-    ended farther from it, moved back along their gap (a sign flip) or toward zero (a decay missing a term)."""
+    ended farther from it, moved back along their gap (a sign flip) or toward zero (a decay missing a term), and
+    those written in more micro-batch windows than the step ran optimizer steps (an EMA updated per micro-batch:
+    it decays k times per step, k - 1 of them toward weights that have not changed)."""
+    for key, (tensor, before) in {**record.early, **record.saved}.items():
+        windows = record.windows.get(key, set())
+        if len(windows) >= 2 and len(windows) > record.optimizer_steps:
+            near = _nearest(record.early[key][1] if key in record.early else before, candidates)
+            if near is not None:
+                record.too_often.append((near[1], len(windows)))
     for tensor, before in record.saved.values():
         after = tensor.detach().float()
         before = before.float()
-        dist, name, live = min(((float((before - p.detach().float()).norm()), n, p.detach().float())
-                                for n, p in candidates[tensor.shape]), key=lambda c: c[0])
-        if dist > _COPY_DISTANCE * float(live.norm()):
+        near = _nearest(before, candidates)
+        if near is None:
             continue
+        dist, name, live = near
         record.written += 1
         delta = after - before
         moved = float((after - live).norm())
@@ -96,19 +122,24 @@ def _shadows_probe(ctx: AuditContext) -> Iterator[ShadowRecord]:
     room = [_MAX_ELEMENTS]
 
     def note(t: Any) -> None:
-        if steps[1] or not steps[0] or not isinstance(t, torch.Tensor) or t.shape not in candidates:
+        if steps[1] or not isinstance(t, torch.Tensor) or t.shape not in candidates:
             return
         if not t.is_floating_point() or t.is_sparse or t.device.type == "meta":
             return
         ptr = t.data_ptr()
         key = (ptr, tuple(t.shape))
-        if key in record.saved or ptr in own or t.numel() > room[0]:
+        if ptr in own or any(p.grad is not None and p.grad.data_ptr() == ptr for _, p in candidates[t.shape]):
+            return  # a trainable tensor, or a gradient rescaled by hand: not a copy
+        if key in record.windows or t.numel() <= room[0]:
+            trace = ctx.trace
+            record.windows.setdefault(key, set()).add(trace.backward_calls if trace is not None else 0)
+        kept = record.saved if steps[0] else record.early
+        if key in record.saved or key in kept or t.numel() > room[0]:
             return
-        if any(p.grad is not None and p.grad.data_ptr() == ptr for _, p in candidates[t.shape]):
-            return  # a gradient rescaled by hand, not a copy
         room[0] -= t.numel()
-        record.saved[key] = (t, t.detach().clone())
-        record.storage.add(ptr)
+        kept[key] = (t, t.detach().clone())
+        if steps[0]:
+            record.storage.add(ptr)
 
     def method(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -153,11 +184,13 @@ def _shadows_probe(ctx: AuditContext) -> Iterator[ShadowRecord]:
     finally:
         for h in handles:
             h.remove()
+        record.optimizer_steps = steps[0]
         try:
             with torch.no_grad():
                 _judge(record, candidates)  # now: the audit may put the weights back before the checks run
         finally:
             record.saved.clear()
+            record.early.clear()
 
 
 def written_storage(ctx: AuditContext) -> set[int]:
@@ -167,13 +200,28 @@ def written_storage(ctx: AuditContext) -> set[int]:
     return record.storage if record is not None else set()
 
 
-@check("shadows", emits=("OPT-021",))
+@check("shadows", emits=("OPT-021", "OPT-023"))
 def check_shadows(ctx: AuditContext) -> Iterable[Finding]:
     """OPT-021: a copy of the weights that the step updates (an EMA shadow, a mean teacher, a target network)
-    moved away from the weights it copies."""
+    moved away from the weights it copies; OPT-023: such a copy updated once per micro-batch."""
     record: ShadowRecord | None = ctx.probes.get("shadows")
-    if record is None or not record.drifts:
+    if record is None:
         return []
+    findings = []
+    if record.too_often:
+        name, windows = record.too_often[0]
+        findings.append(Finding(
+            "shadows", Severity.WARN,
+            f"a copy of {name} that step_fn keeps beside the weights (an EMA shadow, a teacher, a target network) "
+            f"is updated in {windows} micro-batch windows (between backward passes) of a step that runs "
+            f"{record.optimizer_steps} optimizer step(s): an average updated per micro-batch decays {windows} "
+            "times per real step, most of them toward weights that have not changed, so its effective decay "
+            "depends on the accumulation; update it once per optimizer step (when sync_gradients is True)",
+            "OPT-023", {"param": name, "windows": windows, "optimizer_steps": record.optimizer_steps,
+                        "copies": len(record.too_often)},
+        ))
+    if not record.drifts:
+        return findings
     shown = ", ".join(f"{d.param} ({d.before:.3g} -> {d.after:.3g})" for d in record.drifts[:3])
     return [Finding(
         "shadows", Severity.WARN,
@@ -183,4 +231,4 @@ def check_shadows(ctx: AuditContext) -> Iterable[Finding]:
         "whatever the decay; check the sign and both terms of the update (s -= (1 - decay) * (s - p), or "
         "s.lerp_(p, 1 - decay))",
         "OPT-021", {"params": [d.param for d in record.drifts[:8]], "judged": record.written},
-    )]
+    ), *findings]
