@@ -2121,6 +2121,45 @@ def test_grad_001_stays_a_failure_for_a_users_head_that_never_ran() -> None:
     assert finding.severity == Severity.ERROR and finding.details["params"] == ["orphan.weight", "orphan.bias"]
 
 
+class _VQ(nn.Module):
+    """A VQ-VAE whose step calls its parts and its own ``quantize``, never its forward; ``codebook`` is its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(12, 4), nn.Linear(4, 12)
+        self.codebook = nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(5)))
+        self.unused_scale = nn.Parameter(torch.ones(()))  # held, read by nothing
+
+    def quantize(self, z: torch.Tensor, straight_through_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.codebook[torch.cdist(z, self.codebook).argmin(-1)]
+        if straight_through_first:  # the bug: the codebook loss then reads a tensor with no path to the codebook
+            q = z + (q - z).detach()
+            return q, F.mse_loss(q, z.detach())
+        return z + (q - z).detach(), F.mse_loss(q, z.detach())
+
+
+def _vq_step(straight_through_first: bool) -> Case:
+    torch.manual_seed(0)
+    m, x = _VQ(), torch.rand(16, 12, generator=torch.Generator().manual_seed(6))
+
+    def step() -> torch.Tensor:
+        q, vq_loss = m.quantize(m.encoder(x), straight_through_first)
+        return F.mse_loss(m.decoder(q), x) + vq_loss
+
+    return m, step, {"inputs": x}
+
+
+def test_grad_001_fails_for_a_parameter_a_method_reads_when_its_module_forward_never_ran() -> None:
+    # the loss reads the codebook's values (through the quantized vectors) but no gradient reaches it: cut; the
+    # scale nothing reads is an unused part (INFO), on both sides
+    found = {}
+    for bug in (True, False):
+        m, step, kwargs = _vq_step(bug)
+        found[bug] = {(f.severity, tuple(f.details["params"])) for f in audit(m, step, **kwargs).by_id("GRAD-001")}
+    assert found[True] == {(Severity.ERROR, ("codebook",)), (Severity.INFO, ("unused_scale",))}
+    assert found[False] == {(Severity.INFO, ("unused_scale",))}
+
+
 def test_grad_001_is_info_for_a_backbones_head_the_step_skips_by_calling_its_features() -> None:
     class Backbone(nn.Module):  # timm-style: forward = head(features(x)); self-supervised steps call features
         def __init__(self) -> None:

@@ -231,7 +231,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                 trace.flows_after_update = gradients_after_one_update(
                     counted_step, ctx.params, zero, state.restore_rng, optimizer, user_backward=trace.user_backward)
             state.restore_values()
-        unread = (gradientless_candidates(model, trace.grads, trace.ran_with_grad)
+        unread = (gradientless_candidates(model, trace.grads, trace.ran_with_grad, trace.ran)
                   if "value_reads" in needs and trace.error is None and not multi_rank() else [])
         if unread and isinstance(trace.loss, torch.Tensor):
             how = "with its own backward (weights put back)" if trace.user_backward else "without a backward"
@@ -240,6 +240,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                                 "graph from values the step does not use")
             with state.isolated_optimizers():
                 trace.unread = confirm_values_unread(model, counted_step, unread, trace.loss, state.restore_rng)
+            trace.value_checked = set(unread)
             state.restore_values()
         copies = (no_grad_only(ctx.params, trace.grads, trace.ran, trace.ran_with_grad)
                   if "self_updates" in needs and trace.error is None and trace.backward and not multi_rank() else [])

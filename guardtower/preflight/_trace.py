@@ -253,6 +253,9 @@ class StepTrace:
     """names of the model's submodules whose forward ran during the step"""
     ran_with_grad: set[str] = field(default_factory=set)
     """those of ``ran`` that ran at least once with autograd on (so their output was in the graph)"""
+    value_checked: set[str] = field(default_factory=set)
+    """the modules and parameters whose values were changed in a rerun of ``step_fn`` (``unread`` holds those of
+    them the loss does not read)"""
     unread: set[str] = field(default_factory=set)
     """modules (none of whose parameters got a gradient) and single parameters that took part with autograd on,
     got no gradient, and whose values the loss does not read (changed, the loss stays bitwise equal): not cut

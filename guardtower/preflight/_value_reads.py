@@ -28,19 +28,26 @@ def _adapter(name: str) -> bool:
     return is_lora_factor(name) or "lora_" in name  # an adapter that does not train is the bug itself
 
 
-def gradientless_candidates(model: nn.Module, grads: dict[str, Any], ran_with_grad: set[str]) -> list[str]:
+def gradientless_candidates(model: nn.Module, grads: dict[str, Any], ran_with_grad: set[str],
+                            ran: set[str]) -> list[str]:
     """Names of what the user's own code holds that ran with autograd on and got no gradient: the outermost
     submodules none of whose trainable parameters got one, then single gradient-less parameters of modules whose
-    other parameters did. Not the parts of a library model (GRAD-001 judges those by the rest of that model) nor
-    an adapter factor."""
+    other parameters did, then the gradient-less parameters a module holds itself when neither its forward nor its
+    parent's ran (the step uses it through its parts, and may read these through a method or an attribute: a VQ
+    codebook its own quantize reads). Not the parts
+    of a library model (GRAD-001 judges those by the rest of that model) nor an adapter factor."""
     modules = dict(model.named_modules())
     found: list[str] = []
     partial: list[str] = []
+    direct: list[str] = []
     for name, module in modules.items():
-        if not name or name not in ran_with_grad or any(name.startswith(f"{f}.") for f in found):
-            continue
-        path = name.split(".")
+        path = name.split(".") if name else []
         if any(is_library_model(modules.get(".".join(path[:i]))) for i in range(len(path) + 1)):
+            continue
+        if name not in ran and name.rpartition(".")[0] not in ran:  # neither it nor its parent: used by parts
+            own = [f"{name}.{n}" if name else n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            direct += [n for n in own if n in grads and grads[n] is None and not _adapter(n)]
+        if not name or name not in ran_with_grad or any(name.startswith(f"{f}.") for f in found):
             continue
         # under the names the model knows them by (a tied weight is listed once, under its first owner)
         params = [(n, p) for n, p in module.named_parameters(prefix=name) if p.requires_grad and n in grads]
@@ -50,7 +57,7 @@ def gradientless_candidates(model: nn.Module, grads: dict[str, Any], ran_with_gr
         else:
             own = {f"{name}.{n}" for n, _ in module.named_parameters(recurse=False)}
             partial += [n for n in missing if n in own]
-    return (found + partial)[:_MAX_CANDIDATES]
+    return (found + partial + direct)[:_MAX_CANDIDATES]
 
 
 def shifted(p: torch.Tensor) -> torch.Tensor:

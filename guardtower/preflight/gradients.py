@@ -162,6 +162,8 @@ def _unused_parts(ctx: AuditContext, missing: list[str]) -> list[str]:
             idle.append(n)  # the loss does not read it (a policy's unused critic, a bias a force loss drops)
             continue
         if owner not in ran and parent not in ran:
+            if n in ctx.trace.value_checked:
+                continue  # a parameter of its own that the loss reads, through a method: its gradient was cut
             idle.append(n)  # the step used the enclosing module only through its parts, never its forward
             continue
         library = _library_root(modules, owner)
