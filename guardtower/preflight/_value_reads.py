@@ -45,8 +45,8 @@ def gradientless_candidates(model: nn.Module, grads: dict[str, Any], ran_with_gr
         if any(is_library_model(modules.get(".".join(path[:i]))) for i in range(len(path) + 1)):
             continue
         if name not in ran and name.rpartition(".")[0] not in ran:  # neither it nor its parent: used by parts
-            own = [f"{name}.{n}" if name else n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-            direct += [n for n in own if n in grads and grads[n] is None and not _adapter(n)]
+            held = [f"{name}.{n}" if name else n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            direct += [n for n in held if n in grads and grads[n] is None and not _adapter(n)]
         if not name or name not in ran_with_grad or any(name.startswith(f"{f}.") for f in found):
             continue
         # under the names the model knows them by (a tied weight is listed once, under its first owner)
