@@ -865,6 +865,74 @@ def test_grad_007_a_batch_of_one_position_reads_row_0_and_is_left_alone() -> Non
     assert not report.by_id("GRAD-007"), str(report)
 
 
+class _SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as repositories write it: step() perturbs the weights along the gradient, runs
+    a second forward and backward there, restores the weights and lets its base optimizer apply that gradient."""
+
+    def __init__(self, params: Any, closure_loss: Callable[[], torch.Tensor], clear: bool, rho: float = 0.05) -> None:
+        super().__init__(params, {"rho": rho})
+        self.base = torch.optim.SGD(self.param_groups, lr=0.1)
+        self.param_groups = self.base.param_groups
+        self.closure_loss, self.clear = closure_loss, clear
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        scale = self.param_groups[0]["rho"] / (torch.norm(torch.stack([p.grad.norm() for p in params])) + 1e-12)
+        shifts = [p.grad * scale for p in params]
+        for p, e in zip(params, shifts):
+            p.add_(e)
+        if self.clear:  # the fix: the perturbed gradient replaces the first one
+            self.zero_grad()
+        with torch.enable_grad():
+            self.closure_loss().backward()
+        for p, e in zip(params, shifts):
+            p.sub_(e)
+        self.base.step()
+
+
+@case("LOOP-003/wrapper-adds-its-second-gradient")
+def _sam_second_gradient_added_to_the_first(bug: bool) -> Case:
+    m = mlp()
+    opt = _SAM(m.parameters(), lambda: F.mse_loss(m(_X), _Y), clear=not bug)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(m(_X), _Y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return m, step, {"optimizer": opt, "inputs": _X}
+
+
+def test_a_step_that_trains_copies_and_writes_the_model_back_is_not_a_detached_loss() -> None:
+    """Federated averaging: each client is a copy of the model trained on its shard; the step writes the clients'
+    mean into the model and returns the clients' (detached) mean loss. Its backward passes reach none of the
+    model's tensors: neither a detached loss nor micro-batches of the model."""
+    torch.manual_seed(0)
+    model = mlp()
+    shards = [(_X[:8], _Y[:8]), (_X[8:], _Y[8:])]
+
+    def federated_round() -> torch.Tensor:
+        clients, losses = [], []
+        for x, y in shards:
+            local = copy.deepcopy(model)
+            opt = torch.optim.SGD(local.parameters(), lr=0.1)
+            loss = F.mse_loss(local(x), y)
+            loss.backward()
+            opt.step()
+            clients.append(local)
+            losses.append(loss.detach())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(sum(dict(c.named_parameters())[name] for c in clients) / len(clients))
+        return torch.stack(losses).mean()
+
+    report = audit(model, federated_round, inputs=_X)
+    assert not report.by_id("LOSS-001") and not report.by_id("LOOP-004"), str(report)
+
+
 @case("LOOP-003/stepped-again-in-one-call")
 def _critic_steps_share_one_zero_grad(bug: bool) -> Case:
     """A WGAN-style step: three critic updates per generator update. The bug zeroes the critic once before the

@@ -263,27 +263,26 @@ def _optimizer_chain(optimizer: Any) -> list[torch.optim.Optimizer]:
 _MISSING = object()
 
 
-def _decides_the_step(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer).__name__ == "AcceleratedOptimizer" and type(optimizer).__module__.startswith("accelerate")
-
-
 def _base_step(base: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
     return base.step(closure) if closure is not None else base.step()
 
 
 @contextlib.contextmanager
 def _steps_bypass_wrappers(optimizer: Any) -> Iterator[None]:
-    """While ``step_fn`` runs, ``wrapper.step()`` goes straight to the innermost optimizer, so a
-    ``GuardedOptimizer`` (or any wrapper) counts no step and moves no baseline for an update that is undone. An
-    Accelerate optimizer is where the bypass stops: its step decides whether there is an update at all (none on
-    the micro-batches of an accumulation window), so skipping it would change the step the audit measures."""
+    """While ``step_fn`` runs, a ``GuardedOptimizer``'s ``step()`` goes straight to the optimizer it wraps, so it
+    counts no step and moves no baseline for an update that is undone. Only the guards are bypassed: another
+    wrapper's step is its algorithm (SAM's second forward and backward, Lookahead's slow weights), and an
+    Accelerate optimizer's decides whether there is an update at all (none on the micro-batches of an
+    accumulation window); skipping either would change the step the audit measures."""
+    from guardtower.guard.optimizer import GuardedOptimizer
+
     chain: list[torch.optim.Optimizer] = wrapper_chain(optimizer, torch.optim.Optimizer)
-    target = next((i for i, w in enumerate(chain) if _decides_the_step(w)), len(chain) - 1)
-    wrappers = chain[:target]
+    bypassed = [(w, chain[i + 1]) for i, w in enumerate(chain[:-1]) if isinstance(w, GuardedOptimizer)]
+    wrappers = [w for w, _ in bypassed]
     saved = [vars(w).get("step", _MISSING) for w in wrappers]
     try:
-        for w in wrappers:
-            w.step = functools.partial(_base_step, chain[target])  # type: ignore[method-assign]
+        for w, inner in bypassed:
+            w.step = functools.partial(_base_step, inner)  # type: ignore[method-assign]
         yield
     finally:
         for w, previous in zip(wrappers, saved):

@@ -422,6 +422,8 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
 
         return wrapper
 
+    running: list[int] = []  # the optimizer steps (indices into step_log) that began and have not finished
+
     def any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if all(opt is not seen for seen in trace.stepped_optimizers):
             trace.stepped_optimizers.append(opt)
@@ -430,19 +432,31 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         # applies what an earlier phase's backward (another objective) left on these tensors
         # and one accumulated both before and after an earlier step of these same tensors: that step's gradient
         # is applied again
+        # (judged against the steps that finished: a wrapper still running, SAM calling its base, applied nothing)
         spanned = [i for i in held if i in names and len(spans.get(i, ())) > 1]
-        stale = [names[i] for i in spanned if any(i not in step_log[k] for k in range(min(spans[i]), max(spans[i])))]
+        stale = [names[i] for i in spanned if any(i not in step_log[k] and k not in running
+                                                  for k in range(min(spans[i]), max(spans[i])))]
         if stale and len(trace.cross_phase) < 8:
             trace.cross_phase.append((len(step_log), sorted(stale)))
-        again = [names[i] for i in spanned if any(i in step_log[k] for k in range(min(spans[i]), max(spans[i])))]
+        again = [names[i] for i in spanned if any(i in step_log[k] and k not in running
+                                                  for k in range(min(spans[i]), max(spans[i])))]
         if again and len(trace.restepped) < 8:
             trace.restepped.append((len(step_log), sorted(again)))
+        # inside a wrapper's step: a gradient that was there when the wrapper began, which its own backward added to
+        stacked = [names[i] for i in spanned if running and min(spans[i]) <= running[0] < max(spans[i])]
+        if stacked and len(trace.stacked) < 8:
+            trace.stacked.append((len(step_log), sorted(stacked)))
+        running.append(len(step_log))
         step_log.append(held)
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    def any_step_done(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if running:
+            running.pop()
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in ctx.params.values() if p.requires_grad]
-    handles.append(register_optimizer_step_pre_hook(any_step))
+    handles += [register_optimizer_step_pre_hook(any_step), register_optimizer_step_post_hook(any_step_done)]
     base = base_optimizer(ctx.optimizer)
     if base is not None:
         handles += [base.register_step_pre_hook(pre_step), base.register_step_post_hook(post_step)]

@@ -227,6 +227,9 @@ class StepTrace:
     restepped: list[tuple[int, list[str]]] = field(default_factory=list)
     """``(step, tensors)`` for each optimizer step whose tensors' gradients still hold what the same tensors'
     earlier step in ``step_fn`` applied (accumulated before and after it, never cleared): an update applied twice"""
+    stacked: list[tuple[int, list[str]]] = field(default_factory=list)
+    """``(step, tensors)`` for each optimizer step run inside another's (a SAM-style wrapper's base) whose tensors'
+    gradients still hold what was there when the wrapper's step began: its own backward added to it"""
     step_grads: list[int] = field(default_factory=list)
     """for each ``optimizer.step()`` inside ``step_fn``: how many trainable tensors held a non-zero gradient"""
     step_params: list[set[int]] = field(default_factory=list)

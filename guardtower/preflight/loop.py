@@ -116,7 +116,7 @@ def _optimizer_never_cleared(ctx: AuditContext, details: dict[str, object]) -> l
     names = {id(p): n for n, p in ctx.params.items()}
     stale = [held for held in trace.step_params if held and not held & trace.cleared]
     if not stale:
-        return _applied_twice(trace.restepped, details)
+        return _applied_twice(trace.restepped, details) or _stacked_in_a_wrapper(trace.stacked, details)
     tensors = sorted(names[i] for i in stale[0] if i in names)
     return [Finding(
         "loop_order", Severity.WARN,
@@ -141,6 +141,23 @@ def _applied_twice(restepped: list[tuple[int, list[str]]], details: dict[str, ob
         "applies the earlier batches' gradients again (the first batch once per step); call zero_grad() at the top "
         "of each of these steps",
         "LOOP-003", {**details, "step": step, "applied_again": tensors[:50], "count": len(tensors)},
+    )]
+
+
+def _stacked_in_a_wrapper(stacked: list[tuple[int, list[str]]], details: dict[str, object]) -> list[Finding]:
+    """LOOP-003 inside an optimizer's own step: a wrapper (SAM, LookSAM) runs a second backward on top of the
+    gradient that was there when its step began, and its base applies the sum."""
+    if not stacked:
+        return []
+    step, tensors = stacked[0]
+    return [Finding(
+        "loop_order", Severity.WARN,
+        f"the optimizer step that runs inside another optimizer's step (step {step + 1}: a wrapper such as SAM "
+        f"calling its base optimizer) applies gradients of {fmt_names(tensors)} that still hold the gradient that "
+        "was there when the wrapper's step began: the wrapper's own backward added onto it instead of replacing "
+        "it, so the update is the sum of both (for SAM: g(w) + g(w + e) instead of the perturbed gradient); clear "
+        "the gradients before the wrapper's second backward",
+        "LOOP-003", {**details, "step": step, "stacked": tensors[:50], "count": len(tensors)},
     )]
 
 

@@ -455,7 +455,7 @@ def check_loss(ctx: AuditContext) -> Iterable[Finding]:
     loss = trace.loss
     findings = []
     trainable = any(p.requires_grad for p in ctx.params.values())
-    if trainable and not trace.loss_requires_grad and not trace.backward:
+    if trainable and not trace.loss_requires_grad and not trace.backward and not trace.backward_calls:
         findings.append(Finding(
             "loss", Severity.ERROR,
             "the loss does not require grad: it was detached (.detach(), .item(), torch.tensor(...), or computed "

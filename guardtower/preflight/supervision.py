@@ -425,8 +425,10 @@ def _padding_targets(ctx: AuditContext) -> Finding | None:
 def _one_objective(trace: StepTrace) -> bool:
     """The step's backward passes all reach the same trainable tensors: micro-batches of one objective. Passes that
     train different tensors are several objectives (tasks on their own batches, each with its own head), whose
-    gradients add up by design."""
-    return len(set(trace.backward_leaves)) <= 1
+    gradients add up by design. Passes that reach none of the model's trainable tensors (copies trained in the
+    step, federated clients) are not the model's micro-batches."""
+    leaves = set(trace.backward_leaves)
+    return len(leaves) <= 1 and all(leaves)
 
 
 def _inputs_seen(call: RootCall) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
@@ -465,7 +467,7 @@ def _backpropagated_multiple(ctx: AuditContext) -> Finding | None:
     k, values = trace.backward_calls, [v for v, _ in trace.backward_values]
     # one update's backward passes: step_fn steps once, or leaves the step to the loop that calls it (a trainer)
     if (k < 2 or trace.loop_events.count("step") > 1 or len(values) != k or trace.scaled_backward
-            or any(retained for _, retained in trace.backward_values)):
+            or any(retained for _, retained in trace.backward_values) or not _one_objective(trace)):
         return None
     reported = extract_loss(trace.raw_output)
     if isinstance(reported, torch.Tensor) and reported.numel() == 1:
@@ -497,6 +499,9 @@ def _accumulation(ctx: AuditContext) -> Iterable[Finding]:
         return
     if not _one_objective(trace):
         return
+    calls = [trace.calls[r.call] for r in records if r.call < len(trace.calls)]
+    if len(calls) == k and all(_same_arguments(calls[0], c) for c in calls[1:]):
+        return  # one batch's gradient computed k times (SAM's second pass at perturbed weights), not micro-batches
     totals = [float(r.weight.sum()) for r in records if r.weight is not None]
     positions = sum(int(_supervised(r).sum()) for r in records)
     if all(math.isclose(t, 1.0, rel_tol=0.05) for t in totals) and positions > k:
