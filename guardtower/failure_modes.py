@@ -1412,6 +1412,18 @@ _STEP: tuple[FailureMode, ...] = (
         ("inputs", "masks"),
     ),
     FailureMode(
+        "INPUT-014", "The RoPE config was changed after the model was built", Severity.WARN,
+        "A transformers rotary embedding's frequencies, rebuilt from the config the model holds now, differ from "
+        "the ones it computed at construction.",
+        "transformers computes the rotary frequencies once, in __init__: a RoPE scaling (linear, dynamic, yarn) or "
+        "theta written into model.config afterwards is never read. The run logs the long context, trains on long "
+        "sequences, and the model still rotates with the base frequencies.",
+        "Put the RoPE parameters into the config before the model is built (from_pretrained(..., rope_scaling=...) "
+        "or a modified config passed to from_config), not into model.config afterwards.",
+        "https://github.com/MakazhanAlpamys/Soup/issues/793",
+        ("inputs", "positions", "llm"),
+    ),
+    FailureMode(
         "DATA-016", "The prompt is masked by column on left-padded rows", Severity.WARN,
         "A causal LM's batch is left-padded; every row whose padding ends before some column has its labels "
         "masked up to exactly that column, and a row padded past it has its first real token supervised.",

@@ -3006,6 +3006,23 @@ def _history_lengths_of_ones(bug: bool) -> Case:
     return m, lambda: F.binary_cross_entropy_with_logits(m(history, used, item), clicked), {"inputs": history}
 
 
+@case("INPUT-014")
+def _rope_scaling_written_after_construction(bug: bool) -> Case:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    scaling = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    if not bug:  # the fix: the long-context setting is in the config the model is built from
+        config.rope_parameters, config.max_position_embeddings = dict(scaling), 128
+    m = LlamaForCausalLM(config).train()
+    if bug:  # "enable long context" on the loaded model
+        m.config.rope_parameters, m.config.max_position_embeddings = dict(scaling), 128
+    batch = token_batch(seq=12)
+    return m, lambda: m(**batch), {}
+
+
 def test_every_step_entry_has_a_trigger_case() -> None:
     assert {m.id for m in _STEP} <= {key.split("/")[0] for key in CASES}
 

@@ -413,3 +413,40 @@ def check_padding_reads(ctx: AuditContext) -> Iterable[Finding]:
         "INPUT-011", {"row": read.row, "real": read.real, "padding": read.padding, "marked_by": read.marked_by,
                       "change": read.change},
     )]
+
+
+@check("rotary_config", emits=("INPUT-014",), static=True)
+def check_rotary_config(ctx: AuditContext) -> Iterable[Finding]:
+    """INPUT-014: a transformers rotary embedding whose frequencies, rebuilt from the config it reads now, differ
+    from those it computed when the model was built: the RoPE scaling (or theta) was written into the config after
+    construction, where nothing reads it again."""
+    seen: set[tuple[type, int]] = set()  # one rebuild per rotary class and config (older models hold one per layer)
+    for name, module in ctx.model.named_modules():
+        built = getattr(module, "original_inv_freq", getattr(module, "inv_freq", None))
+        config = getattr(module, "config", None)
+        if not isinstance(built, torch.Tensor) or config is None or not hasattr(module, "rope_type"):
+            continue
+        if (type(module), id(config)) in seen:
+            continue
+        seen.add((type(module), id(config)))
+        try:
+            fresh = type(module)(config=config)
+        except Exception:  # a rotary class that is not rebuilt from its config alone: nothing to compare
+            continue
+        now = getattr(fresh, "original_inv_freq", fresh.inv_freq)
+        same_scale = getattr(fresh, "attention_scaling", None) == getattr(module, "attention_scaling", None)
+        if now.shape == built.shape and same_scale and torch.allclose(now.float(), built.detach().float().cpu(),
+                                                                     rtol=1e-5, atol=0.0):
+            continue
+        return [Finding(
+            "rotary_config", Severity.WARN,
+            f"{name or 'the model'}'s rotary embedding ({type(module).__name__}, rope_type "
+            f"{getattr(module, 'rope_type', '?')!r}) still uses the frequencies of the config it was built with, "
+            f"but its config now gives others (rope_type {getattr(fresh, 'rope_type', '?')!r}): the RoPE scaling or "
+            "theta was set after the model was constructed, and transformers computes the rotary frequencies once, "
+            "in __init__, so the long-context setting is never applied; put it into the config before building or "
+            "loading the model (from_pretrained(..., rope_scaling=...))",
+            "INPUT-014", {"module": name, "built_rope_type": getattr(module, "rope_type", None),
+                          "config_rope_type": getattr(fresh, "rope_type", None)},
+        )]
+    return []
