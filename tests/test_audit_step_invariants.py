@@ -2160,6 +2160,40 @@ def test_grad_001_fails_for_a_parameter_a_method_reads_when_its_module_forward_n
     assert found[False] == {(Severity.INFO, ("unused_scale",))}
 
 
+def test_grad_001_value_reads_start_each_run_from_the_same_frozen_copies() -> None:
+    """The step calls the model's parts and moves an EMA copy of them itself (BYOL's target); the head it never
+    calls is an unused part. Each value-read run must not inherit the copy the previous runs moved, or every
+    candidate looks read (its loss differs because the target moved)."""
+
+    class Online(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.fc = nn.Linear(8, 8), nn.Linear(8, 3)  # fc: the classifier the step never calls
+
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.online = Online()
+    m.target = copy.deepcopy(m.online.body).requires_grad_(False)
+    opt = torch.optim.Adam(m.online.parameters(), lr=1e-2)
+    x = torch.randn(6, 8)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            target = m.target(x)
+        loss = F.mse_loss(m.online.body(x), target + 1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for t, o in zip(m.target.parameters(), m.online.body.parameters()):
+                t.lerp_(o, 0.1)
+        return loss
+
+    findings = audit(m, step, optimizer=opt, inputs=x).by_id("GRAD-001")
+    assert [(f.severity, f.details["params"]) for f in findings] == [(Severity.INFO, ["online.fc.weight",
+                                                                                     "online.fc.bias"])]
+
+
 def test_grad_001_is_info_for_a_backbones_head_the_step_skips_by_calling_its_features() -> None:
     class Backbone(nn.Module):  # timm-style: forward = head(features(x)); self-supervised steps call features
         def __init__(self) -> None:

@@ -236,10 +236,12 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
         if unread and isinstance(trace.loss, torch.Tensor):
             how = "with its own backward (weights put back)" if trace.user_backward else "without a backward"
             report.notes.append(f"step_fn ran {len(unread)} more time(s), {how}, each with the values of one "
-                                "gradient-less module or parameter changed: whether the loss reads them tells a cut "
+                                "gradient-less module or parameter changed (and once unchanged, when the model holds "
+                                "frozen copies the step may move itself): whether the loss reads them tells a cut "
                                 "graph from values the step does not use")
             with state.isolated_optimizers():
-                trace.unread = confirm_values_unread(model, counted_step, unread, trace.loss, state.restore_rng)
+                trace.unread = confirm_values_unread(model, counted_step, unread, trace.loss, state.restore_rng,
+                                                     state.restore_values)
             trace.value_checked = set(unread)
             state.restore_values()
         copies = (no_grad_only(ctx.params, trace.grads, trace.ran, trace.ran_with_grad)

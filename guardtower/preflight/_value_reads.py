@@ -21,6 +21,8 @@ from guardtower.preflight._util import is_library_model, is_lora_factor
 __all__ = ["gradientless_candidates", "confirm_values_unread", "shifted"]
 
 #: at most this many candidates (a module, or one parameter) get a run of their own
+#: frozen parameter elements kept and put back between the runs, at most (a frozen LoRA base is not copied)
+_MAX_FROZEN_ELEMENTS = 1 << 24
 _MAX_CANDIDATES = 3
 
 
@@ -66,17 +68,21 @@ def shifted(p: torch.Tensor) -> torch.Tensor:
 
 
 def confirm_values_unread(model: nn.Module, step_fn: Callable[[], Any], names: list[str], loss: torch.Tensor,
-                          rng: Callable[[], None]) -> set[str]:
+                          rng: Callable[[], None], restore: Callable[[], None]) -> set[str]:
     """Re-run ``step_fn`` once per candidate of ``names`` (a module: all its trainable parameters; else one
     parameter) with the candidate's values changed, same RNG stream, autograd on (a loss may differentiate the
-    model's output, as forces from an energy do); the candidates whose change leaves the loss bitwise equal. The
-    values are put back after each run; the caller puts back whatever a ``step_fn`` that steps itself changed. A
-    run that fails tells nothing."""
+    model's output, as forces from an energy do); the candidates whose change leaves the loss bitwise equal. After
+    each run ``restore`` puts back everything a ``step_fn`` that steps itself changed, then the frozen copies it
+    moves itself (an EMA target: not in ``restore``), so every run starts from the same weights. With such copies
+    the reference is one run without a change (the copies the earlier passes moved are where they are now), else
+    the step's own ``loss``. A run that fails tells nothing."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
-    unread: set[str] = set()
-    for name in names:
-        held = ([p for p in modules[name].parameters() if p.requires_grad] if name in modules else [params[name]])
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+    copies = ([(p, p.detach().clone()) for p in frozen] if sum(p.numel() for p in frozen) <= _MAX_FROZEN_ELEMENTS
+              else [])
+
+    def run(held: list[torch.Tensor]) -> Any:
         saved = [p.detach().clone() for p in held]
         try:
             with torch.no_grad():
@@ -84,14 +90,22 @@ def confirm_values_unread(model: nn.Module, step_fn: Callable[[], Any], names: l
                     p.copy_(shifted(p))
             rng()
             with torch.enable_grad():
-                other = extract_loss(step_fn())
+                return extract_loss(step_fn())
         except Exception:
-            continue
+            return None
         finally:
+            restore()
             with torch.no_grad():
-                for p, value in zip(held, saved):
+                for p, value in [*copies, *zip(held, saved)]:
                     p.copy_(value)
-        if isinstance(other, torch.Tensor) and other.shape == loss.shape and torch.equal(other.detach(),
-                                                                                         loss.detach()):
+
+    reference = run([]) if copies else loss
+    if not isinstance(reference, torch.Tensor):
+        return set()
+    unread: set[str] = set()
+    for name in names:
+        other = run([p for p in modules[name].parameters() if p.requires_grad] if name in modules else [params[name]])
+        if isinstance(other, torch.Tensor) and other.shape == reference.shape and torch.equal(other.detach(),
+                                                                                              reference.detach()):
             unread.add(name)
     return unread
