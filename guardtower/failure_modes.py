@@ -1133,6 +1133,29 @@ _STEP: tuple[FailureMode, ...] = (
         ("schedule", "optimizer"),
     ),
     FailureMode(
+        "SCHED-008", "A scheduler drives another optimizer than the one it was meant for", Severity.WARN,
+        "The step steps as many LR schedulers as optimizers, but two of the schedulers drive one optimizer and "
+        "another optimizer the step steps has none.",
+        "A scheduler built on the wrong optimizer raises no error: stepping it rewrites an lr another scheduler "
+        "already set, while the part the other optimizer trains (a prompt encoder, a head at its own lr) runs at a "
+        "constant base lr from step 0, with no warmup and no decay.",
+        "Build each scheduler on the optimizer it is meant for (get_linear_schedule_with_warmup(embedding_optimizer, "
+        "...)).",
+        "https://github.com/THUDM/P-tuning/issues/13",
+        ("schedule", "optimizer"),
+    ),
+    FailureMode(
+        "SCHED-009", "ReduceLROnPlateau maximises a loss", Severity.WARN,
+        "A ReduceLROnPlateau with mode='max' is stepped, inside the step, with the value of a loss the step "
+        "computed.",
+        "In 'max' mode the scheduler waits for the metric to rise: a falling loss counts as no improvement, so the "
+        "lr is cut by its factor every patience + 1 steps exactly while the model learns, and the run crawls; "
+        "nothing errors.",
+        "Use mode='min' for a loss (mode='max' is for scores such as accuracy or mAP).",
+        "https://github.com/RMeli/gnina-torch/pull/57",
+        ("schedule",),
+    ),
+    FailureMode(
         "SCHED-006", "The schedule is sized for a longer run", Severity.WARN,
         "Walked over the planned run, the learning rate never falls below half its peak once there, and walked on it "
         "decays to ~0 "
@@ -1273,6 +1296,17 @@ _STEP: tuple[FailureMode, ...] = (
         "mistake.",
         "https://github.com/huggingface/trl/blob/main/trl/trainer/ppo_trainer.py",
         ("loss", "gradients"),
+    ),
+    FailureMode(
+        "LOSS-020", "A mask multiplies an already-reduced loss", Severity.WARN,
+        "A loss function's result, already reduced to one number (reduction='mean' or 'sum', the default), is "
+        "multiplied by a weight tensor that holds zeros before the loss is backpropagated.",
+        "The mask was meant to drop padded or unsupervised elements, but it scales a scalar: sum(mean * w) / sum(w) "
+        "is the mean itself. Every element it should drop still carries loss, and the loss curve looks like any "
+        "other.",
+        "Compute the per-element loss (reduction='none'), multiply it by the mask, then normalise by the mask's sum.",
+        "https://github.com/d2l-ai/d2l-en/issues/2582",
+        ("loss", "masks"),
     ),
     FailureMode(
         "AMP-005", "Softmax-family loss computed in 16 bits", Severity.WARN,

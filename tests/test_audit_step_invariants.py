@@ -2192,6 +2192,7 @@ def test_grad_001_value_reads_start_each_run_from_the_same_frozen_copies() -> No
     findings = audit(m, step, optimizer=opt, inputs=x).by_id("GRAD-001")
     assert [(f.severity, f.details["params"]) for f in findings] == [(Severity.INFO, ["online.fc.weight",
                                                                                      "online.fc.bias"])]
+    assert not opt.state  # the runs' optimizer steps wrote into scratch state, never the optimizer's own
 
 
 def test_grad_001_is_info_for_a_backbones_head_the_step_skips_by_calling_its_features() -> None:
@@ -2998,23 +2999,6 @@ def _dice_on_an_activated_output(bug: bool) -> Case:
 
 
 # --- the parametrised trigger / clean pairs ------------------------------------------------------------------
-@pytest.mark.parametrize("key", sorted(CASES))
-def test_triggers(key: str) -> None:
-    catalog_id = key.split("/")[0]
-    model, step, kwargs = CASES[key](True)
-    report = audit(model, step, **kwargs)
-    least = min(Severity.WARN, next((m.severity for m in _STEP if m.id == catalog_id), Severity.WARN))  # INFO: at INFO
-    assert any(f.severity >= least for f in report.by_id(catalog_id)), f"{catalog_id} not emitted:\n{report}"
-
-
-@pytest.mark.parametrize("key", sorted(CASES))
-def test_clean_counterparts(key: str) -> None:
-    model, step, kwargs = CASES[key](False)
-    report = audit(model, step, **kwargs)
-    loud = [f"{f.severity.label} {f.catalog_id}: {f.message}" for f in report if f.severity >= Severity.WARN]
-    assert not loud, "\n".join(loud)
-
-
 class _HistoryPooling(nn.Module):
     """A click model: the user's history items, pooled by a length mask, against a candidate item."""
 
@@ -3040,6 +3024,34 @@ def _history_lengths_of_ones(bug: bool) -> Case:
     return m, lambda: F.binary_cross_entropy_with_logits(m(history, used, item), clicked), {"inputs": history}
 
 
+def _masked_cross_entropy(per_element: bool, mask: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if per_element:  # the fix: mask the per-element loss
+            return (F.cross_entropy(logits, y, reduction="none") * mask).sum() / mask.sum()
+        return (nn.CrossEntropyLoss()(logits, y) * mask.reshape(-1, 1)).sum() / mask.sum()  # mean, then masked
+
+    return loss
+
+
+@case("LOSS-020")
+def _mask_multiplies_a_mean_loss(bug: bool) -> Case:
+    m = _classifier()
+    x, y = _data()
+    mask = (torch.arange(y.shape[0]) % 4 != 3).float()  # every fourth slot is padding
+    loss = _masked_cross_entropy(per_element=not bug, mask=mask)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, sgd_step(m, opt, lambda: loss(m(x), y)), {"optimizer": opt, "inputs": x}
+
+
+def test_loss_020_also_when_the_audit_runs_the_backward() -> None:
+    m = _classifier()
+    x, y = _data()
+    mask = (torch.arange(y.shape[0]) % 4 != 3).float()
+    for per_element, found in ((False, True), (True, False)):
+        loss = _masked_cross_entropy(per_element, mask)
+        assert bool(audit(m, lambda: loss(m(x), y), inputs=x).by_id("LOSS-020")) is found
+
+
 @case("INPUT-014")
 def _rope_scaling_written_after_construction(bug: bool) -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -3055,6 +3067,104 @@ def _rope_scaling_written_after_construction(bug: bool) -> Case:
         m.config.rope_parameters, m.config.max_position_embeddings = dict(scaling), 128
     batch = token_batch(seq=12)
     return m, lambda: m(**batch), {}
+
+
+@case("SCHED-008")
+def _second_scheduler_on_the_first_optimizer(bug: bool) -> Case:
+    """A backbone at a small lr and a head at a large one, each with its warmup schedule; the bug builds the head's
+    schedule on the backbone's optimizer."""
+    from transformers import get_linear_schedule_with_warmup
+
+    m = _classifier()
+    x, y = _data()
+    body = torch.optim.AdamW(m[0].parameters(), lr=1e-4)
+    head = torch.optim.AdamW(m[2].parameters(), lr=1e-2)
+    body_schedule = get_linear_schedule_with_warmup(body, 10, 200)
+    head_schedule = get_linear_schedule_with_warmup(body if bug else head, 10, 200)
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        for opt, schedule in ((body, body_schedule), (head, head_schedule)):
+            opt.step()
+            schedule.step()
+            opt.zero_grad()
+        return loss
+
+    return m, step, {"optimizer": head, "lr_scheduler": head_schedule, "total_steps": 200, "inputs": x}
+
+
+def test_sched_008_is_quiet_for_two_schedulers_chained_on_one_optimizer() -> None:
+    # torch documents chaining: a warmup and a decay stepped back to back on the one optimizer the step has
+    m = _classifier()
+    x, y = _data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5)
+    decay = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        warmup.step()
+        decay.step()
+        return loss
+
+    assert not audit(m, step, optimizer=opt, lr_scheduler=decay, inputs=x).by_id("SCHED-008")
+
+
+@case("SCHED-009")
+def _plateau_in_max_mode_on_the_loss(bug: bool) -> Case:
+    m = _classifier()
+    x, y = _data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max" if bug else "min", patience=2)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        plateau.step(float(loss))
+        return loss
+
+    return m, step, {"optimizer": opt, "lr_scheduler": plateau, "inputs": x}
+
+
+def test_sched_009_is_quiet_for_max_mode_on_an_accuracy() -> None:
+    m = _classifier()
+    x, y = _data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", patience=2)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        logits = m(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        plateau.step(float((logits.argmax(-1) == y).float().mean()))
+        return loss
+
+    assert not audit(m, step, optimizer=opt, lr_scheduler=plateau, inputs=x).by_id("SCHED-009")
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_triggers(key: str) -> None:
+    catalog_id = key.split("/")[0]
+    model, step, kwargs = CASES[key](True)
+    report = audit(model, step, **kwargs)
+    least = min(Severity.WARN, next((m.severity for m in _STEP if m.id == catalog_id), Severity.WARN))  # INFO: at INFO
+    assert any(f.severity >= least for f in report.by_id(catalog_id)), f"{catalog_id} not emitted:\n{report}"
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_clean_counterparts(key: str) -> None:
+    model, step, kwargs = CASES[key](False)
+    report = audit(model, step, **kwargs)
+    loud = [f"{f.severity.label} {f.catalog_id}: {f.message}" for f in report if f.severity >= Severity.WARN]
+    assert not loud, "\n".join(loud)
 
 
 def test_every_step_entry_has_a_trigger_case() -> None:

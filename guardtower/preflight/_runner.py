@@ -241,7 +241,7 @@ def _audit(model: nn.Module, step_fn: Callable[[], Any], optimizer: Any, inputs:
                                 "graph from values the step does not use")
             with state.isolated_optimizers():
                 trace.unread = confirm_values_unread(model, counted_step, unread, trace.loss, state.restore_rng,
-                                                     state.restore_values)
+                                                     state.restore_weights)
             trace.value_checked = set(unread)
             state.restore_values()
         copies = (no_grad_only(ctx.params, trace.grads, trace.ran, trace.ran_with_grad)

@@ -189,9 +189,9 @@ class TrainingState:
         """The parameters that were frozen when the audit began and require grad now (the step unfroze them)."""
         return [p for p, requires_grad in self.flags if not requires_grad and p.requires_grad]
 
-    def restore_values(self) -> None:
-        """Put back ``requires_grad`` flags, parameter and buffer values, optimizer state, the scaler and
-        Accelerate's accumulation phase (idempotent)."""
+    def restore_weights(self) -> None:
+        """Put back ``requires_grad`` flags, parameter and buffer values (not the optimizers: a pass running
+        under ``isolated_optimizers()`` keeps its scratch state) (idempotent)."""
         for p, requires_grad in self.flags:
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)
@@ -200,6 +200,11 @@ class TrainingState:
                 _copy_into(p, saved)
             for b, saved in self.buffers:
                 _copy_into(b, saved)
+
+    def restore_values(self) -> None:
+        """Put back ``requires_grad`` flags, parameter and buffer values, optimizer state, the scaler and
+        Accelerate's accumulation phase (idempotent)."""
+        self.restore_weights()
         for opt in self.optimizers:
             opt.restore()
         if self.scaler is not None and self.scaler_state is not None:

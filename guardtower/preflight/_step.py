@@ -24,7 +24,8 @@ from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows, moved_without_grad
 from guardtower.preflight._supervision import first_call_output, supervision_hook
 from guardtower.preflight._trace import LeakEntry, Moved, RootCall, SequenceReads, StepTrace, Supervision
-from guardtower.preflight._util import NOT_INPUT_KEYS, base_optimizer, iter_tensors, patched, reached_params
+from guardtower.preflight._util import (NOT_INPUT_KEYS, base_optimizer, iter_tensors, masked_reduction, patched,
+                                        reached_params)
 
 __all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
@@ -128,6 +129,16 @@ def _by_one(node: Any) -> bool:
     except Exception:  # a node that saved no operand
         return False
     return isinstance(other, torch.Tensor) and other.numel() == 1 and float(other) == 1.0
+
+
+def _find_masked_reduction(ctx: AuditContext, trace: StepTrace, loss: torch.Tensor) -> None:
+    """Before a backward of ``loss`` frees its graph's saved tensors: a mask multiplied onto a reduced loss."""
+    if trace.masked_reduction is not None or loss.grad_fn is None:
+        return
+    reduced = {id(c.node): c for c in ctx.probes.get("loss_calls", ()) if c.node is not None
+               and c.reduction in ("mean", "sum")}
+    if reduced:
+        trace.masked_reduction = masked_reduction(loss.grad_fn, reduced)
 
 
 def extract_loss(output: Any) -> Any:
@@ -409,6 +420,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                                              if isinstance(tensors, torch.Tensor) else frozenset())
                 if isinstance(tensors, torch.Tensor) and tensors.grad_fn is not None and len(trace.backward_roots) < 4:
                     trace.backward_roots.append(tensors.grad_fn)
+                    _find_masked_reduction(ctx, trace, tensors)
             return original(*args, **kwargs)
 
         return wrapper
@@ -511,9 +523,36 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                                                                      {"attn_mask": 3})),
                 (F, "multi_head_attention_forward", masked_attention("multi_head_attention_forward",
                                                                      {"key_padding_mask": 14, "attn_mask": 16}))]
+    def note_scheduler(stepped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if all(stepped is not s for s in trace.schedulers_stepped) and len(trace.schedulers_stepped) < 16:
+            trace.schedulers_stepped.append(stepped)
+        metric: Any = args[0] if args else kwargs.get("metrics")
+        if isinstance(stepped, torch.optim.lr_scheduler.ReduceLROnPlateau) and len(trace.plateau_metrics) < 8:
+            with contextlib.suppress(Exception):
+                trace.plateau_metrics.append((stepped, float(metric)))
+
+    def noting_scheduler(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            note_scheduler(self, args, kwargs)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    patches += [(torch.optim.lr_scheduler.LRScheduler, "step", noting_scheduler),
+                (torch.optim.lr_scheduler.ReduceLROnPlateau, "step", noting_scheduler)]
     scheduler = ctx.lr_scheduler
     if scheduler is not None and callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "__dict__"):
-        patches.append((scheduler, "step", lambda f: recording("scheduler", f)))
+        def scheduler_step(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:  # the instance's own step: the class patch is behind it
+                note_scheduler(scheduler, args, kwargs)
+                trace.loop_events.append("scheduler")
+                return original(*args, **kwargs)
+
+            return wrapper
+
+        patches.append((scheduler, "step", scheduler_step))
     own_grad = torch.Tensor.__dict__.get("grad")
     try:
         with patched(patches):
@@ -553,6 +592,9 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
         except Exception as exc:
             trace.error = exc
             trace.phase = "step_fn"
+        returned = extract_loss(output)
+        if isinstance(returned, torch.Tensor) and "backward" not in trace.loop_events:
+            _find_masked_reduction(ctx, trace, returned)  # the audit's own backward comes after the probes let go
     trace.raw_output = output
     trace.marked_inputs = watch.marked
     trace.position_reads = watch.positions

@@ -207,6 +207,13 @@ class StepTrace:
     backward_values: list[tuple[float | None, bool]] = field(default_factory=list)
     """for each of those passes (the first few): the value it backpropagated (None unless one scalar) and whether
     it kept its graph (``retain_graph=True``: terms of one forward, not micro-batches)"""
+    schedulers_stepped: list[Any] = field(default_factory=list)
+    """every LR scheduler ``step_fn`` stepped (once each, in order): which optimizer each one drives"""
+    plateau_metrics: list[tuple[Any, float]] = field(default_factory=list)
+    """``(scheduler, metric)`` for each ``ReduceLROnPlateau.step(metric)`` ``step_fn`` made"""
+    masked_reduction: tuple[Any, int, int] | None = None
+    """``(loss call, zeros, elements)``: a backward pass whose graph multiplies a loss already reduced to one number
+    by a weight tensor holding zeros (read before the backward frees the saved tensors)"""
     backward_roots: list[Any] = field(default_factory=list)
     """the autograd nodes the first of those passes started from (the graph's structure outlives the backward)"""
     backward_leaves: list[frozenset[int]] = field(default_factory=list)

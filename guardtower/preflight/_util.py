@@ -206,6 +206,33 @@ def graph_nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterato
             stack.extend(next_fn for next_fn, _ in node.next_functions)
 
 
+#: autograd nodes looked at, at most, when a backward root is searched for a masked reduction
+_MAX_MASK_NODES = 20000
+
+
+def masked_reduction(root: Any, reduced: dict[int, Any]) -> tuple[Any, int, int] | None:
+    """(value of ``reduced`` for the node, zeros, elements): in the graph below ``root`` (before its backward frees
+    the saved tensors), a product of a node of ``reduced`` (a loss already reduced to one number) and a weight
+    tensor that holds zeros among its entries: a mask applied after the reduction."""
+    for seen, node in enumerate(graph_nodes(root)):
+        if seen > _MAX_MASK_NODES:
+            return None
+        if type(node).__name__ != "MulBackward0":
+            continue
+        hits = [i for i, (child, _) in enumerate(node.next_functions) if id(child) in reduced]
+        if len(hits) != 1:
+            continue
+        try:
+            weight = node._saved_other if hits[0] == 0 else node._saved_self
+        except Exception:  # an operand that was not saved (a Python number), or already freed
+            continue
+        if isinstance(weight, torch.Tensor) and weight.numel() >= 2:
+            zeros = int((weight.detach() == 0).sum())
+            if 0 < zeros < weight.numel():
+                return reduced[id(node.next_functions[hits[0]][0])], zeros, int(weight.numel())
+    return None
+
+
 def graph_holds(root: Any, wanted: dict[int, Any]) -> list[Any]:
     """The values of ``wanted`` (id of an autograd node -> value) whose nodes the graph below ``root`` holds, not
     looking below a node found."""

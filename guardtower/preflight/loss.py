@@ -109,6 +109,8 @@ class LossCall:
     target_ties: tuple[int, int] | None = None
     """``(rows, judged)`` of a float32 ``cross_entropy`` over candidates (``(N, C)``, 3 to ``_MAX_CANDIDATES``):
     the rows whose target's logit equals another candidate's, out of the rows judged"""
+    value: float | None = None
+    """the result, when it is one number (a reduced loss), as computed"""
     anchor_positives: int = 0
     """rows of that ``cross_entropy`` whose target logit is the same value in every row judged and above every other
     candidate: each positive scores an anchor against itself (0 when that is not so)"""
@@ -359,6 +361,9 @@ def _loss_calls(ctx: AuditContext) -> Iterator[list[LossCall]]:
             except Exception:  # observing must never change what the step does
                 pass
             result = fn(*args, **kwargs)
+            if described is not None and isinstance(result, torch.Tensor) and result.numel() == 1:
+                with contextlib.suppress(Exception):
+                    described.value = float(result.detach())
             if (described is not None and torch.is_grad_enabled() and isinstance(result, torch.Tensor)
                     and result.is_floating_point() and result.numel() > 0):
                 followed = len(calls) <= _MAX_TERMS  # the first calls: every parameter reached, and the node
@@ -518,7 +523,7 @@ def _step_failed(trace: StepTrace) -> list[Finding]:
 
 
 @check("loss_inputs", emits=("LOSS-004", "LOSS-005", "LOSS-008", "LOSS-010", "LOSS-011", "LOSS-012", "LOSS-013",
-                             "LOSS-014", "LOSS-015", "AMP-005"))
+                             "LOSS-014", "LOSS-015", "LOSS-020", "AMP-005"))
 def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
     """Each loss call against what its function expects to receive: LOSS-004 probabilities fed to a logits loss,
     LOSS-005 broadcasting targets, LOSS-008 NLL on logits, LOSS-010 a KL divergence averaged over its classes too,
@@ -537,6 +542,18 @@ def check_loss_inputs(ctx: AuditContext) -> Iterable[Finding]:
             "[0, 1] spans [0.5, 0.73] for a sigmoid, a near-uniform distribution for a softmax), so it cannot reach "
             "its targets and its gradient shrinks; apply the activation once",
             "LOSS-004", {"outer": outer, "inner": inner},
+        ))
+    masked = ctx.trace.masked_reduction if ctx.trace is not None else None
+    if masked is not None:
+        call, zeros, elements = masked
+        findings.append(Finding(
+            "loss_inputs", Severity.WARN,
+            f"{call.fn} (input {list(call.input_shape)}) reduces its loss to one number (reduction="
+            f"{call.reduction!r}), which the step then multiplies by a weight tensor of {elements} entries, {zeros} "
+            "of them zero: a mask applied after the reduction scales a scalar and drops nothing, so the elements it "
+            f"should drop (padding, unsupervised slots) still carry loss; pass reduction='none' to {call.fn} and "
+            "mask the per-element loss",
+            "LOSS-020", {"fn": call.fn, "reduction": call.reduction, "zeros": zeros, "elements": elements},
         ))
     for call in calls:
         findings += _contract(call)

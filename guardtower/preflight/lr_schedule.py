@@ -274,3 +274,63 @@ def _restarted(scheduler: Any, optimizer: torch.optim.Optimizer, planned: int | 
         "SCHED-004", {"scheduler": type(scheduler).__name__, "optimizer_steps": trained, "states": len(states)},
     )
 
+
+
+@check("scheduler_binding", emits=("SCHED-008",))
+def check_scheduler_binding(ctx: AuditContext) -> Iterable[Finding]:
+    """SCHED-008: the step steps as many LR schedulers as optimizers, but one optimizer is driven by two of them and
+    another by none: a scheduler built on the wrong optimizer (``get_linear_schedule_with_warmup(optimizer, ...)``
+    where ``embedding_optimizer`` was meant), so one part trains at a constant lr with no warmup and no decay."""
+    trace = ctx.trace
+    if trace is None or trace.error is not None or len(trace.schedulers_stepped) < 2:
+        return []
+    stepped = [base_optimizer(o) for o in trace.stepped_optimizers]
+    drivers: dict[int, list[Any]] = {}
+    for scheduler in trace.schedulers_stepped:
+        driven = base_optimizer(getattr(scheduler, "optimizer", None))
+        if driven is not None:
+            drivers.setdefault(id(driven), []).append(scheduler)
+    if len(trace.schedulers_stepped) != len(stepped):
+        return []
+    twice = [o for o in stepped if o is not None and len(drivers.get(id(o), ())) >= 2]
+    none = [o for o in stepped if o is not None and id(o) not in drivers]
+    if not twice or not none:
+        return []
+    names = ", ".join(type(s).__name__ for s in drivers[id(twice[0])])
+    unscheduled = ", ".join(f"{type(o).__name__} over {sum(len(g['params']) for g in o.param_groups)} tensors"
+                            for o in none)
+    return [Finding(
+        "scheduler_binding", Severity.WARN,
+        f"the step steps {len(stepped)} optimizers and {len(trace.schedulers_stepped)} LR schedulers, but two of "
+        f"them ({names}) drive the same optimizer and {len(none)} optimizer(s) it steps ({unscheduled}) "
+        "have none: a scheduler was built on the wrong optimizer, so those tensors train at their constant base lr "
+        "(no warmup, no decay) while the other optimizer's lr is written twice; build each scheduler on the "
+        "optimizer it is meant for",
+        "SCHED-008", {"schedulers": len(trace.schedulers_stepped), "optimizers": len(stepped),
+                      "unscheduled": len(none)},
+    )]
+
+
+@check("plateau_direction", emits=("SCHED-009",))
+def check_plateau_direction(ctx: AuditContext) -> Iterable[Finding]:
+    """SCHED-009: a ``ReduceLROnPlateau(mode="max")`` stepped with the value of a loss the step computed: a falling
+    loss counts as no improvement, so the lr is cut while the model learns."""
+    trace = ctx.trace
+    if trace is None or trace.error is not None:
+        return []
+    losses = [c.value for c in ctx.probes.get("loss_calls", []) if c.value is not None]
+    if isinstance(trace.loss, torch.Tensor) and trace.loss.numel() == 1:
+        losses.append(float(trace.loss))
+    for scheduler, metric in trace.plateau_metrics:
+        if getattr(scheduler, "mode", "min") != "max" or metric == 0.0:
+            continue
+        if any(abs(metric - v) <= 1e-6 * abs(metric) for v in losses):
+            return [Finding(
+                "plateau_direction", Severity.WARN,
+                f"ReduceLROnPlateau(mode='max') is stepped with {metric:.4g}, the value of a loss the step computed: "
+                "in 'max' mode a falling loss counts as no improvement, so the lr is cut by its factor every "
+                "patience + 1 steps while the model learns (and kept where it is when the loss rises); use "
+                "mode='min' for a loss, 'max' for a score such as accuracy",
+                "SCHED-009", {"metric": metric, "factor": getattr(scheduler, "factor", None)},
+            )]
+    return []
