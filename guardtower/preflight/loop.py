@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from guardtower.preflight._registry import AuditContext, check
+from guardtower.preflight._trace import StepTrace
 from guardtower.preflight._util import fmt_names
 from guardtower.report import Finding
 from guardtower.severity import Severity
@@ -116,7 +117,7 @@ def _optimizer_never_cleared(ctx: AuditContext, details: dict[str, object]) -> l
     names = {id(p): n for n, p in ctx.params.items()}
     stale = [held for held in trace.step_params if held and not held & trace.cleared]
     if not stale:
-        return _applied_twice(trace.restepped, details) or _stacked_in_a_wrapper(trace.stacked, details)
+        return _reapplied(trace, details)
     tensors = sorted(names[i] for i in stale[0] if i in names)
     return [Finding(
         "loop_order", Severity.WARN,
@@ -128,37 +129,29 @@ def _optimizer_never_cleared(ctx: AuditContext, details: dict[str, object]) -> l
     )]
 
 
-def _applied_twice(restepped: list[tuple[int, list[str]]], details: dict[str, object]) -> list[Finding]:
+def _reapplied(trace: StepTrace, details: dict[str, object]) -> list[Finding]:
     """LOOP-003 inside one step: an optimizer steps again on gradients its earlier step already applied (several
-    discriminator steps per generator step with one zero_grad before the loop)."""
-    if not restepped:
+    discriminator steps per generator step with one zero_grad before the loop), or a step run inside a wrapper's
+    step (SAM, LookSAM) applies a gradient the wrapper's second backward added onto instead of replacing."""
+    if trace.restepped:
+        step, tensors = trace.restepped[0]
+        story = (f"optimizer step {step + 1} of the step applies gradients of {fmt_names(tensors)} that still hold "
+                 "what an earlier step of the same tensors applied: nothing cleared them between the two steps, so "
+                 "the later update applies the earlier batches' gradients again (the first batch once per step); "
+                 "call zero_grad() at the top of each of these steps")
+        key = "applied_again"
+    elif trace.stacked:
+        step, tensors = trace.stacked[0]
+        story = (f"the optimizer step that runs inside another optimizer's step (step {step + 1}: a wrapper such as "
+                 f"SAM calling its base optimizer) applies gradients of {fmt_names(tensors)} that still hold the "
+                 "gradient that was there when the wrapper's step began: the wrapper's own backward added onto it "
+                 "instead of replacing it, so the update is the sum of both (for SAM: g(w) + g(w + e) instead of "
+                 "the perturbed gradient); clear the gradients before the wrapper's second backward")
+        key = "stacked"
+    else:
         return []
-    step, tensors = restepped[0]
-    return [Finding(
-        "loop_order", Severity.WARN,
-        f"optimizer step {step + 1} of the step applies gradients of {fmt_names(tensors)} that still hold what an "
-        "earlier step of the same tensors applied: nothing cleared them between the two steps, so the later update "
-        "applies the earlier batches' gradients again (the first batch once per step); call zero_grad() at the top "
-        "of each of these steps",
-        "LOOP-003", {**details, "step": step, "applied_again": tensors[:50], "count": len(tensors)},
-    )]
-
-
-def _stacked_in_a_wrapper(stacked: list[tuple[int, list[str]]], details: dict[str, object]) -> list[Finding]:
-    """LOOP-003 inside an optimizer's own step: a wrapper (SAM, LookSAM) runs a second backward on top of the
-    gradient that was there when its step began, and its base applies the sum."""
-    if not stacked:
-        return []
-    step, tensors = stacked[0]
-    return [Finding(
-        "loop_order", Severity.WARN,
-        f"the optimizer step that runs inside another optimizer's step (step {step + 1}: a wrapper such as SAM "
-        f"calling its base optimizer) applies gradients of {fmt_names(tensors)} that still hold the gradient that "
-        "was there when the wrapper's step began: the wrapper's own backward added onto it instead of replacing "
-        "it, so the update is the sum of both (for SAM: g(w) + g(w + e) instead of the perturbed gradient); clear "
-        "the gradients before the wrapper's second backward",
-        "LOOP-003", {**details, "step": step, "stacked": tensors[:50], "count": len(tensors)},
-    )]
+    return [Finding("loop_order", Severity.WARN, story, "LOOP-003",
+                    {**details, "step": step, key: tensors[:50], "count": len(tensors)})]
 
 
 def _clip_reach(events: list[str], clips: list[set[int]], steps: list[set[int]], optimizers: list[set[int]],
