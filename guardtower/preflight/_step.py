@@ -611,6 +611,8 @@ def run_step(ctx: AuditContext, step_fn: Callable[[], Any], flags: TensorFlags, 
     trace.loss_is_leaf = loss.grad_fn is None
     if ran_backward:
         trace.backward = trace.user_backward = True
+    elif trace.backward_calls:
+        pass  # step_fn's own backward passes reached none of the model's tensors (it trains copies): none of the audit's
     elif loss.requires_grad and trace.error is None:
         target = loss if loss.numel() == 1 else loss.float().mean()
         if leak_analysis:  # one extra backward from the probed samples' predictions; only input_dependency reads it
