@@ -3150,6 +3150,53 @@ def test_sched_009_is_quiet_for_max_mode_on_an_accuracy() -> None:
     assert not audit(m, step, optimizer=opt, lr_scheduler=plateau, inputs=x).by_id("SCHED-009")
 
 
+class _MainWeightsAdam(torch.optim.Adam):
+    """A mixed-precision optimizer as Megatron writes it: Adam on float32 main copies of the bf16 weights, the
+    gradients copied in and the weights copied back inside its step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__([p.detach().clone().float() for p in self.model_params], lr=1e-3)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            p.grad = None
+        super().zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        mains = [p for g in self.param_groups for p in g["params"]]
+        for main, p in zip(mains, self.model_params):
+            main.grad = None if p.grad is None else p.grad.float()
+        super().step()
+        for main, p in zip(mains, self.model_params):
+            p.copy_(main)
+
+
+@case("OPT-003/main-weights-not-reloaded")
+def _checkpoint_loaded_after_the_main_weights_were_copied(bug: bool) -> Case:
+    torch.manual_seed(0)
+    m = _classifier().to(torch.bfloat16)
+    opt = _MainWeightsAdam(m)
+    pretrained = {k: v + 0.5 for k, v in m.state_dict().items()}
+    m.load_state_dict(pretrained)  # the checkpoint, loaded after the optimizer was built
+    if not bug:  # the fix: re-sync the main weights (Megatron's reload_model_params)
+        with torch.no_grad():
+            for main, p in zip((p for g in opt.param_groups for p in g["params"]), opt.model_params):
+                main.copy_(p)
+    x, y = _data()
+    return m, sgd_step(m, opt, lambda: F.cross_entropy(m(x.to(torch.bfloat16)).float(), y)), {"optimizer": opt}
+
+
+def test_a_main_weights_optimizer_is_neither_stale_nor_changed_by_the_audit() -> None:
+    m, step, kwargs = _checkpoint_loaded_after_the_main_weights_were_copied(bug=False)
+    opt = kwargs["optimizer"]
+    mains = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    report = audit(m, step, **kwargs)
+    assert not [f for f in report if f.severity >= Severity.ERROR], str(report)
+    assert all(torch.equal(a, p) for a, p in zip(mains, (p for g in opt.param_groups for p in g["params"])))
+
+
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_triggers(key: str) -> None:
     catalog_id = key.split("/")[0]

@@ -146,8 +146,11 @@ class TrainingState:
         self.model = model
         self.optimizer = optimizer
         self.optimizers = [OptimizerState(o) for o in _optimizer_chain(optimizer)]
-        in_optimizer = {id(p) for o in self.optimizers for g in o.optimizer.param_groups for p in g["params"]}
-        all_params = _unique(model.parameters())
+        held = _unique(p for o in self.optimizers for g in o.optimizer.param_groups for p in g["params"])
+        in_optimizer = {id(p) for p in held}
+        # the model's parameters, then what an optimizer holds beside them (a mixed-precision optimizer's float32
+        # main weights, which its step updates and copies back)
+        all_params = _unique([*model.parameters(), *held])
         # only tensors an optimizer step can touch are cloned: a LoRA audit does not copy the frozen base
         self.params = [(p, p.detach().clone()) for p in all_params if p.requires_grad or id(p) in in_optimizer]
         cloned = {id(p) for p, _ in self.params}

@@ -24,8 +24,8 @@ from guardtower.preflight._state import TensorFlags
 from guardtower.preflight._update import grad_rows, moved_without_grad
 from guardtower.preflight._supervision import first_call_output, supervision_hook
 from guardtower.preflight._trace import LeakEntry, Moved, RootCall, SequenceReads, StepTrace, Supervision
-from guardtower.preflight._util import (NOT_INPUT_KEYS, base_optimizer, iter_tensors, masked_reduction, patched,
-                                        reached_params)
+from guardtower.preflight._util import (NOT_INPUT_KEYS, base_optimizer, iter_tensors, masked_reduction,
+                                        master_copies_of, patched, reached_params)
 
 __all__ = ["run_step", "primary_output", "confirm_input_independence", "given_inputs_unused", "confirm_given_inputs_ignored", "extract_loss", "MODE_SENSITIVE"]
 
@@ -374,10 +374,16 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
                        and (closure[0] or _nothing_to_follow(trace, names[id(p)]))]
             before_step.extend((names[id(p)], p, p.detach().clone()) for p in watched)
 
+    def updated_by(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The trainable tensors a step of ``opt`` updates: its own, or the model's 16-bit ones when it steps
+        float32 copies of them (the gradients are copied in and the weights back inside its step)."""
+        masters = master_copies_of(opt, ctx.params)
+        return masters if masters is not None else [p for g in opt.param_groups for p in g["params"]]
+
     def record_step(opt: torch.optim.Optimizer) -> None:
         """The step as it used the gradients: for a closure, once it has run (its gradients are then there)."""
         trace.loop_events.append("step")
-        tracked = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        tracked = [p for p in updated_by(opt) if p.requires_grad]
         trace.step_params.append({id(p) for p in tracked})
         rows = [grad_rows(p.grad) for p in tracked]
         trace.step_grads.append(sum(1 for r in rows if r is not None and bool(r.any())))
@@ -439,7 +445,7 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
     def any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if all(opt is not seen for seen in trace.stepped_optimizers):
             trace.stepped_optimizers.append(opt)
-        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        held = {id(p) for p in updated_by(opt)}
         # a gradient accumulated both before and after another optimizer's step of other tensors: this update
         # applies what an earlier phase's backward (another objective) left on these tensors
         # and one accumulated both before and after an earlier step of these same tensors: that step's gradient

@@ -172,12 +172,27 @@ def stepped_elsewhere(ctx: Any) -> set[int]:
     return {id(p) for opt in others for g in opt.param_groups for p in g["params"]}
 
 
+def master_copies_of(optimizer: Any, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """The model's 16-bit trainable tensors, when ``optimizer`` steps float32 copies of them (the main weights of
+    Megatron's and apex's mixed-precision optimizers: it copies the gradients in and the weights back): it holds
+    none of the model's tensors, only float32 ones, of exactly those shapes. Else None."""
+    held = [t for _, t in optimizer_tensors(optimizer)]
+    model = {id(p) for p in params.values()}
+    if not held or any(id(t) in model or t.dtype != torch.float32 for t in held):
+        return None
+    half = [p for p in params.values() if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)]
+    return half if sorted(tuple(t.shape) for t in held) == sorted(tuple(p.shape) for p in half) else None
+
+
 def trained_ids(ctx: Any) -> set[int] | None:
-    """Ids of the tensors some optimizer updates: the given one's and those of any other optimizer ``step_fn``
-    steps. None when no optimizer was given (nothing to say what trains)."""
+    """Ids of the tensors some optimizer updates: the given one's (the model's 16-bit tensors when it steps float32
+    copies of them) and those of any other optimizer ``step_fn`` steps. None when no optimizer was given (nothing to
+    say what trains)."""
     if ctx.optimizer is None:
         return None
-    return {id(t) for _, t in optimizer_tensors(ctx.optimizer)} | stepped_elsewhere(ctx)
+    masters = master_copies_of(ctx.optimizer, ctx.params)
+    own = masters if masters is not None else [t for _, t in optimizer_tensors(ctx.optimizer)]
+    return {id(t) for t in own} | stepped_elsewhere(ctx)
 
 
 def is_library_model(model: Any) -> bool:

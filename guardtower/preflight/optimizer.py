@@ -10,7 +10,7 @@ from torch import nn
 
 from guardtower.preflight._registry import AuditContext, check
 from guardtower.preflight._schedule import LOOKAHEAD_STEPS, peak_lrs
-from guardtower.preflight._util import base_optimizer, fmt_names, optimizer_tensors, trained_ids
+from guardtower.preflight._util import base_optimizer, fmt_names, master_copies_of, optimizer_tensors, trained_ids
 from guardtower.report import Finding
 from guardtower.severity import Severity
 
@@ -85,8 +85,23 @@ def check_optimizer_coverage(ctx: AuditContext) -> Iterable[Finding]:
     all_model = {id(p) for p in ctx.model.parameters()}
     trainable = {n: p for n, p in ctx.params.items() if p.requires_grad}
     missing = [n for n, p in trainable.items() if id(p) not in stepped]
-    foreign = [t for _, t in in_opt if id(t) not in all_model]
+    masters = master_copies_of(ctx.optimizer, ctx.params)
+    foreign = [] if masters is not None else [t for _, t in in_opt if id(t) not in all_model]
     findings = []
+    mains = [t for _, t in in_opt]
+    if masters is not None and all(p.shape == main.shape for p, main in zip(masters, mains)):
+        names = {id(p): n for n, p in ctx.params.items()}
+        behind = [names[id(p)] for p, main in zip(masters, mains)
+                  if not torch.equal(main.detach().to(p.dtype), p.detach())]
+        if behind:
+            findings.append(Finding(
+                "optimizer_coverage", Severity.ERROR,
+                f"the optimizer steps float32 main copies of the model's 16-bit weights, but {len(behind)} of them "
+                f"are not the model's values ({fmt_names(behind)}): weights loaded after the optimizer was built "
+                "(a checkpoint) never reached the main copies, and its first step copies the stale ones back, so "
+                "training restarts from them; re-sync the main weights after loading (reload_model_params())",
+                "OPT-003", {"stale_main_weights": behind[:50], "count": len(behind)},
+            ))
     stale_all = bool(trainable) and bool(in_opt) and len(missing) == len(trainable)
     if foreign or stale_all:
         reason = (f"{len(foreign)} of its {len(in_opt)} tensors are not parameters of this model"
