@@ -294,7 +294,9 @@ _CORE: tuple[FailureMode, ...] = (
         "OPT-003", "Optimizer is stale (built for other tensors)", Severity.ERROR,
         "The optimizer holds tensors that are not the model's parameters, or updates none of its trainable "
         "parameters: it was built before the model was wrapped, re-created, given a new head, passed through "
-        "get_peft_model or materialised from the meta device.",
+        "get_peft_model or materialised from the meta device. For a mixed-precision optimizer that steps float32 "
+        "main copies of the model's 16-bit weights: those copies are not the model's values (a checkpoint loaded "
+        "after the optimizer was built).",
         "optimizer.step() runs without error on the old tensors while the model that computes the loss never "
         "changes.",
         "Create the optimizer last, from the final model object.",
