@@ -452,12 +452,11 @@ def _watch_loop(ctx: AuditContext, trace: StepTrace) -> Iterator[dict[str, torch
         # is applied again
         # (judged against the steps that finished: a wrapper still running, SAM calling its base, applied nothing)
         spanned = [i for i in held if i in names and len(spans.get(i, ())) > 1]
-        stale = [names[i] for i in spanned if any(i not in step_log[k] and k not in running
-                                                  for k in range(min(spans[i]), max(spans[i])))]
+        between = {i: [k for k in range(min(spans[i]), max(spans[i])) if k not in running] for i in spanned}
+        stale = [names[i] for i in spanned if any(i not in step_log[k] for k in between[i])]
         if stale and len(trace.cross_phase) < 8:
             trace.cross_phase.append((len(step_log), sorted(stale)))
-        again = [names[i] for i in spanned if any(i in step_log[k] and k not in running
-                                                  for k in range(min(spans[i]), max(spans[i])))]
+        again = [names[i] for i in spanned if any(i in step_log[k] for k in between[i])]
         if again and len(trace.restepped) < 8:
             trace.restepped.append((len(step_log), sorted(again)))
         # inside a wrapper's step: a gradient that was there when the wrapper began, which its own backward added to

@@ -221,8 +221,8 @@ def graph_nodes(root: Any, stop: Callable[[Any], bool] | None = None) -> Iterato
             stack.extend(next_fn for next_fn, _ in node.next_functions)
 
 
-#: autograd nodes looked at, at most, when a backward root is searched for a masked reduction
-_MAX_MASK_NODES = 20000
+#: autograd nodes looked at, at most, when the graph of a backward is searched for a pattern
+MAX_GRAPH_NODES = 20000
 
 
 def masked_reduction(root: Any, reduced: dict[int, Any]) -> tuple[Any, int, int] | None:
@@ -230,7 +230,7 @@ def masked_reduction(root: Any, reduced: dict[int, Any]) -> tuple[Any, int, int]
     the saved tensors), a product of a node of ``reduced`` (a loss already reduced to one number) and a weight
     tensor that holds zeros among its entries: a mask applied after the reduction."""
     for seen, node in enumerate(graph_nodes(root)):
-        if seen > _MAX_MASK_NODES:
+        if seen > MAX_GRAPH_NODES:
             return None
         if type(node).__name__ != "MulBackward0":
             continue

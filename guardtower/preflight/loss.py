@@ -21,7 +21,7 @@ from guardtower.preflight._batch import batch_mapping, labelled_padding
 from guardtower.preflight._cut_terms import CutTerm, recorder, reduction_patches
 from guardtower.preflight._padding_reads import top_level
 from guardtower.preflight._registry import AuditContext, check, probe
-from guardtower.preflight._util import graph_holds, graph_nodes, is_causal_lm, patched, reached_params
+from guardtower.preflight._util import MAX_GRAPH_NODES, graph_holds, graph_nodes, is_causal_lm, patched, reached_params
 from guardtower.preflight._trace import StepTrace
 from guardtower.preflight.supervision import skips_a_token, stops_unsupervised
 from guardtower.report import Finding
@@ -145,8 +145,6 @@ _RESHAPES = ("View", "Squeeze", "Unsqueeze", "Reshape", "Permute", "Transpose", 
 #: activations that make probabilities, and those a double activation applies to them
 _PROBABILITIES = {node: bound[0] for node, bound in _BOUNDED.items() if bound[0] in ("sigmoid", "softmax")}
 _SQUASHES = {**_PROBABILITIES, "LogSoftmaxBackward0": "log_softmax"}
-#: graph nodes the double-activation walk visits at most
-_MAX_NODES = 20000
 
 
 def _double_activation(ctx: AuditContext) -> tuple[str, str] | None:
@@ -162,7 +160,7 @@ def _double_activation(ctx: AuditContext) -> tuple[str, str] | None:
     for root in roots:
         for node in graph_nodes(root):
             seen += 1
-            if seen > _MAX_NODES:
+            if seen > MAX_GRAPH_NODES:
                 return None
             outer = _SQUASHES.get(type(node).__name__)
             if outer is None:

@@ -87,10 +87,10 @@ def _judge(record: ShadowRecord, candidates: dict[torch.Size, list[tuple[str, to
     ended farther from it, moved back along their gap (a sign flip) or toward zero (a decay missing a term), and
     those written in more micro-batch windows than the step ran optimizer steps (an EMA updated per micro-batch:
     it decays k times per step, k - 1 of them toward weights that have not changed)."""
-    for key, (tensor, before) in {**record.early, **record.saved}.items():
+    for key, (_, first) in {**record.saved, **record.early}.items():  # a tensor's value before its first write
         windows = record.windows.get(key, set())
         if len(windows) >= 2 and len(windows) > record.optimizer_steps:
-            near = _nearest(record.early[key][1] if key in record.early else before, candidates)
+            near = _nearest(first, candidates)
             if near is not None:
                 record.too_often.append((near[1], len(windows)))
     for tensor, before in record.saved.values():
