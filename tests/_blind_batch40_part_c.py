@@ -347,7 +347,8 @@ CASES: list[BlindCase] = [
     BlindCase("b40c-04", "https://github.com/NVIDIA-NeMo/Automodel/issues/763", "resume drops optimizer/scheduler state",
               "Resuming restores only the weights, so training continues with fresh Adam moments and the learning rate "
               "reset to the schedule's start.", _c04_build, _c04_proof,
-              known_miss="a resume that drops the optimizer and scheduler state: a fresh optimizer and a scheduler at step 0 are what a new run has too"),
+              known_miss="a resume that drops the optimizer and scheduler state: a fresh optimizer and a scheduler at step 0 are what a new run has too",
+              known_alarm=("SCHED-001",)),
     BlindCase("b40c-05", "https://github.com/Lightning-AI/pytorch-lightning/issues/9599", "clipping scaled AMP gradients",
               "Gradients are clipped while still multiplied by the AMP loss scale and unscaled afterwards, so updates "
               "are orders of magnitude too small.", _c05_build, _c05_proof),

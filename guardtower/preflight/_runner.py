@@ -128,9 +128,8 @@ def audit(
     (optional) is looked ahead to catch a schedule that never leaves 0, and put back as it was. ``steps=N`` (optional) also runs N real optimizer steps on the
     one batch, at the schedule's peak lr, and checks that its loss falls (LOSS-009); everything is restored
     afterwards as well, and a progress line (tqdm when installed) shows the step and the time left unless
-    ``verbose=False``. ``total_steps`` (optional) is the planned number of optimizer steps of the whole run (a
-    resumed scheduler's steps so far count toward it): the schedule is walked over the rest of it at the cadence
-    ``step_fn`` steps it. Without ``lr_scheduler=``, a scheduler
+    ``verbose=False``. ``total_steps`` (optional) is the planned number of optimizer steps: the schedule is
+    walked over the whole run at the cadence ``step_fn`` steps it. Without ``lr_scheduler=``, a scheduler
     attached to ``optimizer`` is found and walked the same way. ``run`` names the run in the events (default:
     ``GUARDTOWER_RUN`` or the active tracker run's name).
     """

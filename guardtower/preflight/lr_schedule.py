@@ -36,12 +36,9 @@ _RESUME_HORIZON = 1000
 
 
 def _planned(ctx: AuditContext) -> int | None:
-    """The planned optimizer steps still ahead of the scheduler: ``total_steps=`` (the run's length, counted from
-    its first step, so a resumed scheduler at ``last_epoch`` n has n of them behind it), else a scheduler's own
-    length (OneCycleLR)."""
+    """The planned optimizer steps: ``total_steps=``, else a scheduler's own length (OneCycleLR)."""
     if ctx.total_steps:
-        done = getattr(ctx.lr_scheduler, "last_epoch", 0)
-        return ctx.total_steps - done if isinstance(done, int) and 0 < done < ctx.total_steps else ctx.total_steps
+        return ctx.total_steps
     own = getattr(ctx.lr_scheduler, "total_steps", None)
     return own if isinstance(own, int) and own > 1 else None
 
